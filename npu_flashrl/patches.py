@@ -1,0 +1,122 @@
+"""Patch registry: every change npu_flashrl makes to upstream code is declared here once.
+
+A patch has a name, the dotted target it replaces, the upstream versions it supports and an
+`apply` function. `apply_patch` is idempotent (a second call is a no-op), logs exactly one DEBUG
+line `npu_flashrl: patched <name> -> <target>` when it applies, and a WARNING with the reason when
+it cannot. `npu-flashrl verify` lists `status()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Dict, List, Optional
+
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("patches")
+
+
+class PatchNotApplicable(RuntimeError):
+    """Raised by a patch's apply function when the target is absent or of an unsupported version."""
+
+
+@dataclasses.dataclass
+class Patch:
+    name: str
+    target: str
+    versions: str
+    apply_fn: Callable[[], None]
+    doc: str = ""
+    applied: bool = False
+    error: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "target": self.target, "versions": self.versions,
+                "applied": self.applied, "error": self.error, "doc": self.doc}
+
+
+_REGISTRY: Dict[str, Patch] = {}
+
+
+def register(name: str, target: str, versions: str, doc: str = ""):
+    """Decorator declaring a patch. Re-registering the same name keeps the first declaration."""
+    def deco(fn: Callable[[], None]) -> Callable[[], None]:
+        if name not in _REGISTRY:
+            _REGISTRY[name] = Patch(name, target, versions, fn, doc or (fn.__doc__ or "").strip())
+        return fn
+    return deco
+
+
+def get(name: str) -> Patch:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown patch {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def apply_patch(name: str) -> bool:
+    """Apply one patch once. Returns True when it is (now or already) applied."""
+    patch = get(name)
+    if patch.applied:
+        return True
+    try:
+        patch.apply_fn()
+    except PatchNotApplicable as exc:
+        patch.error = str(exc)
+        logger.warning("npu_flashrl: cannot patch %s -> %s: %s", patch.name, patch.target, exc)
+        return False
+    patch.applied = True
+    patch.error = None
+    logger.debug("npu_flashrl: patched %s -> %s", patch.name, patch.target)
+    return True
+
+
+def apply_patches(names: List[str]) -> Dict[str, bool]:
+    result = {n: apply_patch(n) for n in names}
+    ok = [n for n, v in result.items() if v]
+    bad = [n for n, v in result.items() if not v]
+    logger.info("npu_flashrl: %d/%d patches applied%s", len(ok), len(result),
+                f" (not applied: {', '.join(bad)})" if bad else "")
+    return result
+
+
+def status() -> List[dict]:
+    return [p.as_dict() for p in _REGISTRY.values()]
+
+
+def resolve(target: str):
+    """Import `pkg.module:Attr.sub` and return (owner, attr_name, current_value)."""
+    module_name, _, attr_path = target.partition(":")
+    try:
+        owner = importlib.import_module(module_name)
+    except Exception as exc:  # upstream not installed or failing to import
+        raise PatchNotApplicable(f"cannot import {module_name}: {exc}") from exc
+    parts = attr_path.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise PatchNotApplicable(f"{module_name} has no {attr_path}")
+    if not hasattr(owner, parts[-1]):
+        raise PatchNotApplicable(f"{module_name} has no {attr_path}")
+    return owner, parts[-1], getattr(owner, parts[-1])
+
+
+ORIGINAL_ATTR = "__npu_flashrl_original__"
+
+
+def replace(target: str, make_new: Callable[[object], object]) -> None:
+    """Replace the object at `target` with `make_new(original)`; never wraps a wrapper twice."""
+    owner, attr, current = resolve(target)
+    if getattr(current, ORIGINAL_ATTR, None) is not None:
+        return
+    new = make_new(current)
+    try:
+        setattr(new, ORIGINAL_ATTR, current)
+    except (AttributeError, TypeError):
+        pass
+    setattr(owner, attr, new)
+
+
+def original(obj):
+    """The upstream object behind one of our replacements (or obj itself)."""
+    return getattr(obj, ORIGINAL_ATTR, obj)
