@@ -1,0 +1,85 @@
+"""Tiny Qwen2-architecture checkpoints built offline from a config (nothing is downloaded).
+
+The default shape exercises what real Qwen2 models have and what the INT8 path must get right:
+q/k/v bias, grouped-query attention (4 heads, 2 KV heads), non-square projections
+(intermediate != hidden), several decoder layers, untied lm_head.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+TINY_QWEN2 = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+
+
+def tiny_qwen2_config(**overrides):
+    from transformers import Qwen2Config
+
+    kwargs = dict(TINY_QWEN2)
+    kwargs.update(overrides)
+    return Qwen2Config(**kwargs)
+
+
+def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny Qwen2 causal LM in `out_dir` (safetensors) and return the HF model.
+
+    Weights are random but with a realistic spread (per-row scales differ, as in trained LLMs),
+    so per-channel quantization is exercised rather than a uniform tensor.
+    """
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_qwen2_config(**(config_overrides or {}))
+    config.torch_dtype = dtype
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                row_scale = torch.empty(p.shape[0], 1).log_normal_(0.0, 0.5)
+                p.copy_(torch.randn_like(p) * 0.05 * row_scale)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            else:  # norms
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model = model.to(dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        save_tiny_tokenizer(out_dir, config.vocab_size)
+    return model
+
+
+def save_tiny_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """A word-level tokenizer over synthetic tokens, built offline with `tokenizers`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2}
+    for i in range(len(vocab), vocab_size):
+        vocab[f"t{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<eos>")
+    fast.save_pretrained(out_dir)
+
+
+def read_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
