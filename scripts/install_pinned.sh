@@ -1,0 +1,354 @@
+#!/usr/bin/env bash
+# Installs the pinned npu_flashrl production stack on an Atlas A2 (910B) node with CANN already installed:
+# torch + torch_npu, vLLM (empty target), vllm-ascend (custom kernels), MindSpeed, Megatron-LM,
+# verl, transformers, FlashRL, then npu_flashrl itself, and ends with `npu-flashrl verify`.
+#
+# Every version comes from npu_flashrl/pins.yaml (or $NPU_FLASHRL_PINS); nothing is pinned here.
+# Idempotent: a component already at its pin is skipped, one at another commit is re-installed.
+#
+# Usage: scripts/install_pinned.sh [--dry-run] [--workdir DIR] [--log FILE] [--only NAME[,NAME..]]
+#                                  [--skip-checks] [--allow-mismatch] [--no-verify] [--help]
+#
+# Environment (all optional):
+#   NPU_FLASHRL_PINS      pins file                       (default: npu_flashrl/pins.yaml of this checkout)
+#   PYTHON                interpreter to install into     (default: python3)
+#   WORKDIR               where sources are cloned        (default: $HOME/npu_flashrl_stack)
+#   LOG_FILE              log file                        (default: $WORKDIR/install_pinned.log)
+#   MIN_FREE_GB           free disk needed in WORKDIR     (default: 60)
+#   ASCEND_HOME           Ascend install root             (default: /usr/local/Ascend)
+#   CANN_VERSION_FILE     file with a `version=` line     (default: the toolkit's ascend_toolkit_install.info)
+#   SKIP_NPU_CHECK=1      do not require npu-smi (container builds have no driver mounted)
+#   ALLOW_MISMATCH=1      Python / CANN version mismatches warn instead of stopping (same as --allow-mismatch)
+#   SOC_VERSION           vllm-ascend kernel target       (default: pins soc_version, ascend910b1)
+#   MAX_JOBS              parallel compile jobs           (default: nproc)
+#   PIP_INDEX_URL / PIP_EXTRA_INDEX_URL / PIP_TRUSTED_HOST  package index mirrors (read by pip itself)
+#   TORCH_INDEX_URL       extra index for torch wheels (x86_64 CPU torch builds), empty = none
+#   <NAME>_REPO_URL       clone URL override per source component: VLLM, VLLM_ASCEND, TRANSFORMERS,
+#                         MINDSPEED, MEGATRON_CORE, VERL (default: the repo in the pins file)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+WORKDIR="${WORKDIR:-$HOME/npu_flashrl_stack}"
+LOG_FILE="${LOG_FILE:-}"
+MIN_FREE_GB="${MIN_FREE_GB:-60}"
+ASCEND_HOME="${ASCEND_HOME:-/usr/local/Ascend}"
+CANN_VERSION_FILE="${CANN_VERSION_FILE:-}"
+SKIP_NPU_CHECK="${SKIP_NPU_CHECK:-0}"
+ALLOW_MISMATCH="${ALLOW_MISMATCH:-0}"
+TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
+MAX_JOBS="${MAX_JOBS:-$(nproc 2>/dev/null || echo 8)}"
+DRY_RUN=0
+SKIP_CHECKS=0
+RUN_VERIFY=1
+ONLY=""
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --workdir) WORKDIR="${2:?--workdir needs a directory}"; shift ;;
+    --workdir=*) WORKDIR="${1#*=}" ;;
+    --log) LOG_FILE="${2:?--log needs a file}"; shift ;;
+    --log=*) LOG_FILE="${1#*=}" ;;
+    --only) ONLY="${2:?--only needs component names}"; shift ;;
+    --only=*) ONLY="${1#*=}" ;;
+    --skip-checks) SKIP_CHECKS=1 ;;
+    --allow-mismatch) ALLOW_MISMATCH=1 ;;
+    --no-verify) RUN_VERIFY=0 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "install_pinned.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+# A real run logs to a file; a dry run only when --log/LOG_FILE is given (it must not create WORKDIR).
+if [[ -z "$LOG_FILE" && "$DRY_RUN" == 0 ]]; then LOG_FILE="$WORKDIR/install_pinned.log"; fi
+if [[ -n "$LOG_FILE" ]]; then
+  mkdir -p "$(dirname "$LOG_FILE")"
+  exec > >(tee -a "$LOG_FILE") 2>&1
+fi
+
+log() { printf '[install_pinned] %s\n' "$*"; }
+die() { printf '[install_pinned] ERROR: %s\n' "$*" >&2; exit 1; }
+# Print a command (shell-quoted) and run it unless --dry-run.
+run() {
+  local q
+  printf -v q ' %q' "$@"
+  printf '+%s\n' "$q"
+  if [[ "$DRY_RUN" == 0 ]]; then "$@"; fi
+}
+# Same, inside a directory.
+run_in() {
+  local dir="$1"; shift
+  local q
+  printf -v q ' %q' "$@"
+  printf '+ (cd %q &&%s)\n' "$dir" "$q"
+  if [[ "$DRY_RUN" == 0 ]]; then (cd "$dir" && "$@"); fi
+}
+wanted() { [[ -z "$ONLY" || ",$ONLY," == *",$1,"* ]]; }
+
+log "$(date -u +%Y-%m-%dT%H:%M:%SZ) start (dry_run=$DRY_RUN workdir=$WORKDIR log=${LOG_FILE:-none})"
+
+# ---------------------------------------------------------------- pins
+PYTHON="$(command -v "$PYTHON")" || die "Python interpreter '${PYTHON}' not found (set PYTHON=/path/to/python3.10)"
+case "$PYTHON" in /*) ;; *) PYTHON="$PWD/$PYTHON" ;; esac
+PINS_READER="$ROOT/npu_flashrl/pins.py"
+[[ -f "$PINS_READER" ]] || die "pins reader missing: $PINS_READER (run this script from an npu_flashrl checkout)"
+if ! "$PYTHON" -c 'import yaml' 2>/dev/null; then
+  log "PyYAML is needed to read the pins file"
+  run "$PYTHON" -m pip install pyyaml
+fi
+pins_sh="$("$PYTHON" "$PINS_READER" sh)" || die "cannot read the pins file (NPU_FLASHRL_PINS=${NPU_FLASHRL_PINS:-default})"
+eval "$pins_sh"
+log "pins file: $("$PYTHON" "$PINS_READER" path)"
+SOC_VERSION="${SOC_VERSION:-$PIN_SOC_VERSION}"
+
+# ---------------------------------------------------------------- checks
+FAILED_CHECKS=0
+check_fail() {  # $1 = soft (downgradable by --allow-mismatch) or hard, rest = message
+  local kind="$1"; shift
+  if [[ "$kind" == soft && "$ALLOW_MISMATCH" == 1 ]]; then
+    log "WARNING: $* (continuing: --allow-mismatch)"
+  else
+    log "CHECK FAILED: $*"
+    FAILED_CHECKS=$((FAILED_CHECKS + 1))
+  fi
+}
+
+find_cann_version_file() {
+  local arch candidates f
+  arch="$(uname -m)"
+  candidates=(
+    "$CANN_VERSION_FILE"
+    "${ASCEND_TOOLKIT_HOME:-}/${arch}-linux/ascend_toolkit_install.info"
+    "$ASCEND_HOME/ascend-toolkit/latest/${arch}-linux/ascend_toolkit_install.info"
+    "$ASCEND_HOME/cann/${arch}-linux/ascend_toolkit_install.info"
+  )
+  for f in "${candidates[@]}"; do
+    if [[ -n "$f" && -f "$f" ]]; then echo "$f"; return 0; fi
+  done
+  return 1
+}
+
+run_checks() {
+  log "checks: Python $PIN_PYTHON, CANN $PIN_CANN, npu-smi, ${MIN_FREE_GB} GB free in $WORKDIR, git"
+  local pyver
+  pyver="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  if [[ "$pyver" == "$PIN_PYTHON" ]]; then
+    log "ok: Python $pyver ($PYTHON)"
+  else
+    check_fail soft "Python $pyver at '$PYTHON', the pinned stack needs Python $PIN_PYTHON (set PYTHON=...)"
+  fi
+
+  local vfile cann
+  if vfile="$(find_cann_version_file)"; then
+    cann="$(sed -n 's/^version=//p' "$vfile" | head -n1)"
+    if [[ "${cann^^}" == "${PIN_CANN^^}"* ]]; then
+      log "ok: CANN $cann ($vfile)"
+    else
+      check_fail soft "CANN ${cann:-unknown} in $vfile, the pinned stack needs CANN $PIN_CANN"
+    fi
+  else
+    check_fail soft "CANN toolkit version info not found: looked for $ASCEND_HOME/ascend-toolkit/latest/$(uname -m)-linux/ascend_toolkit_install.info (install CANN $PIN_CANN, set ASCEND_HOME or CANN_VERSION_FILE)"
+  fi
+
+  if [[ "$SKIP_NPU_CHECK" == 1 ]]; then
+    log "skip: npu-smi check (SKIP_NPU_CHECK=1)"
+  elif command -v npu-smi >/dev/null 2>&1; then
+    log "ok: npu-smi at $(command -v npu-smi)"
+  else
+    check_fail hard "npu-smi not found on PATH: the Ascend driver is not installed or not mounted (/usr/local/bin/npu-smi); set SKIP_NPU_CHECK=1 only for an image build"
+  fi
+
+  local probe="$WORKDIR" free_kb need_kb
+  while [[ ! -d "$probe" ]]; do probe="$(dirname "$probe")"; done
+  free_kb="$(df -Pk "$probe" | awk 'NR==2 {print $4}')"
+  need_kb=$((MIN_FREE_GB * 1024 * 1024))
+  if [[ "$free_kb" -ge "$need_kb" ]]; then
+    log "ok: $((free_kb / 1024 / 1024)) GB free at $probe"
+  else
+    check_fail hard "only $((free_kb / 1024 / 1024)) GB free at $probe, need ${MIN_FREE_GB} GB (set WORKDIR elsewhere or MIN_FREE_GB)"
+  fi
+
+  command -v git >/dev/null 2>&1 || check_fail hard "git not found (apt-get install git)"
+  "$PYTHON" -m pip --version >/dev/null 2>&1 || check_fail hard "pip not available for $PYTHON"
+
+  if [[ "$FAILED_CHECKS" -gt 0 ]]; then
+    if [[ "$DRY_RUN" == 1 ]]; then
+      log "dry run: $FAILED_CHECKS check(s) failed; a real run would stop here"
+    else
+      die "$FAILED_CHECKS check(s) failed, nothing was installed (see messages above)"
+    fi
+  fi
+}
+
+if [[ "$SKIP_CHECKS" == 1 ]]; then log "skip: checks (--skip-checks)"; else run_checks; fi
+
+# ---------------------------------------------------------------- helpers for components
+STAMPS="$WORKDIR/.installed"
+PIP=("$PYTHON" -m pip install --disable-pip-version-check)
+CONSTRAINTS="$WORKDIR/constraints.txt"
+
+# Version of an installed distribution, empty when absent (no import of the package itself).
+dist_version() {
+  "$PYTHON" -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass' "$1" 2>/dev/null || true
+}
+
+# Is <dist> installed at <rev> from <dir>? Checks the stamp written after a successful install,
+# the distribution metadata, and the checkout's HEAD (a checkout moved since the install counts as wrong).
+at_pin() {
+  local name="$1" dist="$2" rev="$3" dir="$4"
+  [[ -f "$STAMPS/$name" && "$(cat "$STAMPS/$name")" == "$rev" ]] || return 1
+  [[ -n "$(dist_version "$dist")" ]] || return 1
+  if [[ -d "$dir/.git" ]]; then
+    local head want
+    head="$(git -C "$dir" rev-parse HEAD 2>/dev/null)" || return 1
+    want="$(git -C "$dir" rev-parse "$rev^{commit}" 2>/dev/null)" || return 1
+    [[ "$head" == "$want" ]] || return 1
+  fi
+  return 0
+}
+
+stamp() {
+  if [[ "$DRY_RUN" == 0 ]]; then mkdir -p "$STAMPS" && printf '%s\n' "$2" > "$STAMPS/$1"; fi
+}
+
+# Clone (once) and check out <rev> (a commit, short commit or tag), detached.
+checkout() {
+  local url="$1" rev="$2" dir="$3"
+  if [[ ! -d "$dir/.git" ]]; then
+    run git clone "$url" "$dir"
+  else
+    run git -C "$dir" remote set-url origin "$url"
+  fi
+  if [[ "$DRY_RUN" == 1 ]] || ! git -C "$dir" rev-parse -q --verify "$rev^{commit}" >/dev/null 2>&1; then
+    run git -C "$dir" fetch --tags origin
+  fi
+  run git -C "$dir" checkout --detach "$rev"
+}
+
+# env_args <PIN_PREFIX>: "KEY=VALUE" words of packages.<name>.env for `env`.
+env_args() {
+  local prefix="$1" var key
+  for var in $(compgen -v "${prefix}_ENV_"); do
+    key="${var#"${prefix}_ENV_"}"
+    printf '%s=%s\n' "$key" "${!var}"
+  done
+}
+
+# install_source <name> <dist> <rev> <steps function>: clone/checkout, then the component's steps run
+# with COMP_DIR (the checkout) and COMP_ENV (KEY=VALUE words of packages.<name>.env) set.
+COMP_DIR=""
+COMP_ENV=()
+install_source() {
+  local name="$1" dist="$2" rev="$3" steps="$4"
+  local upper url_var default_url url
+  upper="${name^^}"
+  url_var="${upper}_REPO_URL"
+  default_url="PIN_PACKAGES_${upper}_REPO"
+  url="${!url_var:-${!default_url}}"
+  COMP_DIR="$WORKDIR/$name"
+  if ! wanted "$name"; then log "skip: $name (not in --only)"; return 0; fi
+  if at_pin "$name" "$dist" "$rev" "$COMP_DIR"; then
+    log "skip: $name already at $rev"
+    return 0
+  fi
+  log "step: $name -> $rev from $url"
+  checkout "$url" "$rev" "$COMP_DIR"
+  mapfile -t COMP_ENV < <(env_args "PIN_PACKAGES_${upper}")
+  "$steps"
+  stamp "$name" "$rev"
+}
+pip_in_comp() { run_in "$COMP_DIR" env "${COMP_ENV[@]}" "$@" "${PIP[@]}" -c "$CONSTRAINTS" "${PIP_ARGS[@]}"; }
+PIP_ARGS=()
+
+# Build requirements first, then no build isolation: an isolated build would pull another torch.
+steps_vllm() {
+  PIP_ARGS=(-r requirements/build.txt); pip_in_comp
+  PIP_ARGS=(--no-build-isolation -e .); pip_in_comp
+}
+# vllm-ascend with its custom kernels for the A2 SoC. Its requirements.txt asks for a torch-npu dev
+# build from another index: torch lines and index options are filtered out so the pinned torch_npu
+# stays (see docs/compatibility.md).
+steps_vllm_ascend() {
+  run_in "$COMP_DIR" sh -c "grep -v -E '^[[:space:]]*(torch|--|#)' requirements.txt > build-reqs.npu_flashrl.txt"
+  PIP_ARGS=(-r build-reqs.npu_flashrl.txt); pip_in_comp
+  PIP_ARGS=(--no-build-isolation -e .); pip_in_comp "SOC_VERSION=$SOC_VERSION" "MAX_JOBS=$MAX_JOBS"
+}
+# Megatron-LM without deps (they are all present by then); MindSpeed is editable with deps (source only:
+# the registry's `mindspeed` is an empty placeholder).
+steps_no_deps() { PIP_ARGS=(--no-deps -e .); pip_in_comp; }
+# verl with its NPU requirements, then the package itself without re-resolving.
+steps_verl() {
+  PIP_ARGS=(-r requirements-npu.txt); pip_in_comp
+  PIP_ARGS=(--no-deps -e .); pip_in_comp
+}
+steps_editable() { PIP_ARGS=(-e .); pip_in_comp; }
+
+install_release() {  # install_release <name> <dist> <version> [extra pip args]
+  local name="$1" dist="$2" version="$3"; shift 3
+  if ! wanted "$name"; then log "skip: $name (not in --only)"; return 0; fi
+  local have
+  have="$(dist_version "$dist")"
+  if [[ "${have%%+*}" == "$version" ]]; then
+    log "skip: $dist already $have"
+    return 0
+  fi
+  log "step: $dist ${have:-absent} -> $version"
+  run "${PIP[@]}" -c "$CONSTRAINTS" "$@" "$dist==$version"
+}
+
+# ---------------------------------------------------------------- install
+run mkdir -p "$WORKDIR"
+log "step: constraints file $CONSTRAINTS (torch $PIN_PACKAGES_TORCH_VERSION, torch_npu $PIN_PACKAGES_TORCH_NPU_VERSION)"
+if [[ "$DRY_RUN" == 0 ]]; then
+  printf 'torch==%s\ntorch_npu==%s\n' "$PIN_PACKAGES_TORCH_VERSION" "$PIN_PACKAGES_TORCH_NPU_VERSION" > "$CONSTRAINTS"
+fi
+
+# CANN environment for the compiled parts (vllm-ascend custom kernels, torch_npu checks).
+for env_script in "$ASCEND_HOME/ascend-toolkit/set_env.sh" "$ASCEND_HOME/nnal/atb/set_env.sh"; do
+  if [[ -f "$env_script" ]]; then
+    log "source $env_script"
+    set +u
+    # shellcheck disable=SC1090  # path depends on ASCEND_HOME
+    source "$env_script"
+    set -u
+  else
+    log "note: $env_script not found (needed to compile vllm-ascend kernels)"
+  fi
+done
+
+torch_extra=()
+[[ -n "$TORCH_INDEX_URL" ]] && torch_extra=(--extra-index-url "$TORCH_INDEX_URL")
+install_release torch torch "$PIN_PACKAGES_TORCH_VERSION" "${torch_extra[@]}"
+install_release torch_npu torch-npu "$PIN_PACKAGES_TORCH_NPU_VERSION" "${torch_extra[@]}"
+
+# vLLM with the empty target (pure Python; the Ascend platform comes from vllm-ascend).
+install_source vllm vllm "$PIN_PACKAGES_VLLM_COMMIT" steps_vllm
+install_source vllm_ascend vllm-ascend "$PIN_PACKAGES_VLLM_ASCEND_COMMIT" steps_vllm_ascend
+install_source mindspeed mindspeed "$PIN_PACKAGES_MINDSPEED_COMMIT" steps_editable
+install_source megatron_core megatron-core "$PIN_PACKAGES_MEGATRON_CORE_REF" steps_no_deps
+install_source verl verl "$PIN_PACKAGES_VERL_COMMIT" steps_verl
+# transformers last among the sources so no requirement file moves it off its commit.
+install_source transformers transformers "$PIN_PACKAGES_TRANSFORMERS_COMMIT" steps_editable
+# FlashRL from the registry without its (CUDA) dependencies.
+install_release flash_llm_rl flash-llm-rl "$PIN_PACKAGES_FLASH_LLM_RL_VERSION" --no-deps
+
+if wanted npu_flashrl; then
+  log "step: npu_flashrl (editable, from $ROOT)"
+  run "${PIP[@]}" --no-deps -e "$ROOT"
+fi
+
+if [[ "$RUN_VERIFY" == 1 ]]; then
+  log "step: npu-flashrl verify"
+  verify_cmd="$(dirname "$PYTHON")/npu-flashrl"
+  [[ -x "$verify_cmd" ]] || verify_cmd=npu-flashrl
+  run "$verify_cmd" verify
+else
+  log "skip: npu-flashrl verify (--no-verify)"
+fi
+log "done$([[ "$DRY_RUN" == 1 ]] && echo ' (dry run: nothing was changed)')"
