@@ -1,0 +1,35 @@
+"""INT8 quantization kernels behind one small dispatch.
+
+`reference` defines the semantics in pure torch and runs anywhere; `npu` uses torch_npu ops for
+tensors that live on an Ascend NPU. Callers use the functions exported here.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from npu_flashrl.kernels import reference
+from npu_flashrl.kernels.reference import (  # noqa: F401  (re-exported semantics)
+    ACL_FORMAT_FRACTAL_NZ,
+    ACL_FORMAT_ND,
+    INT8_MAX,
+    INT8_MIN,
+    MAX_MATMUL_DIM,
+    dequantize_weight,
+    quantize_weight_with_scales,
+)
+
+
+def backend_for(t: torch.Tensor) -> str:
+    return "npu" if t.device.type == "npu" else "reference"
+
+
+def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8 (see `reference.quantize_weight_per_channel`)."""
+    if backend_for(weight) == "npu":
+        from npu_flashrl.kernels import npu
+
+        return npu.quantize_weight_per_channel(weight, compute_dtype)
+    return reference.quantize_weight_per_channel(weight, compute_dtype)

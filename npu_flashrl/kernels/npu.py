@@ -1,0 +1,25 @@
+"""NPU implementations of the INT8 kernels: the same semantics as `reference`, on torch_npu ops.
+
+Only imported when a tensor lives on an NPU. Not verified on hardware here (no NPU in CI); run
+`pytest tests/test_kernels.py --npu` on an Atlas node to compare against the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    import torch_npu  # noqa: F401  (real torch_npu on an NPU node)
+
+    if compute_dtype is not None and weight.dtype != compute_dtype:
+        weight = weight.to(compute_dtype)
+    if weight.dtype == torch.float32:
+        weight = weight.to(torch.bfloat16)
+    # Per-row symmetric int8 with scale = rowmax/127 is exactly npu_dynamic_quant on the rows.
+    q, scale = torch_npu.npu_dynamic_quant(weight)
+    # An all-zero row: the reference defines scale 1.0 (q is 0 either way).
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return q, scale

@@ -1,0 +1,225 @@
+"""Pure-torch reference INT8 kernels. These DEFINE the semantics npu_flashrl relies on.
+
+The torch_npu ops emulated here follow the torch_npu documentation (see
+../shared/docs/upstream-facts.md section 3): computation in fp32, round half to even
+(`torch.round`), saturation to the int8 range. Inputs the NPU op rejects are rejected here too,
+with an error naming the argument, so CPU CI catches what would fail on hardware.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+INT8_MIN, INT8_MAX = -128, 127
+# torch_npu / CANN storage formats (acl format ids).
+ACL_FORMAT_ND = 2
+ACL_FORMAT_FRACTAL_NZ = 29
+# npu_quant_matmul: the last dims of x1 and x2 must not exceed this (CANN limit).
+MAX_MATMUL_DIM = 65535
+# A row whose absmax is below this gets scale 1.0: all its values quantize to 0 either way,
+# and 1.0 keeps dequantization finite (no 0/0).
+_ZERO_ROW_EPS = 1e-30
+
+_FLOAT_IN = (torch.float16, torch.bfloat16)
+_FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _require(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{op}: {msg}")
+
+
+def _saturate_int8(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x).clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+# --------------------------------------------------------------------------- weights
+
+def quantize_weight_per_channel(weight: torch.Tensor,
+                                compute_dtype: Optional[torch.dtype] = None
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: weight [out, in] -> (int8 [out, in], fp32 scale [out]).
+
+    scale = absmax(row) / 127 and q = round_half_even(w / scale), saturated, both in fp32. This is
+    exactly `npu_dynamic_quant` applied to the weight rows, so the NPU path can use that op.
+    `compute_dtype` (the rollout model's dtype, e.g. bf16) is applied first: fp32 FSDP masters
+    then quantize exactly like their bf16 cast. An all-zero row gets scale 1.0 (q = 0).
+    """
+    op = "quantize_weight_per_channel"
+    _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    _require(weight.dtype in _FLOAT_WEIGHTS, op,
+             f"weight dtype must be one of {_FLOAT_WEIGHTS}, got {weight.dtype}")
+    if compute_dtype is not None and weight.dtype != compute_dtype:
+        weight = weight.to(compute_dtype)
+    w = weight.float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
+    q = _saturate_int8(w / scale.unsqueeze(1))
+    return q, scale
+
+
+def quantize_weight_with_scales(weight: torch.Tensor,
+                                output_scale: Union[torch.Tensor, float],
+                                input_scale: Union[torch.Tensor, float] = 1.0) -> torch.Tensor:
+    """FlashRL's fixed-scale INT8: round(W * output_scale * input_scale).clamp(-128, 127).
+
+    Same operation order and type promotion as flash_rl 1.0.3 `linear_quantize` (a bf16 weight
+    times fp32 scales computes in fp32), so results match FlashRL bit for bit.
+    output_scale is [out, 1] (or scalar), input_scale [1, in] (or scalar).
+    """
+    op = "quantize_weight_with_scales"
+    _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    for name, s, ok_shapes in (("output_scale", output_scale, ((weight.shape[0], 1), (1,), ())),
+                               ("input_scale", input_scale, ((1, weight.shape[1]), (1,), ()))):
+        if isinstance(s, torch.Tensor):
+            _require(tuple(s.shape) in ok_shapes, op,
+                     f"{name} shape {tuple(s.shape)} does not fit weight {tuple(weight.shape)}; "
+                     f"expected one of {ok_shapes}")
+    return _saturate_int8(weight * output_scale * input_scale)
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] * scale [out] (or [out, 1]) -> fp32."""
+    return q.float() * scale.reshape(-1, 1).float()
+
+
+# --------------------------------------------------------------------------- torch_npu ops
+
+_QDTYPES = {torch.qint8: (torch.int8, -128, 127), torch.int8: (torch.int8, -128, 127),
+            torch.quint8: (torch.uint8, 0, 255), torch.uint8: (torch.uint8, 0, 255),
+            torch.qint32: (torch.int32, -2**31, 2**31 - 1), torch.int32: (torch.int32, -2**31, 2**31 - 1)}
+
+
+def _broadcast_along(t: torch.Tensor, x: torch.Tensor, axis: int, op: str, name: str) -> torch.Tensor:
+    if t.numel() == 1:
+        return t.reshape(())
+    axis = axis % x.dim()
+    _require(t.dim() == 1 and t.numel() == x.shape[axis], op,
+             f"{name} must have 1 or {x.shape[axis]} elements (x.shape[{axis}]), got shape {tuple(t.shape)}")
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    return t.reshape(shape)
+
+
+def npu_quantize(x: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor],
+                 dtype: torch.dtype, axis: int = 1, div_mode: bool = True) -> torch.Tensor:
+    """torch_npu.npu_quantize: x / scales + zp (div_mode) or x * scales + zp, fp32, round half
+    to even, saturate to the output type's range. Output has the shape of x."""
+    op = "npu_quantize"
+    _require(x.dtype in (torch.float16, torch.bfloat16, torch.float32), op,
+             f"x dtype must be float16/bfloat16/float32, got {x.dtype}")
+    _require(dtype in _QDTYPES, op, f"dtype must be one of torch.qint8/quint8/qint32, got {dtype}")
+    out_dtype, lo, hi = _QDTYPES[dtype]
+    s = _broadcast_along(scales.float(), x, axis, op, "scales")
+    y = x.float() / s if div_mode else x.float() * s
+    if zero_points is not None:
+        y = y + _broadcast_along(zero_points.float(), x, axis, op, "zero_points")
+    return torch.round(y).clamp_(lo, hi).to(out_dtype)
+
+
+def npu_dynamic_quant(x: torch.Tensor, smooth_scales: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """torch_npu.npu_dynamic_quant: per-token symmetric int8.
+
+    x (fp16/bf16, ndim >= 2) is optionally multiplied by smooth_scales [x.shape[-1]]; then
+    scale = rowmax|x| / 127 (fp32, shape x.shape[:-1]) and y = round(x / scale) as int8.
+    Documented example: [0.7261, 0.3726, 0.9126] -> [101, 52, 127].
+    """
+    op = "npu_dynamic_quant"
+    _require(x.dtype in _FLOAT_IN, op, f"x dtype must be float16 or bfloat16, got {x.dtype}")
+    _require(x.dim() >= 2, op, f"x must have ndim >= 2, got shape {tuple(x.shape)}")
+    xf = x.float()
+    if smooth_scales is not None:
+        _require(smooth_scales.shape == (x.shape[-1],), op,
+                 f"smooth_scales must have shape ({x.shape[-1]},), got {tuple(smooth_scales.shape)}")
+        xf = xf * smooth_scales.float()
+    absmax = xf.abs().amax(dim=-1)
+    scale = absmax / INT8_MAX
+    safe = torch.where(absmax > _ZERO_ROW_EPS, scale, torch.ones_like(scale))
+    y = _saturate_int8(xf / safe.unsqueeze(-1))
+    return y, scale
+
+
+def decode_deq_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Dequant scales that vllm-ascend stores int64-encoded (fp16 models: npu_trans_quant_param):
+    the low 32 bits hold the fp32 bit pattern."""
+    if scale.dtype == torch.int64:
+        return (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    return scale.float()
+
+
+def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
+                     offset: Optional[torch.Tensor] = None,
+                     pertoken_scale: Optional[torch.Tensor] = None,
+                     bias: Optional[torch.Tensor] = None,
+                     output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """torch_npu.npu_quant_matmul: int8 x1 [..., K] @ int8 x2 [K, N] with int32 accumulation.
+
+    An int32 bias is added to the accumulator before scaling; then out = acc * scale[N]
+    (* pertoken_scale[M] per row); a float bias is added after scaling; cast to output_dtype.
+    The accumulation is exact (float64 holds every int32 sum of K <= 65535 int8 products).
+    """
+    op = "npu_quant_matmul"
+    _require(x1.dtype == torch.int8, op, f"x1 must be int8, got {x1.dtype}")
+    _require(x2.dtype == torch.int8, op, f"x2 must be int8, got {x2.dtype}")
+    _require(2 <= x1.dim() <= 6, op, f"x1 must have 2-6 dims, got shape {tuple(x1.shape)}")
+    _require(x2.dim() == 2, op, f"x2 must be 2-D [K, N], got shape {tuple(x2.shape)}")
+    k, n = x2.shape
+    _require(x1.shape[-1] == k, op, f"x1 last dim {x1.shape[-1]} != x2 first dim {k}")
+    _require(k <= MAX_MATMUL_DIM and n <= MAX_MATMUL_DIM, op,
+             f"last dims must be <= {MAX_MATMUL_DIM} (got K={k}, N={n}); "
+             "do not quantize vocab-sized layers such as lm_head")
+    if output_dtype is None or output_dtype == torch.int8:
+        raise NotImplementedError("npu_quant_matmul: int8 output (output_dtype None/int8 with offset) "
+                                  "is not emulated; vllm-ascend always passes a float output_dtype")
+    _require(output_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int32), op,
+             f"output_dtype must be float16/bfloat16/int32, got {output_dtype}")
+    _require(offset is None, op, "offset is only valid with int8 output")
+    _require(scale.dim() == 1 and scale.numel() in (1, n), op,
+             f"scale must be 1-D with 1 or N={n} elements, got shape {tuple(scale.shape)}")
+    if output_dtype == torch.bfloat16:
+        _require(scale.dtype in (torch.float32, torch.bfloat16), op,
+                 f"bfloat16 output needs a float32/bfloat16 scale, got {scale.dtype}")
+    acc = torch.matmul(x1.double(), x2.double())
+    if bias is not None:
+        _require(bias.dim() == 1 and bias.numel() == n, op,
+                 f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        if bias.dtype == torch.int32:
+            acc = acc + bias.double()
+    out = acc * decode_deq_scale(scale).double()
+    if pertoken_scale is not None:
+        _require(pertoken_scale.dtype == torch.float32, op,
+                 f"pertoken_scale must be float32, got {pertoken_scale.dtype}")
+        _require(tuple(pertoken_scale.shape) == tuple(x1.shape[:-1]), op,
+                 f"pertoken_scale shape {tuple(pertoken_scale.shape)} != x1 rows {tuple(x1.shape[:-1])}")
+        out = out * pertoken_scale.double().unsqueeze(-1)
+    if bias is not None and bias.dtype != torch.int32:
+        out = out + bias.double()
+    return out.to(output_dtype)
+
+
+# Format casts change the storage layout only: on CPU they are the identity on values. The
+# format is remembered per storage address so get_npu_format answers like the NPU would.
+_formats: dict = {}
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def npu_format_cast(t: torch.Tensor, acl_format: int) -> torch.Tensor:
+    _require(isinstance(acl_format, int), "npu_format_cast", f"acl_format must be int, got {acl_format!r}")
+    if acl_format == ACL_FORMAT_ND:
+        _formats.pop(_key(t), None)
+    else:
+        _formats[_key(t)] = acl_format
+    return t
+
+
+def npu_format_cast_(t: torch.Tensor, acl_format: int) -> torch.Tensor:
+    return npu_format_cast(t, acl_format)
+
+
+def get_npu_format(t: torch.Tensor) -> int:
+    return _formats.get(_key(t), ACL_FORMAT_ND)

@@ -1,0 +1,174 @@
+"""Run the REAL vLLM / vllm-ascend model code on a CPU (tests, rehearsal, users' NPU-free CI).
+
+What it does, following ../shared/docs/cpu-test-stack.md:
+- installs the torch_npu emulation (reference kernels) so vllm_ascend imports;
+- makes vLLM's current platform a CPU platform that, like the NPU platform, supports the
+  "ascend" quantization method;
+- builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
+  vLLM's model-parallel groups, and initialises vllm-ascend's own config;
+- builds the model with vLLM's own loader (`get_model`), so the load path is the one users run;
+- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Optional
+
+import torch
+
+from npu_flashrl.kernels import emulation
+
+_dist_state = {"initialized": False, "world_size": None}
+
+
+def prepare_process(enable_nz: bool = True) -> None:
+    """Process-wide set-up; idempotent. Must run before vLLM picks a platform."""
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    emulation.install()
+    import vllm.platforms as platforms
+
+    cls = _platform_cls()
+    if not isinstance(platforms._current_platform, cls):
+        platforms._current_platform = cls()
+    from npu_flashrl import compat
+
+    compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
+
+
+def _make_platform_cls():
+    from vllm.platforms.cpu import CpuPlatform
+
+    class CpuAscendPlatform(CpuPlatform):
+        """vLLM's CPU platform that accepts vllm-ascend's quantization method, as the NPU does."""
+        supported_quantization = ["ascend"]
+
+    return CpuAscendPlatform
+
+
+_CpuAscendPlatform = None  # created on first use (needs vLLM importable)
+
+
+def _platform_cls():
+    global _CpuAscendPlatform
+    if _CpuAscendPlatform is None:
+        _CpuAscendPlatform = _make_platform_cls()
+    return _CpuAscendPlatform
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
+                     quantization: Optional[str] = None, tp_size: int = 1,
+                     load_format: str = "auto"):
+    from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
+                             ParallelConfig, VllmConfig)
+
+    model_config = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True,
+                               quantization=quantization, enforce_eager=True)
+    return VllmConfig(model_config=model_config,
+                      device_config=DeviceConfig(device="cpu"),
+                      load_config=LoadConfig(load_format=load_format),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+                      compilation_config=CompilationConfig(level=0, custom_ops=["none"]))
+
+
+def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[str] = None) -> None:
+    from vllm.distributed import parallel_state as ps
+
+    if _dist_state["initialized"]:
+        if _dist_state["world_size"] != tp_size:
+            raise RuntimeError(f"process group already initialised with world size "
+                               f"{_dist_state['world_size']}, asked for {tp_size}")
+        return
+    ps.init_distributed_environment(
+        world_size=tp_size, rank=rank, local_rank=rank,
+        distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+    ps.initialize_model_parallel(tp_size, 1)
+    _dist_state.update(initialized=True, world_size=tp_size)
+
+
+class CpuVllm:
+    """A vLLM model built on the CPU from a local checkpoint, with its config kept current.
+
+    Use as a context manager; `model` is the loaded (and post-processed) vLLM model.
+    """
+
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.bfloat16,
+                 quantization: Optional[str] = None, tp_size: int = 1, rank: int = 0,
+                 load_format: str = "auto", init_method: Optional[str] = None,
+                 enable_nz: bool = True):
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.quantization = quantization
+        self.tp_size, self.rank = tp_size, rank
+        self.load_format = load_format
+        self.init_method = init_method
+        self.enable_nz = enable_nz
+        self._stack = contextlib.ExitStack()
+        self.vllm_config = None
+        self.model = None
+
+    def __enter__(self) -> "CpuVllm":
+        prepare_process(enable_nz=self.enable_nz)
+        from vllm.config import set_current_vllm_config
+
+        self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
+                                            self.tp_size, self.load_format)
+        # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
+        self._stack.enter_context(set_current_vllm_config(self.vllm_config))
+        ensure_distributed(self.tp_size, self.rank, self.init_method)
+        from npu_flashrl import compat
+
+        compat.init_vllm_ascend_config(self.vllm_config)
+        use_plain_attention()
+        from vllm.model_executor.model_loader import get_model
+
+        with torch.device("cpu"):
+            self.model = get_model(vllm_config=self.vllm_config)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    # ------------------------------------------------------------------ forward helpers
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers."""
+        out = []
+        for seq in input_ids:
+            positions = torch.arange(seq.shape[0])
+            hidden = self.model.model(seq, positions)
+            out.append(self.model.compute_logits(hidden).float())
+        return torch.stack(out)
+
+
+def _plain_attention_forward(self, query, key, value, *args, **kwargs):
+    """Causal scaled-dot-product attention over one sequence ([T, H*D] flattened inputs)."""
+    t = query.shape[0]
+    q = query.view(t, self.num_heads, self.head_size).transpose(0, 1)
+    k = key.view(t, self.num_kv_heads, self.head_size).transpose(0, 1)
+    v = value.view(t, self.num_kv_heads, self.head_size).transpose(0, 1)
+    rep = self.num_heads // self.num_kv_heads
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=0)
+        v = v.repeat_interleave(rep, dim=0)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, scale=self.impl.scale
+        if hasattr(self, "impl") and hasattr(self.impl, "scale") else None)
+    return o.transpose(0, 1).reshape(t, self.num_heads * self.head_size).to(query.dtype)
+
+
+def use_plain_attention() -> None:
+    """Test-harness substitution (not a product patch): vLLM's attention backends need a device."""
+    from vllm.attention.layer import Attention
+
+    if getattr(Attention.forward, "__npu_flashrl_plain__", False):
+        return
+    _plain_attention_forward.__npu_flashrl_plain__ = True
+    Attention.forward = _plain_attention_forward
