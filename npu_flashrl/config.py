@@ -1,0 +1,297 @@
+"""FlashRL-compatible rollout configuration (the YAML that `FLASHRL_CONFIG` points at).
+
+Schema (FlashRL 1.0.3, `flash_rl/configs/*.py` and `flash_rl/commands.py`)::
+
+    configs:
+      - fn: int8                      # quantization function
+        load_format: auto             # overrides vllm.LLM(load_format=...)
+        distributed_executor_backend: external_launcher
+        model: /path/to/w8a8          # optional: replaces the model passed to vllm.LLM
+        profile: /path/to/profile.pt  # optional: default <model>/profile.pt
+        quantization: ...             # optional: overrides vllm.LLM(quantization=...)
+        # any other key is kept (FlashRL: module_attribute_to_preserve, ...)
+      - fn: bf16                      # hybrid: entry dp_rank % len(configs) per DP group
+        load_format: dummy
+        distributed_executor_backend: external_launcher
+
+FlashRL semantics kept: a missing `fn` means `int8`; `FLASHRL_CONFIG` may be a shortcut name
+instead of a path (FlashRL: bf16 and the fp8 family; here bf16 and int8_profile_free, the fp8 ones are
+refused); with several entries worker DP group `RANK // (tp * pp)` uses `configs[dp_rank % n]`.
+
+fn values: `int8` (FlashRL's profile-based online INT8), `int8_profile_free` (ours: per-channel
+weight scales recomputed at every weight sync, no profile), `bf16` (unquantized). FlashRL's
+`int8_wo_prune` is `int8` in 1.0.3 (same default config, same quantize function); `int8_fast` is
+`int8` with a CUDA-specific reload shortcut (skips CompressedTensorsW8A8Int8 post-processing), so on
+Ascend it is `int8` too. `int8_prune` (zeroes layernorm channels whose columns are zero in every
+int8 consumer; needs the whole state dict in one call) and the fp8 family are refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import yaml
+
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("config")
+
+ENV_CONFIG = "FLASHRL_CONFIG"
+EXTERNAL_LAUNCHER = "external_launcher"
+
+FN_INT8 = "int8"
+FN_INT8_PROFILE_FREE = "int8_profile_free"
+FN_BF16 = "bf16"
+SUPPORTED_FNS = (FN_INT8, FN_INT8_PROFILE_FREE, FN_BF16)
+
+# FlashRL 1.0.3 names that mean one of ours.
+FN_ALIASES = {
+    "int8_wo_prune": FN_INT8,   # identical to int8 in 1.0.3 (Int8Config, flash_quantize)
+    "int8_fast": FN_INT8,       # int8 math; "fast" only changes FlashRL's CUDA reload path
+}
+_FP8_FNS = ("fp8", "fp8_vllm", "fp8_fast", "fp8_vllm_fast", "fp8_channel", "fp8_tensor")
+REFUSED_FNS = {
+    **{fn: ("Ascend 910B (Atlas A2) has no FP8 matmul; use fn=int8 (with a profile) or "
+            "fn=int8_profile_free" ) for fn in _FP8_FNS},
+    "int8_prune": ("FlashRL's int8_prune (dead-neuron pruning of layernorm channels) needs the whole "
+                   "state dict in one call and changes the model's numerics; it is not supported: "
+                   "use fn=int8"),
+}
+ALL_FLASHRL_FNS = SUPPORTED_FNS + tuple(FN_ALIASES) + tuple(REFUSED_FNS)
+
+# Defaults per fn, as FlashRL's dataclasses (bf16 keeps FlashRL's load_format=dummy: verl's sync
+# rollout builds the engine with dummy weights and then syncs the real ones).
+_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    FN_INT8: {"load_format": "auto", "distributed_executor_backend": EXTERNAL_LAUNCHER},
+    FN_INT8_PROFILE_FREE: {"load_format": "auto", "distributed_executor_backend": EXTERNAL_LAUNCHER},
+    FN_BF16: {"load_format": "dummy", "distributed_executor_backend": EXTERNAL_LAUNCHER},
+}
+# Shortcut values of FLASHRL_CONFIG that need no file.
+SHORTCUTS = (FN_BF16, FN_INT8_PROFILE_FREE)
+
+_KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend")
+
+
+class ConfigError(ValueError):
+    """A FlashRL config that cannot be used; the message names the file/key and what was expected."""
+
+
+def normalize_fn(fn: Any, where: str = "fn") -> str:
+    """Map a FlashRL fn name to ours, or raise ConfigError saying why it is refused."""
+    if not isinstance(fn, str):
+        raise ConfigError(f"{where}: expected a string, one of {', '.join(SUPPORTED_FNS)}; got {fn!r}")
+    name = fn.strip()
+    if name in SUPPORTED_FNS:
+        return name
+    if name in FN_ALIASES:
+        logger.info("fn=%s is FlashRL's name for %s here", name, FN_ALIASES[name])
+        return FN_ALIASES[name]
+    if name in REFUSED_FNS:
+        raise ConfigError(f"{where}: fn={name!r} is not supported on Ascend: {REFUSED_FNS[name]}")
+    raise ConfigError(f"{where}: unknown fn {name!r}; expected one of {', '.join(SUPPORTED_FNS)} "
+                      f"(FlashRL aliases: {', '.join(FN_ALIASES)})")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """One entry of `configs:`."""
+    fn: str = FN_INT8
+    model: Optional[str] = None
+    profile: Optional[str] = None
+    load_format: Optional[str] = None
+    quantization: Optional[str] = None
+    distributed_executor_backend: Optional[str] = EXTERNAL_LAUNCHER
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def default(cls, fn: str) -> "RolloutConfig":
+        fn = normalize_fn(fn)
+        return cls(fn=fn, **_DEFAULTS[fn])
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "configs[0]") -> "RolloutConfig":
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping with at least `fn`; got {type(data).__name__}")
+        fn = normalize_fn(data.get("fn", FN_INT8), f"{where}.fn")  # FlashRL: missing fn = int8
+        kwargs: Dict[str, Any] = dict(_DEFAULTS[fn])
+        for key in _KNOWN_KEYS[1:]:
+            if key in data:
+                value = data[key]
+                if value is not None and not isinstance(value, str):
+                    raise ConfigError(f"{where}.{key}: expected a string; got {value!r}")
+                kwargs[key] = value
+        extra = {k: v for k, v in data.items() if k not in _KNOWN_KEYS}
+        for k in extra:
+            if not isinstance(k, str):
+                raise ConfigError(f"{where}: keys must be strings; got {k!r}")
+        return cls(fn=fn, extra=extra, **kwargs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """FlashRL's YAML form of this entry (None fields left out, extra keys kept)."""
+        out: Dict[str, Any] = {"fn": self.fn}
+        for key in _KNOWN_KEYS[1:]:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        out.update(self.extra)
+        return out
+
+    def profile_path(self, model: Optional[str] = None) -> Optional[str]:
+        """The profile to load (FlashRL: `profile`, else `<model>/profile.pt`); None when not int8."""
+        if self.fn != FN_INT8:
+            return None
+        if self.profile:
+            return self.profile.strip()
+        base = self.model or model
+        return os.path.join(base, "profile.pt") if base else None
+
+
+@dataclasses.dataclass
+class FlashRLConfig:
+    entries: List[RolloutConfig]
+    path: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"configs": [e.to_dict() for e in self.entries]}
+
+
+def is_quantized(entry: RolloutConfig) -> bool:
+    return entry.fn != FN_BF16
+
+
+def needs_profile(entry: RolloutConfig) -> bool:
+    return entry.fn == FN_INT8
+
+
+def parse_config(data: Any, source: str = "<config>") -> FlashRLConfig:
+    """Validate a loaded YAML document (FlashRL schema)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping with key `configs` (a list of entries); "
+                          f"got {type(data).__name__}")
+    if "configs" not in data:
+        raise ConfigError(f"{source}: missing key `configs` (expected `configs: [{{fn: int8, ...}}, ...]`); "
+                          f"found keys {sorted(map(str, data))}")
+    items = data["configs"]
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{source}: key `configs` must be a non-empty list of entries; got {items!r}")
+    entries = [RolloutConfig.from_dict(item, f"{source}: configs[{i}]") for i, item in enumerate(items)]
+    return FlashRLConfig(entries=entries, path=None if source.startswith("<") else source)
+
+
+def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> FlashRLConfig:
+    """Load a FlashRL config: a YAML path, or a shortcut name (bf16, int8_profile_free).
+
+    None reads `FLASHRL_CONFIG`. Raises ConfigError naming the file (and key) on any problem.
+    """
+    from_env = path_or_none is None
+    if from_env:
+        value = os.environ.get(ENV_CONFIG)
+        if value is None or not value.strip():
+            raise ConfigError(f"{ENV_CONFIG} is not set; set it to a FlashRL config YAML "
+                              f"(npu-flashrl setup -o FILE) or to one of {', '.join(SHORTCUTS)}")
+        origin = f"{ENV_CONFIG}={value!r}"
+    else:
+        value = os.fspath(path_or_none)
+        origin = repr(value)
+    value = value.strip()
+
+    if value in SHORTCUTS:
+        logger.info("Using the profile-free default config for %s", value)
+        return FlashRLConfig(entries=[RolloutConfig.default(value)], path=None)
+    if not os.path.exists(value):
+        if value in REFUSED_FNS:
+            normalize_fn(value, origin)
+        if value in (FN_INT8, *FN_ALIASES):
+            raise ConfigError(f"{origin}: fn {value!r} needs a model and a profile, so it cannot be a "
+                              f"shortcut; write a config with `npu-flashrl setup -m MODEL -p PROFILE "
+                              f"--fn {value} -o FILE`")
+        hint = ""
+        if value.count("/") >= 2 and not value.startswith(("/", ".", "~")):
+            hint = (" (FlashRL would fetch a hub path `org/repo/file`; npu_flashrl does not download: "
+                    "fetch the file yourself and point at the local copy)")
+        raise ConfigError(f"{origin}: no such file, and not a shortcut name ({', '.join(SHORTCUTS)}){hint}")
+    if os.path.isdir(value):
+        raise ConfigError(f"{origin}: is a directory; expected a FlashRL config YAML file")
+    try:
+        with open(value, "r") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{value}:{where} malformed YAML: {getattr(exc, 'problem', None) or exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{value}: cannot read: {exc.strerror or exc}") from exc
+    cfg = parse_config(data, value)
+    cfg.path = value
+    return cfg
+
+
+def select_entry(cfg: FlashRLConfig, dp_rank: int) -> RolloutConfig:
+    """FlashRL hybrid rule: DP group `dp_rank` uses `configs[dp_rank % len(configs)]`."""
+    if not cfg.entries:
+        raise ConfigError(f"{cfg.path or '<config>'}: `configs` is empty")
+    if dp_rank < 0:
+        raise ValueError(f"dp_rank must be >= 0; got {dp_rank}")
+    return cfg.entries[dp_rank % len(cfg.entries)]
+
+
+def dp_rank_from_env(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                     env: Optional[Mapping[str, str]] = None) -> int:
+    """FlashRL's `RANK // (tp * pp)` (global rank of an external_launcher worker)."""
+    env = os.environ if env is None else env
+    if "RANK" not in env:
+        raise ConfigError("RANK is not set: FlashRL-style configs need the external_launcher "
+                          "environment (RANK, WORLD_SIZE) to pick an entry per DP group")
+    try:
+        rank = int(env["RANK"])
+    except ValueError:
+        raise ConfigError(f"RANK={env['RANK']!r} is not an integer") from None
+    mp = int(tensor_parallel_size or 1) * int(pipeline_parallel_size or 1)
+    if mp <= 0:
+        raise ValueError(f"tp*pp must be positive; got {mp}")
+    return rank // mp
+
+
+def atomic_write(path: Union[str, os.PathLike], write: Callable[[Any], None], binary: bool = False) -> None:
+    """Write `path` atomically: `write(fileobj)` into a temp file in the same dir, fsync, os.replace.
+
+    On any failure the temp file is removed and an existing `path` is left untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            mode = os.stat(path).st_mode & 0o7777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def dump_config(cfg: FlashRLConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), default_flow_style=False, sort_keys=False)
+
+
+def write_config(cfg: FlashRLConfig, path: Union[str, os.PathLike]) -> str:
+    """Write `cfg` in FlashRL's schema to `path` atomically; returns the path."""
+    text = dump_config(cfg)  # serialize first: a non-serializable value never touches the file
+    parse_config(yaml.safe_load(text), os.fspath(path))  # what we write must load back
+    atomic_write(path, lambda f: f.write(text))
+    cfg.path = os.fspath(path)
+    return cfg.path

@@ -1,0 +1,393 @@
+"""FlashRL's int8 profile, computed shard by shard from safetensors checkpoints.
+
+Format (FlashRL 1.0.3, `flash_rl.flash_quantization.profiling_int8`): a `torch.save`d dict keyed by
+HF parameter name, each value `{'input_scale', 'output_scale', 'type'}`; online quantization is
+`round(W * output_scale * input_scale).clamp(-128, 127).to(type)` for int8 entries and
+`(W * input_scale).to(type)` for the others. Entries, in FlashRL's order:
+
+* every tensor whose name contains ``layernorm``: input_scale = ln_w8a8 / ln_bf16 (fp32, shape of
+  the weight), output_scale 1.0 (python float), type = dtype of the w8a8 layernorm;
+* ``self_attn.{q,k,v}_proj.weight`` / ``mlp.{gate,up}_proj.weight``: input_scale = 1 / (that
+  ratio of the feeding layernorm) as [1, in] fp32, output_scale = 1 / weight_scale as [out, 1] fp32,
+  type int8; for up_proj a least-squares row factor beta (bf16 weight brought to the int8 grid vs the
+  checkpoint's int8 weight) is folded in: output_scale = 1 / (weight_scale / beta);
+* ``self_attn.o_proj.weight``: input_scale 1.0 (python float), output_scale = 1 / weight_scale;
+* ``mlp.down_proj.weight``: input_scale = 1 / beta of the layer's up_proj as [1, intermediate].
+
+Differences from FlashRL's own profiler, on purpose: it loads both whole models with transformers;
+this reads one decoder layer's tensors at a time with `safetensors.safe_open` (and only the bf16 and
+int8 weights of up_proj, which the least squares needs). Numbers are the same (same fp32 ops in the
+same order). `type` of the layernorm entries is the w8a8 checkpoint's dtype (bf16 for RedHatAI
+checkpoints); FlashRL reports whatever dtype transformers loaded the quantized model in (float16 on
+transformers 4.57 when no dtype is given), which only decides an intermediate cast. Tensors carry no
+autograd state (FlashRL's do, as a side effect of computing from nn.Parameters).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("profile")
+
+LAYERNORM_KEY = "layernorm"
+INPUT_LINEAR_MAP = {  # linear weight -> layernorm feeding it (None: o_proj, no smoothing)
+    "self_attn.q_proj.weight": "input_layernorm.weight",
+    "self_attn.k_proj.weight": "input_layernorm.weight",
+    "self_attn.v_proj.weight": "input_layernorm.weight",
+    "self_attn.o_proj.weight": None,
+    "mlp.gate_proj.weight": "post_attention_layernorm.weight",
+    "mlp.up_proj.weight": "post_attention_layernorm.weight",
+}
+EXTRA_OUTPUT = ("mlp.up_proj.weight",)
+OUTPUT_LINEAR_MAP = {"mlp.down_proj.weight": "mlp.up_proj.weight"}
+PROFILE_FIELDS = ("input_scale", "output_scale", "type")
+
+# FlashRL iterates named_parameters (module order); within a decoder layer that is:
+_MODULE_ORDER = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
+                 "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
+                 "post_attention_layernorm.")
+_LAYER_RE = re.compile(r"^(.*?\.layers\.)(\d+)\.")
+
+
+class ProfileError(ValueError):
+    """A profile (or a checkpoint it is computed from) that cannot be used; names file and tensor."""
+
+
+# ----------------------------------------------------------------------------- checkpoint access
+
+class SafetensorsCheckpoint:
+    """Lazy, name-indexed access to a HF safetensors checkpoint dir (headers only until asked)."""
+
+    def __init__(self, model_dir: str):
+        self.dir = os.fspath(model_dir)
+        if not os.path.isdir(self.dir):
+            raise ProfileError(f"{self.dir}: not a directory (expected a HF checkpoint dir with *.safetensors)")
+        self.files: Dict[str, str] = self._index()
+        self._stack = contextlib.ExitStack()
+        self._handles: Dict[str, Any] = {}
+
+    def _index(self) -> Dict[str, str]:
+        from safetensors import safe_open
+
+        index_path = os.path.join(self.dir, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise ProfileError(f"{index_path}: unreadable safetensors index ({exc})") from exc
+            out = {k: os.path.join(self.dir, v) for k, v in weight_map.items()}
+            missing = sorted({p for p in out.values() if not os.path.exists(p)})
+            if missing:
+                raise ProfileError(f"{index_path}: lists missing shard(s) {missing[:3]}")
+            return out
+        files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
+        if not files:
+            raise ProfileError(f"{self.dir}: no *.safetensors files (a safetensors HF checkpoint is needed)")
+        out = {}
+        for fname in files:
+            path = os.path.join(self.dir, fname)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for k in f.keys():
+                        out[k] = path
+            except Exception as exc:  # safetensors raises its own error types
+                raise ProfileError(f"{path}: unreadable safetensors file ({exc})") from exc
+        return out
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> List[str]:
+        return list(self.files)
+
+    def _handle(self, path: str):
+        from safetensors import safe_open
+
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ProfileError(f"{self.dir}: tensor {name!r} not found")
+        return self._handle(self.files[name]).get_tensor(name)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def dtype_str(self, name: str) -> str:
+        return self._handle(self.files[name]).get_slice(name).get_dtype()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _order_key(name: str) -> Tuple:
+    m = _LAYER_RE.match(name)
+    rest = name[m.end():] if m else name
+    pos = next((i for i, p in enumerate(_MODULE_ORDER) if rest.startswith(p)), len(_MODULE_ORDER))
+    return (m.group(1) if m else "", int(m.group(2)) if m else -1, pos, rest)
+
+
+def _layer_groups(names: Iterable[str]) -> List[List[str]]:
+    """Names grouped per decoder layer (FlashRL's lookups never leave a layer), non-layer names first."""
+    groups: Dict[Tuple[str, int], List[str]] = {}
+    for name in names:
+        m = _LAYER_RE.match(name)
+        key = (m.group(1), int(m.group(2))) if m else ("", -1)
+        groups.setdefault(key, []).append(name)
+    return [sorted(groups[k], key=_order_key) for k in sorted(groups)]
+
+
+# ----------------------------------------------------------------------------- computation
+
+def _least_square(from_p: torch.Tensor, to_p: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    to_p = to_p.float()
+    return (to_p * from_p).sum(dim=dim, keepdim=True) / (from_p ** 2).sum(dim=dim, keepdim=True)
+
+
+def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) -> Dict[str, dict]:
+    """FlashRL's int8 profile from a bf16 checkpoint and its compressed-tensors W8A8 checkpoint."""
+    from tqdm.auto import tqdm
+
+    bf16 = SafetensorsCheckpoint(bf16_dir)
+    quant = SafetensorsCheckpoint(w8a8_dir)
+    ln_entries: Dict[str, dict] = {}
+    lin_entries: Dict[str, dict] = {}
+    out_entries: Dict[str, dict] = {}
+
+    def qget(name: str, what: str) -> torch.Tensor:
+        if name not in quant:
+            raise ProfileError(f"{w8a8_dir}: tensor {name!r} ({what}) not found; -q must be the "
+                               f"compressed-tensors W8A8 checkpoint of the model given with -m ({bf16_dir})")
+        return quant.get(name)
+
+    def scale_of(name: str, rows: int) -> torch.Tensor:
+        scale = qget(name + "_scale", "per-channel weight scale")
+        if scale.numel() != rows:
+            raise ProfileError(f"{w8a8_dir}: {name}_scale has {scale.numel()} values, expected one per "
+                               f"output row ({rows}); only per-channel W8A8 checkpoints are supported")
+        return scale.view(-1, 1)
+
+    def check_int8(name: str) -> None:
+        dt = quant.dtype_str(name) if name in quant else None
+        if dt is not None and dt != "I8":
+            raise ProfileError(f"{w8a8_dir}: {name} is {dt}, expected int8 (I8): is -q a W8A8 checkpoint?")
+
+    try:
+        groups = _layer_groups(bf16.names())
+        for group in tqdm(groups, desc="npu-flashrl profile (int8)", unit="layer", disable=not progress):
+            input_scale: Dict[str, torch.Tensor] = {}
+            for k in group:  # FlashRL pass 1: layernorm smoothing ratios
+                if LAYERNORM_KEY in k:
+                    ln = bf16.get(k)
+                    lnq = qget(k, "layernorm weight")
+                    if lnq.shape != ln.shape:
+                        raise ProfileError(f"{k}: shape {tuple(lnq.shape)} in {w8a8_dir} but "
+                                           f"{tuple(ln.shape)} in {bf16_dir}: not the same model")
+                    ratio = lnq / ln.float()
+                    ln_entries[k] = {"input_scale": ratio, "output_scale": 1.0, "type": lnq.dtype}
+                    input_scale[k] = ratio
+            for k in group:  # pass 2: linears fed by a layernorm (and o_proj)
+                for balance, smooth in INPUT_LINEAR_MAP.items():
+                    if balance not in k:
+                        continue
+                    check_int8(k)
+                    rows = bf16.shape(k)[0]
+                    original_output_scale = scale_of(k, rows)
+                    if smooth is None:
+                        lin_entries[k] = {"input_scale": 1.0,
+                                          "output_scale": 1.0 / original_output_scale.float(),
+                                          "type": torch.int8}
+                    else:
+                        input_name = k.replace(balance, smooth)
+                        if input_name not in input_scale:
+                            raise ProfileError(f"{bf16_dir}: {k} needs {input_name}, which is missing")
+                        input_scale_k = input_scale[input_name].view(1, -1)
+                        if any(e in k for e in EXTRA_OUTPUT):
+                            w = bf16.get(k)
+                            wq = qget(k, "int8 weight")
+                            beta = _least_square(
+                                (w.float() / input_scale_k / original_output_scale).view(w.shape[0], -1),
+                                wq.view(w.shape[0], -1)).view(-1, 1)
+                            del w, wq
+                            input_scale[k] = beta
+                            original_output_scale = original_output_scale.float() / beta
+                        lin_entries[k] = {"input_scale": 1.0 / input_scale_k,
+                                          "output_scale": 1.0 / original_output_scale.float(),
+                                          "type": torch.int8}
+                    break
+            for k in group:  # pass 3: down_proj takes 1/beta of up_proj
+                for balance, smooth in OUTPUT_LINEAR_MAP.items():
+                    if balance not in k:
+                        continue
+                    check_int8(k)
+                    input_name = k.replace(balance, smooth)
+                    if input_name not in input_scale:
+                        raise ProfileError(f"{bf16_dir}: {k} needs {input_name}, which is missing")
+                    input_scale_k = input_scale[input_name].view(1, -1)
+                    original_output_scale = scale_of(k, bf16.shape(k)[0])
+                    out_entries[k] = {"input_scale": 1.0 / input_scale_k,
+                                      "output_scale": 1.0 / original_output_scale.float(),
+                                      "type": torch.int8}
+                    break
+    finally:
+        bf16.close()
+        quant.close()
+    profile = {**ln_entries, **lin_entries, **out_entries}
+    if not any(v["type"] == torch.int8 for v in profile.values()):
+        raise ProfileError(f"{bf16_dir}: no q/k/v/o/gate/up/down projection weights found; only dense "
+                           f"Llama/Qwen2-style checkpoints are supported")
+    return profile
+
+
+# ----------------------------------------------------------------------------- files
+
+def save_profile(profile: Mapping[str, dict], path: str) -> str:
+    """torch.save the profile atomically (a failure leaves an existing file untouched)."""
+    from npu_flashrl.config import atomic_write
+
+    validate_profile(profile, path)
+    buf = io.BytesIO()
+    torch.save(dict(profile), buf)
+    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
+    return path
+
+
+def make_profile(bf16_dir: str, w8a8_dir: str, output: str, fn: str = "int8",
+                 progress: bool = True) -> Dict[str, dict]:
+    """`npu-flashrl profile`: compute and save. Only fn=int8 has a profile."""
+    if fn != "int8":
+        raise ProfileError(f"--fn {fn}: only int8 has a profile (FlashRL's fp8 profile is refused: "
+                           f"Ascend 910B has no FP8 matmul; int8_profile_free needs none)")
+    profile = compute_int8_profile(bf16_dir, w8a8_dir, progress=progress)
+    save_profile(profile, output)
+    logger.info("int8 profile with %d entries written to %s", len(profile), output)
+    return profile
+
+
+def _check_scale(value: Any, where: str) -> None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ProfileError(f"{where}: not finite ({value})")
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ProfileError(f"{where}: expected a float or a tensor; got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ProfileError(f"{where}: expected a floating tensor; got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise ProfileError(f"{where}: {bad} non-finite value(s) (a zero layernorm weight or "
+                           f"weight_scale in the checkpoints?)")
+
+
+def validate_profile(profile: Any, source: str = "<profile>") -> Dict[str, dict]:
+    """Check a profile's structure (FlashRL format); returns it. Raises ProfileError naming the key."""
+    if not isinstance(profile, Mapping):
+        raise ProfileError(f"{source}: expected a dict keyed by parameter name (FlashRL int8 profile); "
+                           f"got {type(profile).__name__} (an fp8 profile is a list and is not supported)")
+    if not profile:
+        raise ProfileError(f"{source}: the profile is empty")
+    for name, entry in profile.items():
+        if not isinstance(name, str):
+            raise ProfileError(f"{source}: key {name!r} is not a parameter name")
+        if not isinstance(entry, Mapping) or any(f not in entry for f in PROFILE_FIELDS):
+            raise ProfileError(f"{source}: entry {name!r} must be a dict with keys {PROFILE_FIELDS}")
+        if not isinstance(entry["type"], torch.dtype):
+            raise ProfileError(f"{source}: entry {name!r}: type must be a torch.dtype; got {entry['type']!r}")
+        for field in ("input_scale", "output_scale"):
+            _check_scale(entry[field], f"{source}: entry {name!r} {field}")
+        if entry["type"] == torch.int8:
+            ins, outs = entry["input_scale"], entry["output_scale"]
+            if isinstance(ins, torch.Tensor) and (ins.dim() != 2 or ins.shape[0] != 1):
+                raise ProfileError(f"{source}: entry {name!r} input_scale has shape {tuple(ins.shape)}, "
+                                   f"expected [1, in_features]")
+            if isinstance(outs, torch.Tensor) and (outs.dim() != 2 or outs.shape[1] != 1):
+                raise ProfileError(f"{source}: entry {name!r} output_scale has shape {tuple(outs.shape)}, "
+                                   f"expected [out_features, 1]")
+    return dict(profile)
+
+
+def load_profile(path: str) -> Dict[str, dict]:
+    """Load and validate a FlashRL int8 profile: {param name: {input_scale, output_scale, type}}."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ProfileError(f"{path}: profile not found (make one with `npu-flashrl profile -m BF16 -q W8A8 -o {path}`)")
+    if os.path.isdir(path):
+        raise ProfileError(f"{path}: is a directory; expected a profile file (.pt)")
+    try:
+        profile = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ProfileError(f"{path}: not a readable torch profile ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    return validate_profile(profile, path)
+
+
+# ----------------------------------------------------------------------------- consistency
+
+def expected_profile_names(model_dir: str) -> List[str]:
+    """Names FlashRL's profiler makes entries for, from a checkpoint's tensor names."""
+    ckpt = SafetensorsCheckpoint(model_dir)
+    try:
+        names = [n for n in ckpt.names() if not n.endswith("_scale")]
+        return [n for n in names if LAYERNORM_KEY in n
+                or any(b in n for b in (*INPUT_LINEAR_MAP, *OUTPUT_LINEAR_MAP))]
+    finally:
+        ckpt.close()
+
+
+def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, limit: int = 5) -> List[str]:
+    """First `limit` inconsistencies between a profile and a checkpoint (empty list: consistent).
+
+    Each line names the tensor: missing from the model, wrong shape, or a model tensor the profile
+    does not cover (it would be loaded unquantized into an int8 parameter).
+    """
+    ckpt = SafetensorsCheckpoint(model_dir)
+    offenders: List[str] = []
+    try:
+        for name, entry in profile.items():
+            if len(offenders) >= limit:
+                break
+            if name not in ckpt:
+                offenders.append(f"{name}: in the profile but not in {model_dir}")
+                continue
+            shape = ckpt.shape(name)
+            ins, outs = entry.get("input_scale"), entry.get("output_scale")
+            if entry.get("type") == torch.int8:
+                if len(shape) != 2:
+                    offenders.append(f"{name}: model tensor has shape {list(shape)}, expected a 2-D weight")
+                    continue
+                if isinstance(ins, torch.Tensor) and ins.shape[-1] != shape[1]:
+                    offenders.append(f"{name}: profile input_scale {list(ins.shape)} vs model weight "
+                                     f"{list(shape)} (in_features {shape[1]})")
+                elif isinstance(outs, torch.Tensor) and outs.shape[0] != shape[0]:
+                    offenders.append(f"{name}: profile output_scale {list(outs.shape)} vs model weight "
+                                     f"{list(shape)} (out_features {shape[0]})")
+            elif isinstance(ins, torch.Tensor) and tuple(ins.shape) != tuple(shape):
+                offenders.append(f"{name}: profile input_scale {list(ins.shape)} vs model {list(shape)}")
+        if len(offenders) < limit:
+            for name in expected_profile_names(model_dir):
+                if len(offenders) >= limit:
+                    break
+                if name not in profile:
+                    offenders.append(f"{name}: in {model_dir} but not in the profile")
+    finally:
+        ckpt.close()
+    return offenders

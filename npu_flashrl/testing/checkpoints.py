@@ -1,0 +1,196 @@
+"""Test checkpoint writers (offline; nothing is downloaded).
+
+`write_w8a8_compressed_tensors(bf16_dir, out_dir)` turns a bf16 HF checkpoint into a
+RedHatAI-style compressed-tensors W8A8 checkpoint:
+
+* the seven projections of every decoder layer (q/k/v/o, gate/up/down) get int8 symmetric
+  per-output-channel weights (`weight` int8 [out, in], `weight_scale` [out, 1] in the model dtype),
+  computed and compressed with the compressed-tensors library (`calculate_qparams` and the
+  "int-quantized" `IntQuantizationCompressor`);
+* activations are declared int8 symmetric dynamic per-token (nothing stored for them);
+* `lm_head` is ignored, embeddings / norms / biases are copied;
+* optionally (default on) a SmoothQuant-style smoothing is folded in first, as llm-compressor's
+  SmoothQuantModifier does for the RedHatAI checkpoints: input_layernorm -> q/k/v,
+  post_attention_layernorm -> gate/up and up -> down. That makes the layernorms of the w8a8
+  checkpoint differ from the bf16 ones, which is exactly what FlashRL's int8 profile measures.
+
+The output is sharded one decoder layer per safetensors file (plus one for everything else) with a
+`model.safetensors.index.json`, so readers are exercised on multi-shard checkpoints. Tokenizer and
+other side files are copied. transformers (4.57) loads the result through its compressed-tensors
+integration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+
+PROJECTIONS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+_LAYER_RE = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def w8a8_quantization_config() -> dict:
+    """The `quantization_config` of a RedHatAI `*-quantized.w8a8` checkpoint (compressed-tensors)."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
+                                                 QuantizationScheme, QuantizationStatus)
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel",
+                                 dynamic=False, observer="minmax"),
+        input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True,
+                                           strategy="token", dynamic=True, observer=None),
+    )
+    cfg = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized",
+                             ignore=["lm_head"], quantization_status=QuantizationStatus.COMPRESSED)
+    return cfg.model_dump(mode="json")
+
+
+def _tensor_index(model_dir: str) -> Dict[str, str]:
+    """name -> safetensors file (absolute path) for a HF checkpoint dir."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    out = {}
+    for fname in files:
+        path = os.path.join(model_dir, fname)
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                out[k] = path
+    return out
+
+
+def _smoothing(act_proxy: torch.Tensor, weights: List[torch.Tensor], alpha: float) -> torch.Tensor:
+    """SmoothQuant factor s per input channel: s = a^alpha / w^(1-alpha) (weights' columns * s)."""
+    w_max = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    a = act_proxy.float().abs().clamp(min=1e-5)
+    s = a.pow(alpha) / w_max.clamp(min=1e-5).pow(1.0 - alpha)
+    return s / s.mean()  # keep magnitudes in a sensible range
+
+
+def _smooth_layer(t: Dict[str, torch.Tensor], prefix: str, alpha: float) -> None:
+    """Fold SmoothQuant smoothing into one decoder layer's tensors (in place in dict `t`)."""
+    def w(n):
+        return f"{prefix}.{n}.weight"
+
+    ln_in, ln_post = f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"
+    groups = [
+        (ln_in, [w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]),
+        (ln_post, [w("mlp.gate_proj"), w("mlp.up_proj")]),
+    ]
+    for ln, linears in groups:
+        if ln not in t or not all(n in t for n in linears):
+            continue
+        dtype = t[ln].dtype
+        s = _smoothing(t[ln], [t[n] for n in linears], alpha)
+        t[ln] = (t[ln].float() / s).to(dtype)
+        for n in linears:
+            t[n] = (t[n].float() * s.view(1, -1)).to(t[n].dtype)
+    up, down = w("mlp.up_proj"), w("mlp.down_proj")
+    if up in t and down in t:
+        # up rows scaled by 1/s, down columns by s: silu(gate) * up is linear in up's output.
+        s = _smoothing(t[up].float().abs().amax(dim=1), [t[down]], alpha)
+        t[up] = (t[up].float() / s.view(-1, 1)).to(t[up].dtype)
+        t[down] = (t[down].float() * s.view(1, -1)).to(t[down].dtype)
+        bias = f"{prefix}.mlp.up_proj.bias"
+        if bias in t:
+            t[bias] = (t[bias].float() / s).to(t[bias].dtype)
+
+
+def _quantize_layer(t: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
+    """int8 per-channel symmetric weights + weight_scale via compressed-tensors' compressor."""
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    qcfg = QuantizationConfig.model_validate(w8a8_quantization_config())
+    scheme: QuantizationScheme = qcfg.config_groups["group_0"]
+    wargs: QuantizationArgs = scheme.weights
+    compressor = IntQuantizationCompressor(config=qcfg)
+
+    state, names_to_scheme = {}, {}
+    for proj in PROJECTIONS:
+        name = f"{prefix}.{proj}.weight"
+        if name not in t:
+            continue
+        weight = t[name]
+        min_vals = weight.amin(dim=1, keepdim=True)
+        max_vals = weight.amax(dim=1, keepdim=True)
+        scale, zero_point = calculate_qparams(min_vals, max_vals, wargs)
+        state[name] = weight
+        state[f"{prefix}.{proj}.weight_scale"] = scale.to(weight.dtype)  # [out, 1], model dtype
+        state[f"{prefix}.{proj}.weight_zero_point"] = zero_point
+        names_to_scheme[f"{prefix}.{proj}"] = scheme
+    compressed = compressor.compress(state, names_to_scheme=names_to_scheme)
+    out = {k: v for k, v in t.items() if k not in state}
+    out.update(compressed)
+    return out
+
+
+def write_w8a8_compressed_tensors(bf16_dir: str, out_dir: str, smooth: bool = True,
+                                  smooth_alpha: float = 0.5) -> str:
+    """Write a RedHatAI-style compressed-tensors W8A8 checkpoint of `bf16_dir` into `out_dir`."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index = _tensor_index(bf16_dir)
+    os.makedirs(out_dir, exist_ok=True)
+
+    groups: Dict[Optional[str], List[str]] = {}
+    for name in index:
+        m = _LAYER_RE.match(name)
+        groups.setdefault(m.group(1) if m else None, []).append(name)
+    layer_prefixes = sorted((p for p in groups if p is not None),
+                            key=lambda p: (p.rsplit(".", 1)[0], int(p.rsplit(".", 1)[1])))
+    order: List[Optional[str]] = [None] + layer_prefixes if None in groups else layer_prefixes
+    n_files = len(order)
+
+    weight_map = {}
+    for i, prefix in enumerate(order):
+        tensors = {}
+        for name in groups[prefix]:
+            with safe_open(index[name], framework="pt") as f:
+                tensors[name] = f.get_tensor(name)
+        if prefix is not None:
+            if smooth:
+                _smooth_layer(tensors, prefix, smooth_alpha)
+            tensors = _quantize_layer(tensors, prefix)
+        fname = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, fname),
+                  metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+
+    total = 0
+    for fname in set(weight_map.values()):
+        total += os.path.getsize(os.path.join(out_dir, fname))
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                  f, indent=2)
+
+    with open(os.path.join(bf16_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = w8a8_quantization_config()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+    for fname in os.listdir(bf16_dir):
+        src = os.path.join(bf16_dir, fname)
+        if (fname.endswith(".safetensors") or fname in ("config.json", "model.safetensors.index.json")
+                or not os.path.isfile(src)):
+            continue
+        shutil.copy2(src, os.path.join(out_dir, fname))
+    return out_dir
