@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2034  # the variables and arrays set here are used by the scripts that source this file
 # Helpers shared by the npu_flashrl verl recipes (sourced, not executed).
 # Every recipe: `set -euo pipefail`, tunables as env vars with defaults, `--dry-run` prints the full
 # command without launching anything, preflight checks stop before anything expensive starts.
@@ -144,4 +145,176 @@ flashrl_entry() {
   local pass=()
   [[ "$DRY_RUN" == 1 ]] && pass+=(--dry-run)
   bash "$config_script" "${pass[@]}" "${EXTRA_ARGS[@]}"
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Shared GRPO settings of the configs/*.sh launch scripts (FSDP and Megatron), so the trainer
+# backends and the int8/bf16 variants differ only where they must. Variables are documented in
+# configs/test_grpo_qwen25_7b_fsdp_int8_A2.sh.
+grpo_defaults() {
+  ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-int8}"
+  MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-7B-Instruct}"
+  DATASET="${DATASET:-gsm8k}"
+  DATA_DIR="${DATA_DIR:-$HOME/data/$DATASET}"
+  TRAIN_FILE="${TRAIN_FILE:-$DATA_DIR/train.parquet}"
+  VAL_FILE="${VAL_FILE:-$DATA_DIR/test.parquet}"
+  FLASHRL_CONFIG="${FLASHRL_CONFIG:-}"
+
+  NNODES="${NNODES:-1}"
+  NPUS_PER_NODE="${NPUS_PER_NODE:-8}"
+  RAY_ADDRESS="${RAY_ADDRESS:-}"
+
+  MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
+  MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-10240}"
+  TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-16}"
+  PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-8}"
+  ROLLOUT_N="${ROLLOUT_N:-4}"
+  USE_DYNAMIC_BSZ="${USE_DYNAMIC_BSZ:-True}"
+  PPO_MAX_TOKEN_LEN="${PPO_MAX_TOKEN_LEN:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}"
+  LR="${LR:-5e-8}"
+  KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"
+  KL_LOSS_TYPE="${KL_LOSS_TYPE:-low_var_kl}"
+  ROLLOUT_TP="${ROLLOUT_TP:-4}"
+  GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.3}"
+  MICRO_BATCH_PER_NPU="${MICRO_BATCH_PER_NPU:-1}"
+  ENFORCE_EAGER="${ENFORCE_EAGER:-False}"
+  REF_PARAM_OFFLOAD="${REF_PARAM_OFFLOAD:-True}"
+  ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-False}"
+
+  TIS_LEVEL="${TIS_LEVEL:-sequence}"
+  TIS_THRESHOLD="${TIS_THRESHOLD:-2.0}"
+  TIS_BATCH_NORMALIZE="${TIS_BATCH_NORMALIZE:-True}"
+  TIS_BYPASS_MODE="${TIS_BYPASS_MODE:-True}"
+  TIS_USE_POLICY_GRADIENT="${TIS_USE_POLICY_GRADIENT:-True}"
+
+  TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
+  SAVE_FREQ="${SAVE_FREQ:--1}"
+  TEST_FREQ="${TEST_FREQ:-5}"
+  LOGGER="${LOGGER:-console}"
+  PROJECT_NAME="${PROJECT_NAME:-npu_flashrl_grpo}"
+  EXPERIMENT_NAME="${EXPERIMENT_NAME:-$1_${ROLLOUT_PRECISION}_A2}"
+  CKPT_DIR="${CKPT_DIR:-$HOME/npu_flashrl_runs/ckpts/$PROJECT_NAME/$EXPERIMENT_NAME}"
+  PYTHON="${PYTHON:-python3}"
+
+  FLASHRL_LMHEAD_FP32="${FLASHRL_LMHEAD_FP32:-1}"
+  FLASHRL_LOGGING_LEVEL="${FLASHRL_LOGGING_LEVEL:-DEBUG}"
+  FLASHRL_LOGGING_FILE="${FLASHRL_LOGGING_FILE:-}"
+  VERL_LOGGING_LEVEL="${VERL_LOGGING_LEVEL:-DEBUG}"
+  VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-DEBUG}"
+  HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-3000}"
+  HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-3000}"
+  HCCL_HOST_SOCKET_PORT_RANGE="${HCCL_HOST_SOCKET_PORT_RANGE:-60000-60050}"
+  HCCL_NPU_SOCKET_PORT_RANGE="${HCCL_NPU_SOCKET_PORT_RANGE:-61000-61050}"
+}
+
+# Cheap checks, before Ray or anything else starts.
+grpo_preflight() {
+  case "$ROLLOUT_PRECISION" in
+    int8|bf16) ;;
+    *) recipe_die "ROLLOUT_PRECISION must be int8 or bf16, got '$ROLLOUT_PRECISION'" ;;
+  esac
+  case "$TIS_LEVEL" in
+    null|token|sequence) ;;
+    *) recipe_die "TIS_LEVEL must be null, token or sequence (algorithm.rollout_correction.rollout_is), got '$TIS_LEVEL'" ;;
+  esac
+  require_dir MODEL_PATH "$MODEL_PATH"
+  require_file MODEL_PATH/config.json "$MODEL_PATH/config.json"
+  require_file TRAIN_FILE "$TRAIN_FILE"
+  require_file VAL_FILE "$VAL_FILE"
+  if [[ "$ROLLOUT_PRECISION" == int8 || -n "$FLASHRL_CONFIG" ]]; then
+    if [[ "$DRY_RUN" == 1 && -n "$FLASHRL_CONFIG" && "${NPU_FLASHRL_PENDING_CONFIG:-}" == "$FLASHRL_CONFIG" ]]; then
+      recipe_log "dry run: FLASHRL_CONFIG $FLASHRL_CONFIG would be created by npu-flashrl setup"
+    else
+      require_file FLASHRL_CONFIG "$FLASHRL_CONFIG"
+    fi
+  fi
+  if (( ROLLOUT_TP > NPUS_PER_NODE )); then
+    recipe_die "ROLLOUT_TP=$ROLLOUT_TP exceeds NPUS_PER_NODE=$NPUS_PER_NODE"
+  fi
+  if [[ "$DRY_RUN" == 0 ]]; then
+    require_cmd "$PYTHON" "set PYTHON to the interpreter of the pinned stack"
+    if [[ -n "$FLASHRL_CONFIG" ]]; then
+      "$PYTHON" -c 'import npu_flashrl' 2>/dev/null \
+        || recipe_die "npu_flashrl is not importable by $PYTHON (run scripts/install_pinned.sh)"
+    fi
+  fi
+}
+
+# WORKER_ENV (KEY=VALUE for `env`) and RUNTIME_ENV_OVERRIDES (the same variables in Ray's runtime env,
+# as quoted strings, so that workers on every node of a multi-node cluster see them).
+grpo_worker_env() {
+  WORKER_ENV=(
+    "HCCL_CONNECT_TIMEOUT=$HCCL_CONNECT_TIMEOUT"
+    "HCCL_EXEC_TIMEOUT=$HCCL_EXEC_TIMEOUT"
+    "HCCL_HOST_SOCKET_PORT_RANGE=$HCCL_HOST_SOCKET_PORT_RANGE"
+    "HCCL_NPU_SOCKET_PORT_RANGE=$HCCL_NPU_SOCKET_PORT_RANGE"
+    "VERL_LOGGING_LEVEL=$VERL_LOGGING_LEVEL"
+    "VLLM_LOGGING_LEVEL=$VLLM_LOGGING_LEVEL"
+  )
+  if [[ -n "$FLASHRL_CONFIG" ]]; then
+    WORKER_ENV+=(
+      "FLASHRL_CONFIG=$FLASHRL_CONFIG"
+      "FLASHRL_LMHEAD_FP32=$FLASHRL_LMHEAD_FP32"
+      "FLASHRL_LOGGING_LEVEL=$FLASHRL_LOGGING_LEVEL"
+    )
+    if [[ -n "$FLASHRL_LOGGING_FILE" ]]; then WORKER_ENV+=("FLASHRL_LOGGING_FILE=$FLASHRL_LOGGING_FILE"); fi
+  fi
+  RUNTIME_ENV_OVERRIDES=()
+  local kv
+  for kv in "${WORKER_ENV[@]}"; do
+    RUNTIME_ENV_OVERRIDES+=("+ray_kwargs.ray_init.runtime_env.env_vars.${kv%%=*}='${kv#*=}'")
+  done
+  if [[ -n "$RAY_ADDRESS" ]]; then WORKER_ENV+=("RAY_ADDRESS=$RAY_ADDRESS"); fi
+}
+
+# SHARED_OVERRIDES: the Hydra overrides both trainer backends use (verl 51d2104 key names).
+grpo_shared_overrides() {
+  SHARED_OVERRIDES=(
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+    "data.train_files=$TRAIN_FILE"
+    "data.val_files=$VAL_FILE"
+    "data.train_batch_size=$TRAIN_BATCH_SIZE"
+    "data.max_prompt_length=$MAX_PROMPT_LENGTH"
+    "data.max_response_length=$MAX_RESPONSE_LENGTH"
+    data.filter_overlong_prompts=True
+    data.truncation=error
+    "actor_rollout_ref.model.path=$MODEL_PATH"
+    "actor_rollout_ref.actor.optim.lr=$LR"
+    "actor_rollout_ref.actor.ppo_mini_batch_size=$PPO_MINI_BATCH_SIZE"
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$MICRO_BATCH_PER_NPU"
+    "actor_rollout_ref.actor.use_dynamic_bsz=$USE_DYNAMIC_BSZ"
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$PPO_MAX_TOKEN_LEN"
+    actor_rollout_ref.actor.use_kl_loss=True
+    "actor_rollout_ref.actor.kl_loss_coef=$KL_LOSS_COEF"
+    "actor_rollout_ref.actor.kl_loss_type=$KL_LOSS_TYPE"
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.mode=sync
+    "actor_rollout_ref.rollout.n=$ROLLOUT_N"
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
+    "actor_rollout_ref.rollout.gpu_memory_utilization=$GPU_MEMORY_UTILIZATION"
+    actor_rollout_ref.rollout.enable_chunked_prefill=False
+    "actor_rollout_ref.rollout.max_num_batched_tokens=$PPO_MAX_TOKEN_LEN"
+    "actor_rollout_ref.rollout.enforce_eager=$ENFORCE_EAGER"
+    actor_rollout_ref.rollout.calculate_log_probs=True
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$MICRO_BATCH_PER_NPU"
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$MICRO_BATCH_PER_NPU"
+    "algorithm.rollout_correction.rollout_is=$TIS_LEVEL"
+    "algorithm.rollout_correction.rollout_is_threshold=$TIS_THRESHOLD"
+    "algorithm.rollout_correction.rollout_is_batch_normalize=$TIS_BATCH_NORMALIZE"
+    "algorithm.rollout_correction.bypass_mode=$TIS_BYPASS_MODE"
+    "algorithm.rollout_correction.use_policy_gradient=$TIS_USE_POLICY_GRADIENT"
+    trainer.critic_warmup=0
+    "trainer.logger=$LOGGER"
+    "trainer.project_name=$PROJECT_NAME"
+    "trainer.experiment_name=$EXPERIMENT_NAME"
+    "trainer.default_local_dir=$CKPT_DIR"
+    "trainer.n_gpus_per_node=$NPUS_PER_NODE"
+    "trainer.nnodes=$NNODES"
+    "trainer.save_freq=$SAVE_FREQ"
+    "trainer.test_freq=$TEST_FREQ"
+    "trainer.total_epochs=$TOTAL_EPOCHS"
+    trainer.device=npu
+  )
 }

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# verl GRPO launch with the Megatron trainer backend + MindSpeed on one Atlas 800T A2 node: Qwen2.5-7B,
+# INT8 rollout on vLLM-Ascend through npu_flashrl. Same GRPO / rollout / TIS / logging / HCCL settings
+# as test_grpo_qwen25_7b_fsdp_int8_A2.sh (shared through ../common.sh); only the trainer side differs:
+# actor_rollout_ref.actor.strategy=megatron with verl's ppo_megatron_trainer config, Megatron
+# parallelism, full recompute and MindSpeed's flash attention through override_transformer_config.
+# verl imports mindspeed.megatron_adaptor in its Megatron workers; MindSpeed must be installed
+# (scripts/install_pinned.sh does it).
+#
+# Normally started by ../flash_rl/grpo_qwen25_7b_megatron_int8_A2.sh, which prepares FLASHRL_CONFIG.
+#
+# Usage: test_grpo_qwen25_7b_megatron_int8_A2.sh [--dry-run] [extra Hydra overrides ...]
+#
+# Environment: everything listed in test_grpo_qwen25_7b_fsdp_int8_A2.sh, plus (defaults in brackets)
+#   TRAIN_TP [4] TRAIN_PP [1] TRAIN_CP [1]    Megatron tensor / pipeline / context parallel sizes
+#   ACTOR_OFFLOAD [False]                      actor param, grad and optimizer offload
+#   USE_DIST_CKPT [False] DIST_CKPT_PATH []    load a converted Megatron dist checkpoint instead of HF
+#   USE_MBRIDGE [False]                        verl's mbridge HF<->Megatron conversion
+#   USE_FLASH_ATTN [True]                      MindSpeed flash attention (+override_transformer_config)
+#   RECOMPUTE_GRANULARITY [full] RECOMPUTE_METHOD [uniform] RECOMPUTE_NUM_LAYERS [1]
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=SCRIPTDIR/../common.sh
+source "$HERE/../common.sh"
+parse_recipe_args "$@"
+
+grpo_defaults qwen25_7b_megatron
+TRAIN_TP="${TRAIN_TP:-4}"
+TRAIN_PP="${TRAIN_PP:-1}"
+TRAIN_CP="${TRAIN_CP:-1}"
+ACTOR_OFFLOAD="${ACTOR_OFFLOAD:-False}"
+USE_DIST_CKPT="${USE_DIST_CKPT:-False}"
+DIST_CKPT_PATH="${DIST_CKPT_PATH:-}"
+USE_MBRIDGE="${USE_MBRIDGE:-False}"
+USE_FLASH_ATTN="${USE_FLASH_ATTN:-True}"
+RECOMPUTE_GRANULARITY="${RECOMPUTE_GRANULARITY:-full}"
+RECOMPUTE_METHOD="${RECOMPUTE_METHOD:-uniform}"
+RECOMPUTE_NUM_LAYERS="${RECOMPUTE_NUM_LAYERS:-1}"
+
+grpo_preflight
+if (( TRAIN_TP * TRAIN_PP * TRAIN_CP > NPUS_PER_NODE * NNODES )); then
+  recipe_die "TRAIN_TP*TRAIN_PP*TRAIN_CP=$((TRAIN_TP * TRAIN_PP * TRAIN_CP)) exceeds the $((NPUS_PER_NODE * NNODES)) NPUs"
+fi
+if [[ "$USE_DIST_CKPT" == True ]]; then require_dir DIST_CKPT_PATH "$DIST_CKPT_PATH"; fi
+if [[ "$DRY_RUN" == 0 ]]; then
+  "$PYTHON" -c 'import mindspeed.megatron_adaptor' 2>/dev/null \
+    || recipe_die "mindspeed.megatron_adaptor is not importable by $PYTHON: the Megatron backend on NPU needs MindSpeed (scripts/install_pinned.sh --only mindspeed,megatron_core)"
+fi
+grpo_worker_env
+grpo_shared_overrides
+
+MEGATRON_OVERRIDES=(
+  actor_rollout_ref.actor.strategy=megatron
+  actor_rollout_ref.model.use_remove_padding=True
+  actor_rollout_ref.actor.use_torch_compile=False
+  actor_rollout_ref.ref.use_torch_compile=False
+  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=$TRAIN_TP"
+  "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=$TRAIN_PP"
+  "actor_rollout_ref.actor.megatron.context_parallel_size=$TRAIN_CP"
+  "actor_rollout_ref.actor.megatron.param_offload=$ACTOR_OFFLOAD"
+  "actor_rollout_ref.actor.megatron.grad_offload=$ACTOR_OFFLOAD"
+  "actor_rollout_ref.actor.megatron.optimizer_offload=$ACTOR_OFFLOAD"
+  "actor_rollout_ref.actor.megatron.use_dist_checkpointing=$USE_DIST_CKPT"
+  "actor_rollout_ref.actor.megatron.use_mbridge=$USE_MBRIDGE"
+  "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=$TRAIN_TP"
+  "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$TRAIN_PP"
+  "actor_rollout_ref.ref.megatron.context_parallel_size=$TRAIN_CP"
+  "actor_rollout_ref.ref.megatron.param_offload=$REF_PARAM_OFFLOAD"
+  "actor_rollout_ref.ref.megatron.use_dist_checkpointing=$USE_DIST_CKPT"
+  # MindSpeed options go through override_transformer_config (verl repatches MindSpeed with them);
+  # use_flash_attn is not in verl's schema, hence '+'; the recompute keys are.
+  "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=$USE_FLASH_ATTN"
+  "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=$RECOMPUTE_GRANULARITY"
+  "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=$RECOMPUTE_METHOD"
+  "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=$RECOMPUTE_NUM_LAYERS"
+)
+if [[ -n "$DIST_CKPT_PATH" ]]; then
+  MEGATRON_OVERRIDES+=(
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=$DIST_CKPT_PATH"
+    "actor_rollout_ref.ref.megatron.dist_checkpointing_path=$DIST_CKPT_PATH"
+  )
+fi
+
+CMD=(
+  env "${WORKER_ENV[@]}"
+  "$PYTHON" -m verl.trainer.main_ppo
+  --config-name=ppo_megatron_trainer
+  "${SHARED_OVERRIDES[@]}"
+  "${MEGATRON_OVERRIDES[@]}"
+  "${RUNTIME_ENV_OVERRIDES[@]}"
+  "${EXTRA_ARGS[@]}"
+)
+
+recipe_log "Megatron TP=$TRAIN_TP PP=$TRAIN_PP CP=$TRAIN_CP, rollout=$ROLLOUT_PRECISION model=$MODEL_PATH nodes=$NNODES x $NPUS_PER_NODE NPUs"
+run_or_print "${CMD[@]}"
