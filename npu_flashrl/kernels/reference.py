@@ -7,6 +7,7 @@ with an error naming the argument, so CPU CI catches what would fail on hardware
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple, Union
 
 import torch
@@ -200,12 +201,15 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
 
 
 # Format casts change the storage layout only: on CPU they are the identity on values. The
-# format is remembered per storage address so get_npu_format answers like the NPU would.
-_formats: dict = {}
+# format is remembered per storage so get_npu_format answers like the NPU would. Keyed weakly by
+# the storage object (torch keeps one Python object per live storage), not by its address: a
+# freed NZ tensor's memory is reused by the allocator, and a new ND tensor there must not
+# inherit format 29.
+_formats: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _key(t: torch.Tensor):
+    return t.untyped_storage()
 
 
 def npu_format_cast(t: torch.Tensor, acl_format: int) -> torch.Tensor:
