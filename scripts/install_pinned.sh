@@ -270,11 +270,22 @@ PIP_ARGS=()
 steps_vllm() {
   PIP_ARGS=(-r requirements/build.txt); pip_in_comp
   PIP_ARGS=(--no-build-isolation -e .); pip_in_comp
+  # triton comes along on x86_64 but does not work on Ascend.
+  if [[ "$DRY_RUN" == 1 || -n "$(dist_version triton)" ]]; then
+    run "$PYTHON" -m pip uninstall -y triton
+  fi
 }
 # vllm-ascend with its custom kernels for the A2 SoC. Its requirements.txt asks for a torch-npu dev
 # build from another index: torch lines and index options are filtered out so the pinned torch_npu
 # stays (see docs/compatibility.md).
 steps_vllm_ascend() {
+  # libascend_hal.so lives in the driver; a build without a mounted driver links against the devlib stub.
+  local devlib
+  devlib="$ASCEND_HOME/ascend-toolkit/latest/$(uname -m)-linux/devlib"
+  if [[ -d "$devlib" ]]; then
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$devlib"
+    log "LD_LIBRARY_PATH += $devlib"
+  fi
   run_in "$COMP_DIR" sh -c "grep -v -E '^[[:space:]]*(torch|--|#)' requirements.txt > build-reqs.npu_flashrl.txt"
   PIP_ARGS=(-r build-reqs.npu_flashrl.txt); pip_in_comp
   PIP_ARGS=(--no-build-isolation -e .); pip_in_comp "SOC_VERSION=$SOC_VERSION" "MAX_JOBS=$MAX_JOBS"
