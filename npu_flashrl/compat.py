@@ -85,9 +85,16 @@ def init_vllm_ascend_config(vllm_config) -> None:
         init(vllm_config)
 
 
+def import_quantization():
+    """Import vllm-ascend's quantization package in the order vllm-ascend itself uses:
+    quant_config first (it registers the "ascend" method with vLLM; importing w8a8_dynamic
+    first hits a circular import through vllm_ascend.ops)."""
+    return importlib.import_module("vllm_ascend.quantization.quant_config")
+
+
 def quant_method_classes():
     """(AscendLinearMethod, W8A8 static, W8A8 dynamic) classes; same module paths in both lines."""
-    qc = importlib.import_module("vllm_ascend.quantization.quant_config")
+    qc = import_quantization()
     w8a8 = importlib.import_module("vllm_ascend.quantization.w8a8")
     dyn = importlib.import_module("vllm_ascend.quantization.w8a8_dynamic")
     return qc.AscendLinearMethod, w8a8.AscendW8A8LinearMethod, dyn.AscendW8A8DynamicLinearMethod

@@ -34,6 +34,7 @@ def prepare_process(enable_nz: bool = True) -> None:
         platforms._current_platform = cls()
     from npu_flashrl import compat
 
+    compat.import_quantization()  # registers the "ascend" quantization method with vLLM
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
 
 
