@@ -1,0 +1,135 @@
+"""Lint the Hydra overrides of a verl launch command against verl's own config schema.
+
+Reads a command (e.g. a recipe's ``--dry-run`` output, backslash continuations allowed) and checks
+every override after ``verl.trainer.main_ppo`` against the flattened reference config that verl ships
+(``verl/trainer/config/_generated_ppo_trainer.yaml`` or ``_generated_ppo_megatron_trainer.yaml`` for
+``--config-name=ppo_megatron_trainer``). verl 0.6.1 (the CPU test stack) has the same keys as the
+pinned commit 51d2104 (only ``*.megatron.dist_checkpointing_prefix`` is missing in 0.6.1).
+
+Rules:
+  * ``key=value``: ``key`` must exist in the schema (a misspelled key is an error);
+  * ``+key=value``: ``key`` must NOT exist (Hydra refuses to add an existing key) and its nearest
+    existing ancestor must be a mapping (e.g. ``override_transformer_config``, ``ray_kwargs.ray_init``);
+  * a few values are checked: rollout mode, TIS level, calculate_log_probs.
+
+Usage: bash recipe.sh --dry-run 2>/dev/null | python lint_overrides.py [--verl-dir DIR]
+Exit status 0 when clean, 1 with one line per problem otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import yaml
+
+ENTRY_MODULE = "verl.trainer.main_ppo"
+VALUE_RULES = {
+    "actor_rollout_ref.rollout.mode": {"sync"},
+    "algorithm.rollout_correction.rollout_is": {"null", "token", "sequence"},
+    "actor_rollout_ref.rollout.calculate_log_probs": {"True", "true"},
+}
+
+
+def find_verl_config_dir(verl_dir: Optional[str] = None) -> str:
+    if verl_dir:
+        cand = os.path.join(verl_dir, "verl", "trainer", "config")
+        if not os.path.isdir(cand):
+            cand = os.path.join(verl_dir, "trainer", "config")
+        return cand
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("verl is not installed (pip install verl==0.6.1 --no-deps) and --verl-dir not given")
+    return os.path.join(list(spec.submodule_search_locations)[0], "trainer", "config")
+
+
+def flatten(node, prefix: str = "") -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    if isinstance(node, dict):
+        out[prefix] = node  # mappings are addressable too (for '+' parents)
+        for k, v in node.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    else:
+        out[prefix] = node
+    return out
+
+
+def load_schema(config_name: str, verl_dir: Optional[str] = None) -> Dict[str, object]:
+    path = os.path.join(find_verl_config_dir(verl_dir), f"_generated_{config_name}.yaml")
+    with open(path, encoding="utf-8") as fh:
+        return flatten(yaml.safe_load(fh))
+
+
+def parse_command(text: str) -> Tuple[str, List[str]]:
+    """(config name, overrides) from a shell command text."""
+    words = shlex.split(text.replace("\\\n", " "), comments=True)
+    if ENTRY_MODULE not in words:
+        raise ValueError(f"no '{ENTRY_MODULE}' in the command")
+    rest = words[words.index(ENTRY_MODULE) + 1:]
+    config_name = "ppo_trainer"
+    overrides = []
+    for w in rest:
+        if w.startswith("--config-name="):
+            config_name = w.split("=", 1)[1]
+        elif w.startswith("--"):
+            continue
+        elif "=" in w:
+            overrides.append(w)
+    return config_name, overrides
+
+
+def lint(overrides: List[str], schema: Dict[str, object]) -> List[str]:
+    problems = []
+    for ov in overrides:
+        key, value = ov.split("=", 1)
+        if key.startswith("~"):
+            key = key[1:]
+            if key not in schema:
+                problems.append(f"{ov}: cannot delete '{key}', it is not in verl's config")
+            continue
+        if key.startswith("++"):
+            continue  # force-add/override: accepted either way
+        if key.startswith("+"):
+            key = key[1:]
+            if key in schema:
+                problems.append(f"{ov}: '{key}' already exists in verl's config, drop the '+'")
+                continue
+            parent = key
+            while "." in parent:
+                parent = parent.rsplit(".", 1)[0]
+                if parent in schema:
+                    if not isinstance(schema[parent], dict):
+                        problems.append(f"{ov}: cannot add under '{parent}', it is not a mapping")
+                    break
+            continue
+        if key not in schema:
+            near = sorted(k for k in schema if k.rsplit(".", 1)[0] == key.rsplit(".", 1)[0])[:8]
+            problems.append(f"{ov}: unknown key '{key}' in verl's config" + (f" (siblings: {', '.join(near)})" if near else ""))
+            continue
+        allowed = VALUE_RULES.get(key)
+        if allowed is not None and value not in allowed:
+            problems.append(f"{ov}: value '{value}' not in {sorted(allowed)}")
+    return problems
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--verl-dir", help="verl source tree or package dir (default: the installed verl)")
+    ap.add_argument("file", nargs="?", help="command text (default: stdin)")
+    args = ap.parse_args(argv)
+    text = open(args.file).read() if args.file else sys.stdin.read()
+    config_name, overrides = parse_command(text)
+    problems = lint(overrides, load_schema(config_name, args.verl_dir))
+    for p in problems:
+        print(p)
+    if not problems:
+        print(f"ok: {len(overrides)} overrides match verl's {config_name} schema")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
