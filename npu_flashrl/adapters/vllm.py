@@ -1,0 +1,199 @@
+"""Rollout side of FLASHRL_LMHEAD_FP32: the vLLM / vllm-ascend lm_head held and computed in fp32.
+
+FlashRL 1.0.3 does this by creating *every* ``VocabParallelEmbedding`` (embeddings included) with fp32
+params and wrapping ``UnquantizedEmbeddingMethod.apply`` to run in fp32 and cast the logits back to
+the input dtype. npu_flashrl differs on purpose:
+
+* only the lm head is fp32 (``ParallelLMHead`` and vllm-ascend's ``AscendParallelLMHead``); input
+  embeddings stay in the model dtype unless they ARE the lm head weight (tied embeddings), and then
+  the embedding output is cast back to the model dtype so the rest of the model is unchanged;
+* the logits stay fp32 (vLLM V1's Sampler converts logits to fp32 first thing anyway, so casting them
+  back to bf16 would only add a rounding step to the log-probs we want to match the trainer's).
+
+Pieces:
+
+* patch ``vllm_lmhead_fp32_compute`` wraps ``UnquantizedEmbeddingMethod.apply``: that method is only
+  ever used to turn hidden states into logits (embedding lookups use ``.embedding``), by vLLM's
+  ``LogitsProcessor`` and by vllm-ascend's ``AscendLogitsProcessor`` (normal and lm-head-TP paths, in
+  v0.10.1rc1 and 0.11.0 alike). It computes ``F.linear(h.float(), W.float(), b.float())``; with an
+  fp32 weight the ``.float()`` is free. Quantized lm heads (another quant method) are untouched.
+* patch ``vllm_lmhead_fp32_init`` wraps ``ParallelLMHead.__init__`` and, when vllm-ascend is
+  importable, ``AscendParallelLMHead.__init__`` (vllm-ascend registers it as the out-of-tree op that
+  ``ParallelLMHead(...)`` instantiates, and its ``__init__`` does not call ``ParallelLMHead.__init__``),
+  so the weight is *created* in fp32 inside vLLM's model construction (i.e. inside the "weights" memory
+  pool of sleep mode) before anything is loaded.
+* :func:`upcast_lm_head(model)` does the same on an already built/loaded model (and handles tied
+  embeddings). Call it right after the model is loaded, before ACL graph capture and before the first
+  ``sleep()``: it re-allocates the lm head storage (outside the sleep-mode pool when called later).
+
+Weight reload keeps working: the Parameter object and its attributes (``weight_loader``,
+``output_dim``) are kept, only ``param.data`` changes dtype; vLLM's ``VocabParallelEmbedding.weight_loader``
+writes with ``param.data.copy_(loaded)``, which casts bf16 or fp32 sources into the fp32 storage.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npu_flashrl import patches
+from npu_flashrl._logging import get_logger
+from npu_flashrl.patches import PatchNotApplicable, register
+
+logger = get_logger("adapters.vllm")
+
+_VPE = "vllm.model_executor.layers.vocab_parallel_embedding"
+_ASCEND_VPE = "vllm_ascend.ops.vocab_parallel_embedding"
+PATCH_COMPUTE = "vllm_lmhead_fp32_compute"
+PATCH_INIT = "vllm_lmhead_fp32_init"
+MARK = "_npu_flashrl_fp32_lm_head"
+EMBED_MARK = "_npu_flashrl_embed_out_dtype"
+
+__all__ = ["upcast_lm_head", "enable_lm_head_fp32", "lmhead_fp32_requested", "find_lm_head",
+           "PATCH_COMPUTE", "PATCH_INIT"]
+
+
+def lmhead_fp32_requested(environ=None) -> bool:
+    """FLASHRL_LMHEAD_FP32 == '1' (FlashRL's switch and meaning)."""
+    env = os.environ if environ is None else environ
+    return str(env.get("FLASHRL_LMHEAD_FP32", "0")).strip() == "1"
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def _upcast_param(module: nn.Module, name: str) -> bool:
+    """``param.data`` -> fp32 in place of the same Parameter object (attributes kept). True if changed."""
+    p = getattr(module, name, None)
+    if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.dtype == torch.float32:
+        return False
+    p.data = p.data.to(torch.float32)
+    return True
+
+
+def _is_unquantized(layer: nn.Module) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return isinstance(getattr(layer, "quant_method", None), UnquantizedEmbeddingMethod)
+
+
+def find_lm_head(model: nn.Module) -> Optional[nn.Module]:
+    """The module whose weight produces the logits: ``model.lm_head``, else a ``*lm_head`` submodule."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Module):
+        return head
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] == "lm_head":
+            return mod
+    return None
+
+
+def _cast_output_hook(module: nn.Module, args, output):
+    dtype = getattr(module, EMBED_MARK, None)
+    if dtype is not None and isinstance(output, torch.Tensor) and output.dtype != dtype:
+        return output.to(dtype)
+    return output
+
+
+# ------------------------------------------------------------------------------ public function
+
+def upcast_lm_head(model: nn.Module, include_tied: bool = True) -> bool:
+    """Hold ``model``'s lm head weight (and bias) in fp32; idempotent. Returns True when it is fp32.
+
+    * Untied: only the lm head parameters are upcast; embeddings are untouched.
+    * Tied (lm_head IS ``embed_tokens`` as in vLLM's Qwen2, or shares its weight): the shared weight is
+      upcast when ``include_tied`` (else nothing changes and False is returned) and every embedding
+      module using it gets a forward hook casting its output back to the model dtype.
+    * A quantized lm head (quant method other than ``UnquantizedEmbeddingMethod``) is left alone
+      (WARNING, returns False).
+
+    Logits are then computed in fp32 by the ``vllm_lmhead_fp32_compute`` patch (applied here too).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
+                                                                     VocabParallelEmbedding)
+
+    head = find_lm_head(model)
+    if head is None:
+        logger.warning("FP32 lm_head: no lm_head found in %s; unchanged", type(model).__name__)
+        return False
+    if not _is_unquantized(head):
+        logger.warning("FP32 lm_head: lm_head of %s uses %s (quantized); unchanged", type(model).__name__,
+                       type(getattr(head, "quant_method", None)).__name__)
+        return False
+    weight = head.weight
+    tied_embeddings = [m for m in model.modules()
+                       if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+                       and getattr(m, "weight", None) is weight]
+    if tied_embeddings and not include_tied:
+        logger.info("FP32 lm_head: %s has tied embeddings and include_tied=False; unchanged",
+                    type(model).__name__)
+        return False
+    for emb in tied_embeddings:
+        if getattr(emb, EMBED_MARK, None) is None:
+            setattr(emb, EMBED_MARK, weight.dtype if weight.dtype != torch.float32
+                    else getattr(emb, "params_dtype", None) or torch.get_default_dtype())
+            emb.register_forward_hook(_cast_output_hook)
+    changed = _upcast_param(head, "weight")
+    changed |= _upcast_param(head, "bias")
+    setattr(head, MARK, True)
+    if changed:
+        logger.info("FP32 lm_head: %s lm_head weight held in fp32%s", type(model).__name__,
+                    " (tied with the input embedding; its output is cast back)" if tied_embeddings else "")
+    apply_patch_ok = patches.apply_patch(PATCH_COMPUTE)
+    return bool(apply_patch_ok)
+
+
+def enable_lm_head_fp32() -> dict:
+    """Apply both vLLM-side patches (compute + creation in fp32). Idempotent."""
+    return patches.apply_patches([PATCH_COMPUTE, PATCH_INIT])
+
+
+# ---------------------------------------------------------------------------------- patches
+
+def _fp32_logits(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    w = layer.weight
+    return F.linear(x.to(torch.float32), w if w.dtype == torch.float32 else w.to(torch.float32),
+                    None if bias is None else bias.to(torch.float32))
+
+
+def _make_apply(original):
+    def apply(self, layer, x, bias=None):
+        return _fp32_logits(layer, x, bias)
+
+    apply.__wrapped__ = original
+    apply.__doc__ = "npu_flashrl: lm head logits in fp32 (FLASHRL_LMHEAD_FP32). " + (original.__doc__ or "")
+    return apply
+
+
+@register(PATCH_COMPUTE, f"{_VPE}:UnquantizedEmbeddingMethod.apply", "vllm 0.10.1 .. 0.11.x",
+          doc="lm head logits computed in fp32 (vLLM LogitsProcessor and vllm-ascend AscendLogitsProcessor)")
+def _apply_compute() -> None:
+    patches.replace(f"{_VPE}:UnquantizedEmbeddingMethod.apply", _make_apply)
+
+
+def _make_init(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if _is_unquantized(self):
+            _upcast_param(self, "weight")
+            _upcast_param(self, "bias")
+            setattr(self, MARK, True)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+@register(PATCH_INIT, f"{_VPE}:ParallelLMHead.__init__", "vllm 0.10.1 .. 0.11.x; vllm-ascend v0.10.1rc1, 0.11.0",
+          doc="lm head weight created in fp32 (ParallelLMHead and vllm-ascend AscendParallelLMHead)")
+def _apply_init() -> None:
+    patches.replace(f"{_VPE}:ParallelLMHead.__init__", _make_init)
+    try:
+        import importlib
+
+        importlib.import_module(_ASCEND_VPE)
+    except Exception as exc:  # noqa: BLE001 - vllm-ascend absent or not importable here
+        logger.debug("vllm-ascend lm head not patched (%s: %s)", type(exc).__name__, exc)
+        return
+    patches.replace(f"{_ASCEND_VPE}:AscendParallelLMHead.__init__", _make_init)
