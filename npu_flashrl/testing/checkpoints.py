@@ -194,3 +194,17 @@ def write_w8a8_compressed_tensors(bf16_dir: str, out_dir: str, smooth: bool = Tr
             continue
         shutil.copy2(src, os.path.join(out_dir, fname))
     return out_dir
+
+
+def tiny_checkpoint_pair(root: str, seed: int = 0, smooth: bool = True,
+                         config_overrides: Optional[dict] = None):
+    """(bf16_dir, w8a8_dir) of a tiny Qwen2 under `root`, built once (reused when present)."""
+    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+
+    bf16_dir = os.path.join(root, "bf16")
+    w8a8_dir = os.path.join(root, "w8a8")
+    if not os.path.exists(os.path.join(bf16_dir, "config.json")):
+        build_tiny_qwen2(bf16_dir, torch.bfloat16, seed, config_overrides=config_overrides)
+    if not os.path.exists(os.path.join(w8a8_dir, "config.json")):
+        write_w8a8_compressed_tensors(bf16_dir, w8a8_dir, smooth=smooth)
+    return bf16_dir, w8a8_dir
