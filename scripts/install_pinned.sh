@@ -173,7 +173,7 @@ run_checks() {
   fi
 
   command -v git >/dev/null 2>&1 || check_fail hard "git not found (apt-get install git)"
-  "$PYTHON" -m pip --version >/dev/null 2>&1 || check_fail hard "pip not available for $PYTHON"
+  "$PYTHON" -c "import pip" >/dev/null 2>&1 || check_fail hard "pip not available for $PYTHON"
 
   if [[ "$FAILED_CHECKS" -gt 0 ]]; then
     if [[ "$DRY_RUN" == 1 ]]; then

@@ -1,0 +1,222 @@
+"""scripts/install_pinned.sh and npu_flashrl.pins: pins read from one file, dry run, checks, idempotency.
+
+Nothing here installs anything: every run is a --dry-run, or a real run that must stop at its checks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "install_pinned.sh"
+sys.path.insert(0, str(ROOT))
+from npu_flashrl import pins as pins_mod  # noqa: E402
+
+PINS = pins_mod.load_pins()
+
+
+def base_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_REPO_URL")}
+    env.pop("NPU_FLASHRL_PINS", None)
+    # a PATH without npu-smi; the test interpreter (with pyyaml) first
+    env["PATH"] = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    env["PYTHON"] = sys.executable
+    env["MIN_FREE_GB"] = "0"
+    env["ASCEND_HOME"] = str(tmp_path / "Ascend")
+    env.update(extra)
+    return env
+
+
+def install(tmp_path, *args, **env):
+    return subprocess.run(["bash", str(SCRIPT), "--workdir", str(tmp_path / "wd"), *args],
+                          env=base_env(tmp_path, **env), capture_output=True, text=True, timeout=120)
+
+
+def steps(out):
+    return [line for line in out.splitlines() if line.startswith("+")]
+
+
+# ------------------------------------------------------------------------------------------- pins.py
+def test_load_pins_has_the_pinned_stack():
+    assert PINS["python"] == "3.10" and PINS["cann"] == "8.2.RC3"
+    p = PINS["packages"]
+    assert p["vllm"]["commit"] == "e03940762b43812fccd3c214bda60201cff9d16a"
+    assert p["vllm_ascend"]["commit"] == "7e16b4a7cdb15723c63c1c0efe58672a056eace8"
+    assert p["verl"]["commit"] == "51d2104ecb61563c41123a8f0bce2f06b18387dc"
+    assert p["mindspeed"]["commit"] == "1cdd0abd75e40936ad31721c092f57c695dd72c4"
+    assert p["megatron_core"]["ref"] == "core_v0.12.1"
+    assert p["transformers"]["commit"] == "8365f70e925"
+    assert p["torch"]["version"] == p["torch_npu"]["version"] == "2.7.1"
+    assert p["flash_llm_rl"]["version"] == "1.0.3"
+
+
+def test_pins_cli_get_sh_and_env_override(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "npu_flashrl.pins", "get", "packages.vllm.commit"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == PINS["packages"]["vllm"]["commit"]
+    missing = subprocess.run([sys.executable, str(ROOT / "npu_flashrl" / "pins.py"), "get", "packages.nope"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "packages.nope" in missing.stderr
+    sh = pins_mod.shell_assignments()
+    assert f"PIN_PACKAGES_VERL_COMMIT={PINS['packages']['verl']['commit']}" in sh
+    other = tmp_path / "pins.yaml"
+    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data["packages"]["verl"]["commit"] = "f" * 40
+    other.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, NPU_FLASHRL_PINS=str(other))
+    out = subprocess.run([sys.executable, str(ROOT / "npu_flashrl" / "pins.py"), "get", "packages.verl.commit"],
+                         env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "f" * 40
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        pins_mod.load_pins(tmp_path / "nowhere.yaml")
+
+
+# ------------------------------------------------------------------------------------------- dry run
+def test_dry_run_prints_every_step_with_the_pinned_commits(tmp_path):
+    proc = install(tmp_path, "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    p = PINS["packages"]
+    lines = steps(out)
+    for name in ["vllm", "vllm_ascend", "mindspeed", "verl", "transformers"]:
+        commit = p[name]["commit"]
+        assert f"+ git -C {tmp_path / 'wd' / name} checkout --detach {commit}" in lines, name
+        assert f"+ git clone {p[name]['repo']} {tmp_path / 'wd' / name}" in lines, name
+    assert f"+ git -C {tmp_path / 'wd' / 'megatron_core'} checkout --detach {p['megatron_core']['ref']}" in lines
+    text = "\n".join(lines)
+    assert "env VLLM_TARGET_DEVICE=empty" in text
+    assert "env COMPILE_CUSTOM_KERNELS=1 SOC_VERSION=ascend910b1" in text
+    assert "requirements-npu.txt" in text
+    assert f"flash-llm-rl" in out  # installed or skipped, always reported
+    assert lines[-1].endswith("npu-flashrl verify")
+    assert not (tmp_path / "wd").exists(), "a dry run must not create the workdir"
+    # ordering: torch before the sources, transformers after verl, npu_flashrl last before verify
+    idx = {k: text.index(k) for k in ["torch==", "vllm.git", "verl.git", "transformers.git", f"-e {ROOT}"]}
+    assert idx["torch=="] < idx["vllm.git"] < idx["verl.git"] < idx["transformers.git"] < idx[f"-e {ROOT}"]
+
+
+def test_dry_run_reports_failed_checks_and_a_real_run_stops_before_installing(tmp_path):
+    dry = install(tmp_path, "--dry-run")
+    assert "npu-smi not found" in dry.stdout
+    assert "ascend_toolkit_install.info" in dry.stdout  # names the file it looked for
+    assert "a real run would stop here" in dry.stdout
+    real = install(tmp_path)
+    assert real.returncode != 0
+    assert "check(s) failed, nothing was installed" in real.stdout + real.stderr
+    assert "npu-smi not found" in real.stdout
+    assert not steps(real.stdout), "no install step may run after a failed check"
+    log = tmp_path / "wd" / "install_pinned.log"
+    assert log.exists() and "npu-smi not found" in log.read_text()
+
+
+def test_checks_pass_with_cann_and_npu_smi(tmp_path):
+    info = tmp_path / "ascend_toolkit_install.info"
+    info.write_text(f"package_name=Ascend-cann-toolkit\nversion={PINS['cann']}\n")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "npu-smi").write_text("#!/bin/sh\necho fake\n")
+    (fake_bin / "npu-smi").chmod(0o755)
+    env = base_env(tmp_path, CANN_VERSION_FILE=str(info))
+    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--allow-mismatch", "--workdir", str(tmp_path / "wd")],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert f"ok: CANN {PINS['cann']}" in proc.stdout and "ok: npu-smi" in proc.stdout
+    assert "a real run would stop here" not in proc.stdout
+    info.write_text("version=8.0.RC1\n")
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--workdir", str(tmp_path / "wd")],
+                          env=env, capture_output=True, text=True)
+    assert f"CANN 8.0.RC1 in {info}, the pinned stack needs CANN {PINS['cann']}" in proc.stdout
+
+
+def test_changing_a_pin_changes_the_printed_commit(tmp_path):
+    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    new = "0123456789abcdef0123456789abcdef01234567"
+    data["packages"]["vllm_ascend"]["commit"] = new
+    data["packages"]["vllm"]["env"]["VLLM_TARGET_DEVICE"] = "other"
+    other = tmp_path / "pins.yaml"
+    other.write_text(yaml.safe_dump(data))
+    proc = install(tmp_path, "--dry-run", NPU_FLASHRL_PINS=str(other))
+    assert proc.returncode == 0, proc.stderr
+    assert f"checkout --detach {new}" in proc.stdout
+    assert PINS["packages"]["vllm_ascend"]["commit"] not in proc.stdout
+    assert "env VLLM_TARGET_DEVICE=other" in proc.stdout
+
+
+def test_clone_urls_are_overridable(tmp_path):
+    proc = install(tmp_path, "--dry-run", VERL_REPO_URL="https://mirror.example/verl.git",
+                   MINDSPEED_REPO_URL="https://mirror.example/MindSpeed.git")
+    assert f"+ git clone https://mirror.example/verl.git {tmp_path / 'wd' / 'verl'}" in proc.stdout
+    assert f"+ git clone https://mirror.example/MindSpeed.git {tmp_path / 'wd' / 'mindspeed'}" in proc.stdout
+
+
+def test_only_and_no_verify(tmp_path):
+    proc = install(tmp_path, "--dry-run", "--only", "verl", "--no-verify")
+    lines = steps(proc.stdout)
+    assert any("verl.git" in s for s in lines)
+    assert not any("vllm.git" in s or "transformers.git" in s for s in lines)
+    assert not any(s.endswith("verify") for s in lines)
+
+
+def git(*args, cwd):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                            GIT_COMMITTER_EMAIL="t@t"))
+
+
+def test_idempotent_skip_at_pin_and_reinstall_at_wrong_commit(tmp_path):
+    pytest.importorskip("verl")  # the dist must be installed for "already at its pin"
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    git("init", "-q", cwd=upstream)
+    (upstream / "a").write_text("1")
+    git("add", "a", cwd=upstream)
+    git("commit", "-q", "-m", "one", cwd=upstream)
+    first = subprocess.run(["git", "rev-parse", "HEAD"], cwd=upstream, capture_output=True, text=True).stdout.strip()
+    (upstream / "a").write_text("2")
+    git("commit", "-q", "-am", "two", cwd=upstream)
+    second = subprocess.run(["git", "rev-parse", "HEAD"], cwd=upstream, capture_output=True, text=True).stdout.strip()
+    wd = tmp_path / "wd"
+    git("clone", "-q", str(upstream), str(wd / "verl"), cwd=tmp_path)
+    git("checkout", "-q", "--detach", first, cwd=wd / "verl")
+    (wd / ".installed").mkdir(parents=True)
+    (wd / ".installed" / "verl").write_text(first + "\n")
+
+    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data["packages"]["verl"]["commit"] = first
+    pins_file = tmp_path / "pins.yaml"
+    pins_file.write_text(yaml.safe_dump(data))
+    proc = install(tmp_path, "--dry-run", "--only", "verl", "--no-verify", NPU_FLASHRL_PINS=str(pins_file),
+                   VERL_REPO_URL=str(upstream))
+    assert f"skip: verl already at {first}" in proc.stdout
+    assert not any("verl" in s for s in steps(proc.stdout))
+
+    data["packages"]["verl"]["commit"] = second  # the pin moved: the checkout is now at the wrong commit
+    pins_file.write_text(yaml.safe_dump(data))
+    proc = install(tmp_path, "--dry-run", "--only", "verl", "--no-verify", NPU_FLASHRL_PINS=str(pins_file),
+                   VERL_REPO_URL=str(upstream))
+    lines = steps(proc.stdout)
+    assert f"+ git -C {wd / 'verl'} checkout --detach {second}" in lines
+    assert any("requirements-npu.txt" in s for s in lines)
+    assert not any(s.startswith(f"+ git clone") for s in lines), "an existing checkout is reused"
+
+    # checkout moved by hand while the stamp says "first": re-installed too
+    data["packages"]["verl"]["commit"] = first
+    pins_file.write_text(yaml.safe_dump(data))
+    git("checkout", "-q", "--detach", second, cwd=wd / "verl")
+    proc = install(tmp_path, "--dry-run", "--only", "verl", "--no-verify", NPU_FLASHRL_PINS=str(pins_file),
+                   VERL_REPO_URL=str(upstream))
+    assert f"+ git -C {wd / 'verl'} checkout --detach {first}" in steps(proc.stdout)
+
+
+def test_help_and_bad_argument(tmp_path):
+    h = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert h.returncode == 0 and "--dry-run" in h.stdout and "NPU_FLASHRL_PINS" in h.stdout
+    bad = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--bogus" in bad.stderr
