@@ -1,0 +1,121 @@
+"""docs/: the pins table never drifts from pins.yaml, every documented knob exists and every knob is
+documented, every referenced file exists, the required topics are covered."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(ROOT))
+from npu_flashrl.pins import load_pins, markdown_table  # noqa: E402
+
+PINS = load_pins()
+SCRIPTS = sorted(list((ROOT / "scripts").glob("install_pinned.sh")) + list((ROOT / "docker").glob("*.sh"))
+                 + list((ROOT / "tests" / "verl_examples").rglob("*.sh")))
+
+
+def doc(name):
+    return (DOCS / name).read_text()
+
+
+def all_docs():
+    return "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+
+
+def test_pins_table_matches_pins_file():
+    text = doc("compatibility.md")
+    m = re.search(r"<!-- pins:begin -->\n(.*?)<!-- pins:end -->", text, re.S)
+    assert m, "pins markers missing in docs/compatibility.md"
+    assert m.group(1) == markdown_table(PINS), "regenerate with: python3 npu_flashrl/pins.py table"
+
+
+def test_every_pinned_commit_and_version_is_in_the_docs():
+    text = doc("compatibility.md")
+    for name, spec in PINS["packages"].items():
+        for field in ("commit", "ref", "version"):
+            if field in spec:
+                assert str(spec[field]) in text, (name, field)
+    assert PINS["cann"] in text and PINS["python"] in text
+    for image in PINS["docker"].values():
+        assert image in text
+
+
+def test_every_script_variable_is_documented():
+    conf = doc("configuration.md")
+    pattern = re.compile(r'^\s*([A-Z][A-Z0-9_]*)="\$\{\1:-', re.M)
+    missing = set()
+    for script in SCRIPTS:
+        for var in pattern.findall(script.read_text()):
+            if f"`{var}`" not in conf and not re.search(rf"\b{var}\b", conf):
+                missing.add(f"{var} ({script.name})")
+    assert not missing, f"undocumented in docs/configuration.md: {sorted(missing)}"
+
+
+def test_runtime_env_and_cli_reference():
+    conf = doc("configuration.md")
+    for var in ["FLASHRL_CONFIG", "FLASHRL_LOGGING_LEVEL", "FLASHRL_LOGGING_FILE", "FLASHRL_LMHEAD_FP32",
+                "NPU_FLASHRL_PINS"]:
+        assert f"`{var}`" in conf, var
+    for cmd, flags in {
+        "npu-flashrl profile": ["-m BF16_DIR", "-q W8A8_DIR", "-o OUT.pt", "--fn int8"],
+        "npu-flashrl setup": ["-m MODEL", "-p PROFILE", "--fn {int8,int8_profile_free,bf16}", "-o CONFIG.yaml", "`-a`",
+                              "key=value"],
+        "npu-flashrl cleanup": [],
+        "npu-flashrl verify": ["--config F", "--json"],
+        "npu-flashrl rehearse": ["--model DIR", "--device cpu\\|npu"],
+    }.items():
+        row = next((line for line in conf.splitlines() if line.startswith(f"| `{cmd}`")), None)
+        assert row is not None, cmd
+        for f in flags:
+            assert f in row, (cmd, f)
+    for flag in ["--dry-run", "--workdir", "--log", "--only", "--skip-checks", "--allow-mismatch", "--no-verify"]:
+        assert flag in conf
+    for key in ["rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "bypass_mode",
+                "use_policy_gradient", "calculate_log_probs", "actor_rollout_ref.rollout.mode"]:
+        assert key in conf
+
+
+def test_referenced_repository_files_exist():
+    text = all_docs()
+    refs = set(re.findall(r"\b((?:scripts|docker|tests/verl_examples|npu_flashrl)/[\w./-]+\.(?:sh|py|yaml|md))", text))
+    assert refs
+    missing = sorted(r for r in refs if "{" not in r and not (ROOT / r).exists())
+    assert not missing, missing
+    for link in re.findall(r"\]\(([\w_]+\.md)(?:#[\w-]+)?\)", text):
+        assert (DOCS / link).exists(), link
+
+
+def test_required_topics():
+    q = doc("quickstart_a2.md")
+    steps = re.findall(r"^(\d+)\. \*\*", q, re.M)
+    assert [int(s) for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 8
+    for needed in ["install_pinned.sh", "prepare_data.sh", "--dry-run", "NNODES", "RAY_ADDRESS", "ray start",
+                   "docker/run.sh", "npu_flashrl: patched"]:
+        assert needed in q, needed
+    how = doc("how_it_works.md")
+    for needed in ["load_weights", "W8A8_DYNAMIC", "in place", "min( exp(logp_old - logp_rollout), C )",
+                   "rollout_is_threshold", "mode=sync"]:
+        assert needed in how, needed
+    t = doc("troubleshooting.md")
+    for needed in ["q_proj.weight", "aclnnQuantMatmulWeightNz", "async", "HCCL_CONNECT_TIMEOUT", "KeyError"]:
+        assert needed in t, needed
+    m = doc("metrics.md")
+    for needed in ["token_mult_prob_error", "1.03-1.05", "> 1.05", "k1", "k3", "exp(d) - 1 - d"]:
+        assert needed in m, needed
+    c = doc("compatibility.md")
+    for needed in ["vllm 0.11.0", "vllm-ascend 0.11.0", "no wheel", "Not verified on hardware", "8.2.rc1",
+                   "ALLOW_MISMATCH"]:
+        assert needed in c, needed
+    mf = doc("megatron_vs_fsdp.md")
+    assert "override_transformer_config" in mf and "mindspeed.megatron_adaptor" in mf
+
+
+@pytest.mark.parametrize("name", ["README.md", "quickstart_a2.md", "how_it_works.md", "configuration.md",
+                                  "compatibility.md", "troubleshooting.md", "metrics.md", "megatron_vs_fsdp.md"])
+def test_doc_exists(name):
+    assert (DOCS / name).stat().st_size > 500
