@@ -27,27 +27,23 @@ def ckpts(tmp_path_factory):
     return tiny_checkpoint_pair(str(tmp_path_factory.mktemp("pair")))
 
 
-# FlashRL's profiler, run as shipped in a fresh process (its import configures the ROOT logger).
-# Its from_pretrained(..., device_map="cpu") needs `accelerate`; when that is not installed the ONLY
-# change is dropping device_map="cpu" (the default device is the CPU anyway). It calls no CUDA.
+# FlashRL's profiler, run unchanged in a fresh process (its import configures the ROOT logger).
+# It calls no CUDA. transformers needs `accelerate` for its device_map="cpu" and for loading a
+# compressed-tensors checkpoint at all.
 _FLASHRL_RUNNER = textwrap.dedent("""
-    import importlib.util, sys
+    import sys
     import flash_rl.flash_quantization as fq
-    if importlib.util.find_spec("accelerate") is None:
-        real = fq.AutoModelForCausalLM
-        class _NoDeviceMap:
-            @staticmethod
-            def from_pretrained(path, **kw):
-                assert kw.pop("device_map", "cpu") == "cpu"
-                return real.from_pretrained(path, **kw)
-        fq.AutoModelForCausalLM = _NoDeviceMap
-        print("shim: device_map dropped (no accelerate)", file=sys.stderr)
     fq.profiling_int8(sys.argv[1], sys.argv[2], sys.argv[3])
 """)
 
 
 @pytest.fixture(scope="module")
 def flashrl_profile(ckpts, tmp_path_factory):
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.fail("accelerate is not installed: transformers needs it to load the W8A8 checkpoint "
+                    "for FlashRL's profiler; add accelerate to requirements/cpu-stack.txt [deps]")
     bf16, w8a8 = ckpts
     out = str(tmp_path_factory.mktemp("ref") / "flashrl_profile.pt")
     env = dict(os.environ, VLLM_PLUGINS="none", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
