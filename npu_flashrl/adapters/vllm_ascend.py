@@ -307,14 +307,12 @@ def find_targets(model: torch.nn.Module) -> Dict[str, _Target]:
 
 
 def _stage_param(shape, dtype, template: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A buffer in the unprocessed layout that the layer's own weight_loader can fill: it carries
+    the template's sharding attributes (output_dim / input_dim), so TP narrowing is upstream's."""
     p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=template.device), requires_grad=False)
     for attr in ("output_dim", "input_dim", "packed_dim", "packed_factor"):
         if hasattr(template, attr):
             setattr(p, attr, getattr(template, attr))
-    if not hasattr(p, "output_dim"):
-        p.output_dim = 0
-    if p.dim() == 2 and not hasattr(p, "input_dim"):
-        p.input_dim = 1
     return p
 
 
@@ -363,6 +361,7 @@ class Int8WeightLoader:
                     self._commit(target)
             if passthrough:
                 loaded |= set(self._load_float(passthrough))
+                self._refresh_static_biases(n for n, _ in passthrough)
         except Exception:
             # Staged (uncommitted) shards of this sync are dropped: live weights stay as they were.
             self._pending.clear()
@@ -484,6 +483,14 @@ class Int8WeightLoader:
             layer.weight_offset.data.zero_()
             if target.static:
                 _refresh_static(layer)
+
+    def _refresh_static_biases(self, names) -> None:
+        """A static W8A8 layer computes with quant_bias, not bias: re-fold after a bias update."""
+        for name in names:
+            if name.endswith(".bias"):
+                target = self.targets.get(name[: -len("bias")] + "weight")
+                if target is not None and target.static:
+                    _refresh_static(target.layer)
 
     def _load_float(self, weights: List[Tuple[str, torch.Tensor]]):
         loaded = self._original(iter(weights))
@@ -615,18 +622,50 @@ def _apply_redirect():
     patches.replace(compat.GET_QUANT_CONFIG_TARGET, _redirect)
 
 
+_OVERRIDE_TARGET = "vllm_ascend.quantization.quant_config:AscendQuantConfig.override_quantization_method"
+
+
+def _override(original):
+    def override_quantization_method(cls, hf_quant_cfg, user_quant):
+        chosen = original(hf_quant_cfg, user_quant)
+        if chosen is None and user_quant in (None, "ascend") and isinstance(hf_quant_cfg, dict) \
+                and hf_quant_cfg.get("quant_method") == "compressed-tensors":
+            from vllm.platforms import current_platform
+
+            if "ascend" in (getattr(current_platform, "supported_quantization", None) or []):
+                return "ascend"  # e.g. the CPU rehearsal, where torch.npu is not available
+        return chosen
+    override_quantization_method.__npu_flashrl_original__ = original
+    return classmethod(override_quantization_method)
+
+
+@patches.register("ascend_claims_compressed_tensors", _OVERRIDE_TARGET, _VERSIONS,
+                  "compressed-tensors w8a8 checkpoints go to 'ascend' on any platform that runs it")
+def _apply_override():
+    compat.import_quantization()
+    patches.replace(_OVERRIDE_TARGET, _override)
+
+
 def _attach_on_init(original):
     def initialize_model(*args, **kwargs):
         model = original(*args, **kwargs)
-        fn = _online["fn"]
-        if fn:
-            vllm_config = kwargs.get("vllm_config") or (args[0] if args else None)
-            dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.bfloat16)
-            loader = attach(model, make_quantizer(fn, dtype, _online["profile"]))
-            if not loader.targets:
-                logger.warning("npu_flashrl: %s has no vllm-ascend W8A8 layers; was the model "
-                               "built with quantization='ascend'? It will run unquantized",
-                               type(model).__name__)
+        vllm_config = kwargs.get("vllm_config") or (args[0] if args else None)
+        model_config = getattr(vllm_config, "model_config", None)
+        if getattr(model_config, "quantization", None) != "ascend":
+            if _online["fn"]:
+                logger.warning("npu_flashrl: INT8 function %s is configured but the model was "
+                               "built with quantization=%r; it will run unquantized", _online["fn"],
+                               getattr(model_config, "quantization", None))
+            return model
+        # Every INT8 model gets the quantizing loader: a float tensor pushed into vllm-ascend's
+        # int8 parameters would otherwise be truncated silently. Without a configured function,
+        # reloads use fresh per-channel scales.
+        fn = _online["fn"] or PerChannelQuantizer.name
+        dtype = getattr(model_config, "dtype", torch.bfloat16)
+        loader = attach(model, make_quantizer(fn, dtype, _online["profile"]))
+        if not loader.targets:
+            logger.warning("npu_flashrl: %s has no vllm-ascend W8A8 linear layers; nothing to "
+                           "quantize", type(model).__name__)
         return model
     return initialize_model
 
@@ -638,4 +677,5 @@ def _apply_attach():
 
 
 PATCHES = ("ascend_w8a8_dynamic_process_once", "ascend_w8a8_static_process_once",
-           "ascend_quant_description", "model_loader_int8_load_weights")
+           "ascend_quant_description", "ascend_claims_compressed_tensors",
+           "model_loader_int8_load_weights")
