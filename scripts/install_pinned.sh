@@ -221,7 +221,7 @@ stamp() {
 checkout() {
   local url="$1" rev="$2" dir="$3"
   if [[ ! -d "$dir/.git" ]]; then
-    run git clone "$url" "$dir"
+    run git clone --filter=blob:none "$url" "$dir"
   else
     run git -C "$dir" remote set-url origin "$url"
   fi

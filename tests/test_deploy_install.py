@@ -87,7 +87,7 @@ def test_dry_run_prints_every_step_with_the_pinned_commits(tmp_path):
     for name in ["vllm", "vllm_ascend", "mindspeed", "verl", "transformers"]:
         commit = p[name]["commit"]
         assert f"+ git -C {tmp_path / 'wd' / name} checkout --detach {commit}" in lines, name
-        assert f"+ git clone {p[name]['repo']} {tmp_path / 'wd' / name}" in lines, name
+        assert f"+ git clone --filter=blob:none {p[name]['repo']} {tmp_path / 'wd' / name}" in lines, name
     assert f"+ git -C {tmp_path / 'wd' / 'megatron_core'} checkout --detach {p['megatron_core']['ref']}" in lines
     text = "\n".join(lines)
     assert "env VLLM_TARGET_DEVICE=empty" in text
@@ -152,8 +152,8 @@ def test_changing_a_pin_changes_the_printed_commit(tmp_path):
 def test_clone_urls_are_overridable(tmp_path):
     proc = install(tmp_path, "--dry-run", VERL_REPO_URL="https://mirror.example/verl.git",
                    MINDSPEED_REPO_URL="https://mirror.example/MindSpeed.git")
-    assert f"+ git clone https://mirror.example/verl.git {tmp_path / 'wd' / 'verl'}" in proc.stdout
-    assert f"+ git clone https://mirror.example/MindSpeed.git {tmp_path / 'wd' / 'mindspeed'}" in proc.stdout
+    assert f"+ git clone --filter=blob:none https://mirror.example/verl.git {tmp_path / 'wd' / 'verl'}" in proc.stdout
+    assert f"+ git clone --filter=blob:none https://mirror.example/MindSpeed.git {tmp_path / 'wd' / 'mindspeed'}" in proc.stdout
 
 
 def test_only_and_no_verify(tmp_path):
