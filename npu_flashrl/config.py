@@ -115,7 +115,8 @@ class RolloutConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a mapping with at least `fn`; got {type(data).__name__}")
         fn = normalize_fn(data.get("fn", FN_INT8), f"{where}.fn")  # FlashRL: missing fn = int8
-        kwargs: Dict[str, Any] = dict(_DEFAULTS[fn])
+        # Like FlashRL, only keys present in the file override vllm.LLM's kwargs: no defaults here.
+        kwargs: Dict[str, Any] = {"distributed_executor_backend": None}
         for key in _KNOWN_KEYS[1:]:
             if key in data:
                 value = data[key]

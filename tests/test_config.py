@@ -44,7 +44,9 @@ def test_missing_fn_means_int8_and_profile_default(tmp_path):
     """)
     entry = C.load_config(path).entries[0]
     assert entry.fn == "int8"
-    assert entry.load_format == "auto"
+    # as in FlashRL, absent keys do not override vllm.LLM's own kwargs
+    assert entry.load_format is None and entry.distributed_executor_backend is None
+    assert entry.to_dict() == {"fn": "int8", "model": "/ckpt/w8a8"}
     assert entry.profile_path() == os.path.join("/ckpt/w8a8", "profile.pt")
     assert C.RolloutConfig.default("bf16").profile_path() is None
 
