@@ -1,0 +1,22 @@
+"""One module per outside system: vllm_ascend (INT8 layers, reload), vllm_engine (engine config),
+vllm (FP32 lm-head), flashrl (coexistence), verl (TIS, metrics), transformers (trainer lm-head),
+megatron (MindSpeed / Megatron trainer side)."""
+import importlib
+
+ADAPTERS = ("vllm_ascend", "vllm_engine", "vllm", "flashrl", "verl", "transformers", "megatron")
+
+
+def load_all():
+    """Import every adapter so its patches are declared (for `npu-flashrl verify`). Adapters import
+    upstream code lazily, inside their patch functions, so this is cheap and never fails on a
+    missing upstream package."""
+    loaded = []
+    for name in ADAPTERS:
+        try:
+            importlib.import_module(f"npu_flashrl.adapters.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"npu_flashrl.adapters.{name}":
+                raise
+            continue
+        loaded.append(name)
+    return loaded

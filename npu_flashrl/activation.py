@@ -1,0 +1,75 @@
+"""Turn npu_flashrl on in this process: the one entry point behind the vLLM plugin,
+`import npu_flashrl` with FLASHRL_CONFIG set, and `npu_flashrl.activate()`.
+
+Everything is idempotent: activating twice applies each patch once.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+from npu_flashrl import patches
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("activation")
+
+_active: Dict[str, object] = {"config": None}
+
+
+def lmhead_fp32_requested() -> bool:
+    return os.environ.get("FLASHRL_LMHEAD_FP32", "0").strip() == "1"
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def activate(config_path: Optional[str] = None) -> Optional[dict]:
+    """Load the FlashRL config (argument or FLASHRL_CONFIG) and apply the patches it needs.
+
+    Returns {patch name: applied} or None when no config is set. A config that cannot be read
+    raises ConfigError naming the file: a rollout must never silently run unquantized.
+    """
+    from npu_flashrl.config import load_config
+
+    if config_path is None and not os.environ.get("FLASHRL_CONFIG", "").strip():
+        return None
+    cfg = load_config(config_path)
+    from npu_flashrl.adapters import flashrl, vllm_ascend, vllm_engine
+
+    names = []
+    if _importable("vllm_ascend"):
+        names += list(vllm_ascend.PATCHES)
+    else:
+        logger.warning("npu_flashrl: vllm_ascend is not installed; INT8 rollout patches skipped")
+    if _importable("vllm"):
+        names.append(vllm_engine.PATCH_NAME)
+        if lmhead_fp32_requested():
+            from npu_flashrl.adapters import vllm as vllm_adapter
+
+            names += [vllm_adapter.PATCH_COMPUTE, vllm_adapter.PATCH_INIT]
+    if _importable("flash_rl"):
+        if flashrl.should_yield():
+            names.append(flashrl.PATCH_NAME)
+        else:
+            logger.debug("npu_flashrl: FlashRL present but not on Ascend; its patches stay active")
+    if _importable("verl"):
+        from npu_flashrl.adapters import verl as verl_adapter
+
+        names += [verl_adapter.PATCH_DRIVER, verl_adapter.PATCH_ACTOR]
+        if lmhead_fp32_requested() and _importable("transformers"):
+            from npu_flashrl.adapters import transformers as hf_adapter
+
+            names.append(hf_adapter.PATCH_NAME)
+    vllm_engine.set_config(cfg)
+    _active["config"] = cfg
+    return patches.apply_patches(names)
+
+
+def active_config():
+    return _active["config"]

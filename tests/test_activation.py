@@ -1,0 +1,133 @@
+"""Activation: vLLM plugin entry point in a fresh process, idempotence, engine config rewrite,
+hybrid entries, and the refusal of engines a FlashRL-style sync would not reach."""
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import yaml
+
+from npu_flashrl.adapters import vllm_engine
+
+
+def _write_config(path, entries):
+    with open(path, "w") as f:
+        yaml.safe_dump({"configs": entries}, f)
+    return str(path)
+
+
+def _run(code, env_extra, timeout=240):
+    env = dict(os.environ)
+    # the emulation must be installed before activation imports vllm_ascend: no import-time
+    # activation in these child processes (the plugin path is what is tested)
+    env.update(TORCH_DEVICE_BACKEND_AUTOLOAD="0", FLASHRL_LOGGING_LEVEL="DEBUG",
+               NPU_FLASHRL_NO_AUTOACTIVATE="1")
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_plugin_entry_point_activates_in_a_fresh_process(tmp_path):
+    cfg = _write_config(tmp_path / "c.yaml", [{"fn": "int8_profile_free", "load_format": "auto"}])
+    code = """
+        from npu_flashrl.kernels import emulation
+        emulation.install()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        load_general_plugins()          # vLLM may load plugins more than once per process
+        import npu_flashrl.activation as a
+        a.activate()                    # and users may import/activate on top: still once
+        from npu_flashrl import patches
+        st = {p["name"]: p["applied"] for p in patches.status()}
+        print("STATUS", sorted(k for k, v in st.items() if v))
+    """
+    r = _run(code, {"FLASHRL_CONFIG": cfg, "VLLM_PLUGINS": "npu_flashrl"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    applied = eval(r.stdout.split("STATUS", 1)[1].strip())
+    for name in ("ascend_quant_description", "model_loader_int8_load_weights",
+                 "ascend_w8a8_dynamic_process_once", "vllm_engine_flashrl_config"):
+        assert name in applied
+    # exactly one DEBUG line per applied patch, whatever the number of activations
+    lines = [l for l in r.stderr.splitlines() if "npu_flashrl: patched ascend_quant_description ->" in l]
+    assert len(lines) == 1, r.stderr[-3000:]
+
+
+def test_without_flashrl_config_the_plugin_does_nothing():
+    code = """
+        from npu_flashrl.kernels import emulation
+        emulation.install()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from npu_flashrl import patches
+        print("APPLIED", [p["name"] for p in patches.status() if p["applied"]])
+    """
+    env = {"VLLM_PLUGINS": "npu_flashrl"}
+    r = _run(code, env | {"FLASHRL_CONFIG": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "APPLIED []" in r.stdout
+
+
+def test_config_pointing_nowhere_fails_loudly_in_the_plugin(tmp_path):
+    code = """
+        from npu_flashrl.kernels import emulation
+        emulation.install()
+        from npu_flashrl.plugin import register
+        register()
+    """
+    missing = str(tmp_path / "nope.yaml")
+    r = _run(code, {"FLASHRL_CONFIG": missing, "VLLM_PLUGINS": "none",
+                    "NPU_FLASHRL_NO_AUTOACTIVATE": "1"})
+    assert r.returncode != 0
+    assert "nope.yaml" in r.stderr
+
+
+def _engine_args(**kw):
+    base = dict(model="/models/bf16", tokenizer=None, tensor_parallel_size=2, pipeline_parallel_size=1,
+                distributed_executor_backend="external_launcher", load_format="dummy", quantization=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_engine_args_follow_the_config_entry(tmp_path, monkeypatch):
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.config import load_config
+
+    cfg = load_config(_write_config(tmp_path / "c.yaml", [
+        {"fn": "int8_profile_free", "load_format": "auto", "model": "/models/other"}]))
+    args = _engine_args()
+    entry = vllm_engine.apply_entry(args, cfg)
+    assert args.quantization == "ascend"
+    assert args.model == "/models/other" and args.tokenizer == "/models/bf16"
+    assert args.load_format == "auto"
+    assert vllm_ascend._online["fn"] == "int8_profile_free"
+    assert entry.fn == "int8_profile_free"
+    vllm_ascend.configure_online_quantization(None)
+
+
+def test_hybrid_config_assigns_entries_by_dp_group(tmp_path, monkeypatch):
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.config import load_config
+
+    cfg = load_config(_write_config(tmp_path / "h.yaml", [
+        {"fn": "int8_profile_free", "load_format": "auto"}, {"fn": "bf16", "load_format": "auto"}]))
+    seen = {}
+    for rank in range(8):  # TP=2: ranks 0-1 are DP group 0, 2-3 group 1, ...
+        monkeypatch.setenv("RANK", str(rank))
+        args = _engine_args()
+        seen[rank] = (vllm_engine.apply_entry(args, cfg).fn, args.quantization, vllm_ascend._online["fn"])
+    assert [seen[r][0] for r in range(8)] == ["int8_profile_free"] * 2 + ["bf16"] * 2 + \
+        ["int8_profile_free"] * 2 + ["bf16"] * 2
+    assert seen[2][1] is None and seen[2][2] is None   # bf16 groups stay unquantized
+    assert seen[0][1] == "ascend"
+    vllm_ascend.configure_online_quantization(None)
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray", None])
+def test_async_style_engine_is_refused_with_the_fix(tmp_path, backend):
+    from npu_flashrl.config import load_config
+
+    cfg = load_config(_write_config(tmp_path / "c.yaml", [{"fn": "int8_profile_free"}]))
+    with pytest.raises(RuntimeError, match=r"actor_rollout_ref\.rollout\.mode=sync"):
+        vllm_engine.apply_entry(_engine_args(distributed_executor_backend=backend), cfg)
