@@ -39,11 +39,14 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
     dp_rank = flashrl_config.dp_rank_from_env(tp, pp) if len(cfg.entries) > 1 else 0
     entry = flashrl_config.select_entry(cfg, dp_rank)
     backend = getattr(engine_args, "distributed_executor_backend", None)
-    if entry.distributed_executor_backend and backend != entry.distributed_executor_backend:
+    # FlashRL-style syncs reach the model only in external_launcher (SPMD) engines; an entry
+    # without the key still needs one, or the INT8 path would be bypassed silently.
+    required = entry.distributed_executor_backend or flashrl_config.EXTERNAL_LAUNCHER
+    if backend != required:
         raise RuntimeError(
             f"npu_flashrl: FLASHRL_CONFIG={os.environ.get('FLASHRL_CONFIG')!r} is set but this vLLM "
             f"engine uses distributed_executor_backend={backend!r}, not "
-            f"{entry.distributed_executor_backend!r}: its weight syncs would bypass the INT8 reload "
+            f"{required!r}: its weight syncs would bypass the INT8 reload "
             f"and the rollout would silently run in bf16. With verl set {SYNC_FIX} (verl's default "
             "async mode builds the engine this way); otherwise unset FLASHRL_CONFIG.")
     if entry.model:
@@ -58,7 +61,7 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
         if flashrl_config.needs_profile(entry):
             from npu_flashrl.profile import load_profile
 
-            profile = load_profile(entry.profile)
+            profile = load_profile(entry.profile_path(engine_args.model))
         vllm_ascend.configure_online_quantization(entry.fn, profile)
     else:
         engine_args.quantization = entry.quantization
