@@ -343,14 +343,16 @@ class Int8WeightLoader:
             return self._original(self._cold_stream(weights))
         if isinstance(weights, dict):
             weights = list(weights.items())
-        if isinstance(weights, (list, tuple)):
+        checked = isinstance(weights, (list, tuple))
+        if checked:
             for name, tensor in weights:  # refuse a bad call before writing anything of it
                 self._validate(name, tensor)
         loaded: Set[str] = set()
         passthrough: List[Tuple[str, torch.Tensor]] = []
         try:
             for name, tensor in weights:
-                self._validate(name, tensor)
+                # streamed: the quantizer finds NaN/Inf in projections during its own pass
+                self._validate(name, tensor, values=not checked and name not in self.targets)
                 target = self.targets.get(name)
                 if target is None:
                     passthrough.append((name, self.quantizer.transform(name, tensor)))
@@ -394,7 +396,7 @@ class Int8WeightLoader:
         for name, tensor in weights:
             target = self.targets.get(name)
             if target is not None and tensor.is_floating_point():
-                self._validate(name, tensor)
+                self._validate(name, tensor, values=False)  # the quantizer checks values
                 q, scale = self.quantizer.quantize(name, tensor)
                 yield name, q
                 if scale is not None:
@@ -409,7 +411,8 @@ class Int8WeightLoader:
             yield name, self.quantizer.transform(name, tensor)
 
     # ------------------------------------------------------------------ reload
-    def _validate(self, name: str, tensor) -> None:
+    def _validate(self, name: str, tensor, values: bool = True) -> None:
+        """Refuse a tensor by name: type, dtype, shape, and (with `values`) NaN/Inf."""
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         target = self.targets.get(name)
@@ -425,7 +428,7 @@ class Int8WeightLoader:
                 raise WeightSyncError(f"{name}: no such parameter in the rollout model")
             if not (tensor.is_floating_point() or tensor.dtype == torch.bool):
                 raise WeightSyncError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if values and tensor.is_floating_point() and tensor.numel() and not _all_finite(tensor):
             raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
 
     def _resolve_param(self, name: str) -> Optional[str]:
@@ -447,7 +450,10 @@ class Int8WeightLoader:
     def _stage(self, target: _Target, name: str, tensor: torch.Tensor) -> None:
         shard = name.rsplit(".", 2)[-2]
         idx = target.shards.index(shard)
-        q, scale = self.quantizer.quantize(name, tensor)
+        try:
+            q, scale = self.quantizer.quantize(name, tensor)
+        except ValueError as exc:
+            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
         st = self._pending.get(target.path)
         layer = target.layer
         if st is None:
@@ -495,6 +501,12 @@ class Int8WeightLoader:
     def _load_float(self, weights: List[Tuple[str, torch.Tensor]]):
         loaded = self._original(iter(weights))
         return loaded if loaded is not None else {n for n, _ in weights}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """One reduction pass, no temporary of the tensor's size (NaN propagates through min/max)."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 @torch.no_grad()

@@ -37,15 +37,27 @@ def _saturate_int8(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- weights
 
+# Weights are quantized in row blocks of about this many elements: the fp32 work buffer stays in
+# cache and the extra memory is a few MB instead of several fp32 copies of the whole tensor.
+_BLOCK_ELEMS = 1 << 18
+
+
+def _row_blocks(rows: int, cols: int):
+    step = max(1, _BLOCK_ELEMS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
 def quantize_weight_per_channel(weight: torch.Tensor,
                                 compute_dtype: Optional[torch.dtype] = None
                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8: weight [out, in] -> (int8 [out, in], fp32 scale [out]).
 
-    scale = absmax(row) / 127 and q = round_half_even(w / scale), saturated, both in fp32. This is
-    exactly `npu_dynamic_quant` applied to the weight rows, so the NPU path can use that op.
-    `compute_dtype` (the rollout model's dtype, e.g. bf16) is applied first: fp32 FSDP masters
-    then quantize exactly like their bf16 cast. An all-zero row gets scale 1.0 (q = 0).
+    scale = absmax(row) / 127 and q = round_half_even(w / scale), both in fp32 (|w / scale| <= 127
+    by construction, so no saturation is needed). This is `npu_dynamic_quant` applied to the
+    weight rows, so the NPU path can use that op. `compute_dtype` (the rollout model's dtype,
+    e.g. bf16) is applied first: fp32 FSDP masters then quantize exactly like their bf16 cast.
+    An all-zero row gets scale 1.0 (q = 0). NaN or Inf raise ValueError.
     """
     op = "quantize_weight_per_channel"
     _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
@@ -53,10 +65,18 @@ def quantize_weight_per_channel(weight: torch.Tensor,
              f"weight dtype must be one of {_FLOAT_WEIGHTS}, got {weight.dtype}")
     if compute_dtype is not None and weight.dtype != compute_dtype:
         weight = weight.to(compute_dtype)
-    w = weight.float()
-    absmax = w.abs().amax(dim=1)
+    # max/min reduce without a temporary |w| tensor; NaN propagates, Inf shows as Inf.
+    absmax = torch.maximum(weight.amax(dim=1), weight.amin(dim=1).neg()).float()
+    _require(bool(torch.isfinite(absmax).all()), op, "weight contains NaN or Inf")
     scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
-    q = _saturate_int8(w / scale.unsqueeze(1))
+    rows, cols = weight.shape
+    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+    buf = torch.empty((min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols),
+                      dtype=torch.float32, device=weight.device)
+    for r0, r1 in _row_blocks(rows, cols):
+        b = buf[: r1 - r0]
+        torch.div(weight[r0:r1], scale[r0:r1, None], out=b)
+        q[r0:r1].copy_(b.round_())
     return q, scale
 
 
@@ -66,8 +86,9 @@ def quantize_weight_with_scales(weight: torch.Tensor,
     """FlashRL's fixed-scale INT8: round(W * output_scale * input_scale).clamp(-128, 127).
 
     Same operation order and type promotion as flash_rl 1.0.3 `linear_quantize` (a bf16 weight
-    times fp32 scales computes in fp32), so results match FlashRL bit for bit.
-    output_scale is [out, 1] (or scalar), input_scale [1, in] (or scalar).
+    times fp32 scales computes in fp32), so results match FlashRL bit for bit; computed in row
+    blocks. output_scale is [out, 1] (or scalar), input_scale [1, in] (or scalar).
+    NaN or Inf in the weight raise ValueError.
     """
     op = "quantize_weight_with_scales"
     _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
@@ -77,7 +98,15 @@ def quantize_weight_with_scales(weight: torch.Tensor,
             _require(tuple(s.shape) in ok_shapes, op,
                      f"{name} shape {tuple(s.shape)} does not fit weight {tuple(weight.shape)}; "
                      f"expected one of {ok_shapes}")
-    return _saturate_int8(weight * output_scale * input_scale)
+    lo, hi = torch.aminmax(weight)
+    _require(bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)), op, "weight contains NaN or Inf")
+    rows, cols = weight.shape
+    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+    per_row = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
+    for r0, r1 in _row_blocks(rows, cols):
+        os_blk = output_scale[r0:r1] if per_row else output_scale
+        q[r0:r1].copy_(_saturate_int8(weight[r0:r1] * os_blk * input_scale))
+    return q
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
