@@ -177,8 +177,10 @@ class OnlineQuantizer:
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16):
         self.compute_dtype = compute_dtype
 
-    def quantize(self, name: str, weight: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Full weight [out, in] -> (int8 [out, in], fp32 scale [out] or None to keep scales)."""
+    def quantize(self, name: str, weight: torch.Tensor, transposed: bool = False
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Full weight [out, in] -> (int8 [out, in], fp32 scale [out] or None to keep scales).
+        `transposed`: the int8 result lives in [in, out] memory (see the kernels)."""
         raise NotImplementedError
 
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -191,8 +193,8 @@ class PerChannelQuantizer(OnlineQuantizer):
 
     name = "int8_profile_free"
 
-    def quantize(self, name, weight):
-        return kernels.quantize_weight_per_channel(weight, self.compute_dtype)
+    def quantize(self, name, weight, transposed=False):
+        return kernels.quantize_weight_per_channel(weight, self.compute_dtype, transposed=transposed)
 
 
 class ProfileQuantizer(OnlineQuantizer):
@@ -213,10 +215,11 @@ class ProfileQuantizer(OnlineQuantizer):
             raise WeightSyncError(f"{name}: not in the int8 profile; the profile was made for "
                                   "another model (re-run `npu-flashrl profile`)") from None
 
-    def quantize(self, name, weight):
+    def quantize(self, name, weight, transposed=False):
         e = self._entry(name)
         w = weight.to(self.compute_dtype)
-        return kernels.quantize_weight_with_scales(w, e["output_scale"], e["input_scale"]), None
+        return kernels.quantize_weight_with_scales(w, e["output_scale"], e["input_scale"],
+                                                   transposed=transposed), None
 
     def transform(self, name, tensor):
         e = self.profile.get(name)
@@ -306,10 +309,10 @@ def find_targets(model: torch.nn.Module) -> Dict[str, _Target]:
     return targets
 
 
-def _stage_param(shape, dtype, template: torch.nn.Parameter) -> torch.nn.Parameter:
+def _stage_param(data: torch.Tensor, template: torch.nn.Parameter) -> torch.nn.Parameter:
     """A buffer in the unprocessed layout that the layer's own weight_loader can fill: it carries
     the template's sharding attributes (output_dim / input_dim), so TP narrowing is upstream's."""
-    p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=template.device), requires_grad=False)
+    p = torch.nn.Parameter(data, requires_grad=False)
     for attr in ("output_dim", "input_dim", "packed_dim", "packed_factor"):
         if hasattr(template, attr):
             setattr(p, attr, getattr(template, attr))
@@ -451,16 +454,21 @@ class Int8WeightLoader:
         shard = name.rsplit(".", 2)[-2]
         idx = target.shards.index(shard)
         try:
-            q, scale = self.quantizer.quantize(name, tensor)
+            # int8 produced in [in, out] memory: the processed layout, so the commit is a memcpy
+            q, scale = self.quantizer.quantize(name, tensor, transposed=True)
         except ValueError as exc:
             raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
         st = self._pending.get(target.path)
         layer = target.layer
         if st is None:
             w = layer.weight  # processed: [in_part, out_part]
-            st = _Staging(_stage_param((w.shape[1], w.shape[0]), torch.int8, w), None)
+            # [out, in] view of an [in, out] buffer: upstream's loader narrows it like the
+            # unprocessed parameter, while the bytes already sit in the processed layout.
+            buf = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            st = _Staging(_stage_param(buf.t(), w), None)
             if scale is not None:
-                st.scale = _stage_param((w.shape[1], 1), torch.float32, layer.weight_scale)
+                st.scale = _stage_param(torch.empty((w.shape[1], 1), dtype=torch.float32,
+                                                    device=w.device), layer.weight_scale)
             self._pending[target.path] = st
         loader = layer.weight_loader
         sid = target.shard_ids[idx]
@@ -477,7 +485,8 @@ class Int8WeightLoader:
     def _commit(self, target: _Target) -> None:
         st = self._pending.pop(target.path)
         layer = target.layer
-        # In place: the processed [in, out] (NZ on NPU) storage keeps its address.
+        # In place: the processed [in, out] (NZ on NPU) storage keeps its address; the staging
+        # buffer is already [in, out], so this is a straight copy.
         layer.weight.data.copy_(st.weight.data.t())
         if st.scale is not None:
             s = st.scale.data.flatten()

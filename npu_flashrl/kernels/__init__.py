@@ -25,11 +25,11 @@ def backend_for(t: torch.Tensor) -> str:
     return "npu" if t.device.type == "npu" else "reference"
 
 
-def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None
-                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None,
+                                transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8 (see `reference.quantize_weight_per_channel`)."""
     if backend_for(weight) == "npu":
         from npu_flashrl.kernels import npu
 
-        return npu.quantize_weight_per_channel(weight, compute_dtype)
-    return reference.quantize_weight_per_channel(weight, compute_dtype)
+        return npu.quantize_weight_per_channel(weight, compute_dtype, transposed)
+    return reference.quantize_weight_per_channel(weight, compute_dtype, transposed)

@@ -10,8 +10,8 @@ from typing import Optional, Tuple
 import torch
 
 
-def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None
-                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None,
+                                transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     import torch_npu  # noqa: F401  (real torch_npu on an NPU node)
 
     if compute_dtype is not None and weight.dtype != compute_dtype:
@@ -22,4 +22,6 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
     q, scale = torch_npu.npu_dynamic_quant(weight)
     # An all-zero row: the reference defines scale 1.0 (q is 0 either way).
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if transposed:  # same values, [in, out] memory (the processed W8A8 layout)
+        q = q.t().contiguous().t()
     return q, scale

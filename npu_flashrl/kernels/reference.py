@@ -48,9 +48,45 @@ def _row_blocks(rows: int, cols: int):
         yield r0, min(rows, r0 + step)
 
 
+_TILE = 512  # transposed output: square tiles keep both the strided read and the write in cache
+
+
+def _blocks(rows: int, cols: int, transposed: bool):
+    """(r0, r1, c0, c1) blocks covering a [rows, cols] weight: row blocks, or square tiles when
+    the result is written transposed."""
+    if not transposed:
+        for r0, r1 in _row_blocks(rows, cols):
+            yield r0, r1, 0, cols
+        return
+    for r0 in range(0, rows, _TILE):
+        for c0 in range(0, cols, _TILE):
+            yield r0, min(rows, r0 + _TILE), c0, min(cols, c0 + _TILE)
+
+
+def _work_buffer(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """One fp32 block, reused: the math runs in fp32 (bf16 * fp32 promotes, as in FlashRL)."""
+    rows, cols = weight.shape
+    shape = (_TILE, _TILE) if transposed else (min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols)
+    return torch.empty(shape, dtype=torch.float32, device=weight.device)
+
+
+def _quantized_like(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    rows, cols = weight.shape
+    if transposed:  # [out, in] view of an [in, out]-contiguous buffer: vllm-ascend's layout
+        return torch.empty((cols, rows), dtype=torch.int8, device=weight.device).t()
+    return torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+
+
+def _write_block(q: torch.Tensor, vals: torch.Tensor, r0, r1, c0, c1, transposed: bool) -> None:
+    if transposed:
+        q.t()[c0:c1, r0:r1].copy_(vals.t())
+    else:
+        q[r0:r1, c0:c1].copy_(vals)
+
+
 def quantize_weight_per_channel(weight: torch.Tensor,
-                                compute_dtype: Optional[torch.dtype] = None
-                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                                compute_dtype: Optional[torch.dtype] = None,
+                                transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8: weight [out, in] -> (int8 [out, in], fp32 scale [out]).
 
     scale = absmax(row) / 127 and q = round_half_even(w / scale), both in fp32 (|w / scale| <= 127
@@ -58,6 +94,8 @@ def quantize_weight_per_channel(weight: torch.Tensor,
     weight rows, so the NPU path can use that op. `compute_dtype` (the rollout model's dtype,
     e.g. bf16) is applied first: fp32 FSDP masters then quantize exactly like their bf16 cast.
     An all-zero row gets scale 1.0 (q = 0). NaN or Inf raise ValueError.
+    `transposed=True` returns the same values as an [out, in] view of [in, out]-contiguous memory
+    (the layout vllm-ascend's processed W8A8 weights use), fusing the transpose into the pass.
     """
     op = "quantize_weight_per_channel"
     _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
@@ -70,24 +108,27 @@ def quantize_weight_per_channel(weight: torch.Tensor,
     _require(bool(torch.isfinite(absmax).all()), op, "weight contains NaN or Inf")
     scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
     rows, cols = weight.shape
-    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
-    buf = torch.empty((min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols),
-                      dtype=torch.float32, device=weight.device)
-    for r0, r1 in _row_blocks(rows, cols):
-        b = buf[: r1 - r0]
-        torch.div(weight[r0:r1], scale[r0:r1, None], out=b)
-        q[r0:r1].copy_(b.round_())
+    q = _quantized_like(weight, transposed)
+    buf = _work_buffer(weight, transposed)
+    for r0, r1, c0, c1 in _blocks(rows, cols, transposed):
+        blk = weight[r0:r1, c0:c1]
+        if transposed:  # compute in the output's layout, so the write is contiguous
+            vals = torch.div(blk.t(), scale[None, r0:r1], out=buf[: c1 - c0, : r1 - r0]).round_().t()
+        else:
+            vals = torch.div(blk, scale[r0:r1, None], out=buf[: r1 - r0]).round_()
+        _write_block(q, vals, r0, r1, c0, c1, transposed)
     return q, scale
 
 
 def quantize_weight_with_scales(weight: torch.Tensor,
                                 output_scale: Union[torch.Tensor, float],
-                                input_scale: Union[torch.Tensor, float] = 1.0) -> torch.Tensor:
+                                input_scale: Union[torch.Tensor, float] = 1.0,
+                                transposed: bool = False) -> torch.Tensor:
     """FlashRL's fixed-scale INT8: round(W * output_scale * input_scale).clamp(-128, 127).
 
     Same operation order and type promotion as flash_rl 1.0.3 `linear_quantize` (a bf16 weight
-    times fp32 scales computes in fp32), so results match FlashRL bit for bit; computed in row
-    blocks. output_scale is [out, 1] (or scalar), input_scale [1, in] (or scalar).
+    times fp32 scales computes in fp32), so results match FlashRL bit for bit; computed in
+    blocks (`transposed` as for `quantize_weight_per_channel`). output_scale is [out, 1] (or scalar), input_scale [1, in] (or scalar).
     NaN or Inf in the weight raise ValueError.
     """
     op = "quantize_weight_with_scales"
@@ -101,11 +142,22 @@ def quantize_weight_with_scales(weight: torch.Tensor,
     lo, hi = torch.aminmax(weight)
     _require(bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)), op, "weight contains NaN or Inf")
     rows, cols = weight.shape
-    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
-    per_row = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
-    for r0, r1 in _row_blocks(rows, cols):
-        os_blk = output_scale[r0:r1] if per_row else output_scale
-        q[r0:r1].copy_(_saturate_int8(weight[r0:r1] * os_blk * input_scale))
+    q = _quantized_like(weight, transposed)
+    buf = _work_buffer(weight, transposed)
+    os_rows = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
+    is_cols = isinstance(input_scale, torch.Tensor) and input_scale.dim() == 2
+    for r0, r1, c0, c1 in _blocks(rows, cols, transposed):
+        os_blk = output_scale[r0:r1] if os_rows else output_scale
+        is_blk = input_scale[:, c0:c1] if is_cols else input_scale
+        # per element: (w * os) * is, FlashRL's order; the layout does not change the values
+        blk = weight[r0:r1, c0:c1]
+        if transposed:
+            b = buf[: c1 - c0, : r1 - r0]
+            torch.mul(blk.t(), os_blk.t() if os_rows else os_blk, out=b)
+            vals = b.mul_(is_blk.t() if is_cols else is_blk).t()
+        else:
+            vals = torch.mul(blk, os_blk, out=buf[: r1 - r0]).mul_(is_blk)
+        _write_block(q, vals.round_().clamp_(INT8_MIN, INT8_MAX), r0, r1, c0, c1, transposed)
     return q
 
 
