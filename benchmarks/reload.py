@@ -176,8 +176,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of Qwen2.5-7B shape")
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each variant")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); with other load on the machine, 1 avoids "
+                         "OpenMP oversubscription stalls that swamp the comparison")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from npu_flashrl import patches
     from npu_flashrl.testing import cpu_vllm

@@ -48,40 +48,19 @@ def _row_blocks(rows: int, cols: int):
         yield r0, min(rows, r0 + step)
 
 
-_TILE = 512  # transposed output: square tiles keep both the strided read and the write in cache
-
-
-def _blocks(rows: int, cols: int, transposed: bool):
-    """(r0, r1, c0, c1) blocks covering a [rows, cols] weight: row blocks, or square tiles when
-    the result is written transposed."""
-    if not transposed:
-        for r0, r1 in _row_blocks(rows, cols):
-            yield r0, r1, 0, cols
-        return
-    for r0 in range(0, rows, _TILE):
-        for c0 in range(0, cols, _TILE):
-            yield r0, min(rows, r0 + _TILE), c0, min(cols, c0 + _TILE)
-
-
-def _work_buffer(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """One fp32 block, reused: the math runs in fp32 (bf16 * fp32 promotes, as in FlashRL)."""
+def _work_buffer(weight: torch.Tensor) -> torch.Tensor:
+    """One fp32 row block, reused: the math runs in fp32 (bf16 * fp32 promotes, as in FlashRL)."""
     rows, cols = weight.shape
-    shape = (_TILE, _TILE) if transposed else (min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols)
-    return torch.empty(shape, dtype=torch.float32, device=weight.device)
+    return torch.empty((min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols),
+                       dtype=torch.float32, device=weight.device)
 
 
-def _quantized_like(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    rows, cols = weight.shape
-    if transposed:  # [out, in] view of an [in, out]-contiguous buffer: vllm-ascend's layout
-        return torch.empty((cols, rows), dtype=torch.int8, device=weight.device).t()
-    return torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
-
-
-def _write_block(q: torch.Tensor, vals: torch.Tensor, r0, r1, c0, c1, transposed: bool) -> None:
-    if transposed:
-        q.t()[c0:c1, r0:r1].copy_(vals.t())
-    else:
-        q[r0:r1, c0:c1].copy_(vals)
+def _to_layout(q: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`transposed`: the same [out, in] values in [in, out]-contiguous memory (vllm-ascend's
+    processed layout). One copy that reads strided and writes contiguously: on CPU that is
+    several times cheaper than a copy that writes strided (which staging into the processed
+    layout would otherwise be)."""
+    return q.t().contiguous().t() if transposed else q
 
 
 def quantize_weight_per_channel(weight: torch.Tensor,
@@ -95,7 +74,7 @@ def quantize_weight_per_channel(weight: torch.Tensor,
     e.g. bf16) is applied first: fp32 FSDP masters then quantize exactly like their bf16 cast.
     An all-zero row gets scale 1.0 (q = 0). NaN or Inf raise ValueError.
     `transposed=True` returns the same values as an [out, in] view of [in, out]-contiguous memory
-    (the layout vllm-ascend's processed W8A8 weights use), fusing the transpose into the pass.
+    (the layout vllm-ascend's processed W8A8 weights use).
     """
     op = "quantize_weight_per_channel"
     _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
@@ -108,16 +87,11 @@ def quantize_weight_per_channel(weight: torch.Tensor,
     _require(bool(torch.isfinite(absmax).all()), op, "weight contains NaN or Inf")
     scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
     rows, cols = weight.shape
-    q = _quantized_like(weight, transposed)
-    buf = _work_buffer(weight, transposed)
-    for r0, r1, c0, c1 in _blocks(rows, cols, transposed):
-        blk = weight[r0:r1, c0:c1]
-        if transposed:  # compute in the output's layout, so the write is contiguous
-            vals = torch.div(blk.t(), scale[None, r0:r1], out=buf[: c1 - c0, : r1 - r0]).round_().t()
-        else:
-            vals = torch.div(blk, scale[r0:r1, None], out=buf[: r1 - r0]).round_()
-        _write_block(q, vals, r0, r1, c0, c1, transposed)
-    return q, scale
+    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+    buf = _work_buffer(weight)
+    for r0, r1 in _row_blocks(rows, cols):
+        q[r0:r1].copy_(torch.div(weight[r0:r1], scale[r0:r1, None], out=buf[: r1 - r0]).round_())
+    return _to_layout(q, transposed), scale
 
 
 def quantize_weight_with_scales(weight: torch.Tensor,
@@ -142,23 +116,15 @@ def quantize_weight_with_scales(weight: torch.Tensor,
     lo, hi = torch.aminmax(weight)
     _require(bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)), op, "weight contains NaN or Inf")
     rows, cols = weight.shape
-    q = _quantized_like(weight, transposed)
-    buf = _work_buffer(weight, transposed)
-    os_rows = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
-    is_cols = isinstance(input_scale, torch.Tensor) and input_scale.dim() == 2
-    for r0, r1, c0, c1 in _blocks(rows, cols, transposed):
-        os_blk = output_scale[r0:r1] if os_rows else output_scale
-        is_blk = input_scale[:, c0:c1] if is_cols else input_scale
-        # per element: (w * os) * is, FlashRL's order; the layout does not change the values
-        blk = weight[r0:r1, c0:c1]
-        if transposed:
-            b = buf[: c1 - c0, : r1 - r0]
-            torch.mul(blk.t(), os_blk.t() if os_rows else os_blk, out=b)
-            vals = b.mul_(is_blk.t() if is_cols else is_blk).t()
-        else:
-            vals = torch.mul(blk, os_blk, out=buf[: r1 - r0]).mul_(is_blk)
-        _write_block(q, vals.round_().clamp_(INT8_MIN, INT8_MAX), r0, r1, c0, c1, transposed)
-    return q
+    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+    buf = _work_buffer(weight)
+    per_row = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
+    for r0, r1 in _row_blocks(rows, cols):
+        os_blk = output_scale[r0:r1] if per_row else output_scale
+        # per element (w * os) * is: FlashRL's order and fp32 promotion
+        vals = torch.mul(weight[r0:r1], os_blk, out=buf[: r1 - r0]).mul_(input_scale)
+        q[r0:r1].copy_(vals.round_().clamp_(INT8_MIN, INT8_MAX))
+    return _to_layout(q, transposed)
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
