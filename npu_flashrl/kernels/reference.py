@@ -48,19 +48,33 @@ def _row_blocks(rows: int, cols: int):
         yield r0, min(rows, r0 + step)
 
 
-def _work_buffer(weight: torch.Tensor) -> torch.Tensor:
-    """One fp32 row block, reused: the math runs in fp32 (bf16 * fp32 promotes, as in FlashRL)."""
+_TILE = 512  # a 512x512 tile of source and destination stays in cache while it is transposed
+
+
+def _quantize_blocks(weight: torch.Tensor, block_fn, transposed: bool) -> torch.Tensor:
+    """Apply `block_fn(r0, r1, c0, c1, out_fp32) -> fp32 block` over the weight and store it as
+    int8, in row blocks, or for `transposed` as an [out, in] view of [in, out]-contiguous memory
+    (vllm-ascend's processed layout) written tile by tile: no full-size temporary, and on CPU
+    ~2.5x faster than quantizing first and transposing the int8 matrix afterwards."""
     rows, cols = weight.shape
-    return torch.empty((min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols),
-                       dtype=torch.float32, device=weight.device)
-
-
-def _to_layout(q: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """`transposed`: the same [out, in] values in [in, out]-contiguous memory (vllm-ascend's
-    processed layout). One copy that reads strided and writes contiguously: on CPU that is
-    several times cheaper than a copy that writes strided (which staging into the processed
-    layout would otherwise be)."""
-    return q.t().contiguous().t() if transposed else q
+    if not transposed:
+        q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+        buf = torch.empty((min(rows, max(1, _BLOCK_ELEMS // max(cols, 1))), cols),
+                          dtype=torch.float32, device=weight.device)
+        for r0, r1 in _row_blocks(rows, cols):
+            q[r0:r1].copy_(block_fn(r0, r1, 0, cols, buf[: r1 - r0]))
+        return q
+    out = torch.empty((cols, rows), dtype=torch.int8, device=weight.device)
+    buf = torch.empty((_TILE, _TILE), dtype=torch.float32, device=weight.device)
+    tile = torch.empty((_TILE, _TILE), dtype=torch.int8, device=weight.device)
+    for r0 in range(0, rows, _TILE):
+        r1 = min(rows, r0 + _TILE)
+        for c0 in range(0, cols, _TILE):
+            c1 = min(cols, c0 + _TILE)
+            t = tile[: r1 - r0, : c1 - c0]
+            t.copy_(block_fn(r0, r1, c0, c1, buf[: r1 - r0, : c1 - c0]))  # fp32 -> int8 first:
+            out[c0:c1, r0:r1].copy_(t.t())                              # a 4x smaller transpose
+    return out.t()
 
 
 def quantize_weight_per_channel(weight: torch.Tensor,
@@ -86,12 +100,10 @@ def quantize_weight_per_channel(weight: torch.Tensor,
     absmax = torch.maximum(weight.amax(dim=1), weight.amin(dim=1).neg()).float()
     _require(bool(torch.isfinite(absmax).all()), op, "weight contains NaN or Inf")
     scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
-    rows, cols = weight.shape
-    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
-    buf = _work_buffer(weight)
-    for r0, r1 in _row_blocks(rows, cols):
-        q[r0:r1].copy_(torch.div(weight[r0:r1], scale[r0:r1, None], out=buf[: r1 - r0]).round_())
-    return _to_layout(q, transposed), scale
+    def block(r0, r1, c0, c1, buf):
+        return torch.div(weight[r0:r1, c0:c1], scale[r0:r1, None], out=buf).round_()
+
+    return _quantize_blocks(weight, block, transposed), scale
 
 
 def quantize_weight_with_scales(weight: torch.Tensor,
@@ -115,16 +127,17 @@ def quantize_weight_with_scales(weight: torch.Tensor,
                      f"expected one of {ok_shapes}")
     lo, hi = torch.aminmax(weight)
     _require(bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)), op, "weight contains NaN or Inf")
-    rows, cols = weight.shape
-    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
-    buf = _work_buffer(weight)
-    per_row = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
-    for r0, r1 in _row_blocks(rows, cols):
-        os_blk = output_scale[r0:r1] if per_row else output_scale
+    os_rows = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
+    is_cols = isinstance(input_scale, torch.Tensor) and input_scale.dim() == 2
+
+    def block(r0, r1, c0, c1, buf):
+        os_blk = output_scale[r0:r1] if os_rows else output_scale
+        is_blk = input_scale[:, c0:c1] if is_cols else input_scale
         # per element (w * os) * is: FlashRL's order and fp32 promotion
-        vals = torch.mul(weight[r0:r1], os_blk, out=buf[: r1 - r0]).mul_(input_scale)
-        q[r0:r1].copy_(vals.round_().clamp_(INT8_MIN, INT8_MAX))
-    return _to_layout(q, transposed)
+        vals = torch.mul(weight[r0:r1, c0:c1], os_blk, out=buf).mul_(is_blk)
+        return vals.round_().clamp_(INT8_MIN, INT8_MAX)
+
+    return _quantize_blocks(weight, block, transposed)
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
