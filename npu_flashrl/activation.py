@@ -6,6 +6,7 @@ Everything is idempotent: activating twice applies each patch once.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict, Optional
 
 from npu_flashrl import patches
@@ -26,6 +27,18 @@ def _importable(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
+        return False
+
+
+def _installed(dist: str) -> bool:
+    """By distribution metadata: asking the import system about `megatron` would trigger the
+    MindSpeed import-order guard."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
         return False
 
 
@@ -66,6 +79,13 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
             from npu_flashrl.adapters import transformers as hf_adapter
 
             names.append(hf_adapter.PATCH_NAME)
+        if _installed("megatron-core") or "megatron" in sys.modules:
+            from npu_flashrl.adapters import megatron as megatron_adapter
+
+            # wait for verl's Megatron worker module; cheap when the FSDP backend is used
+            names += list(megatron_adapter.PATCHES)
+            if lmhead_fp32_requested():
+                names.append(megatron_adapter.PATCH_LMHEAD)
     vllm_engine.set_config(cfg)
     _active["config"] = cfg
     return patches.apply_patches(names)
@@ -73,3 +93,18 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
 
 def active_config():
     return _active["config"]
+
+
+def worker_process_setup() -> None:
+    """Ray `worker_process_setup_hook`: activate in every trainer AND rollout worker process at
+    start, before verl builds any model. The vLLM plugin alone activates only when the rollout
+    engine starts, after the trainer's model exists (too late for the trainer-side FP32 lm-head)
+    and after Megatron is imported (too late for the MindSpeed import-order guard).
+
+        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=npu_flashrl.activation.worker_process_setup
+    """
+    if _installed("megatron-core") or _importable("mindspeed"):
+        from npu_flashrl.adapters import megatron as megatron_adapter
+
+        megatron_adapter.install_import_guard()
+    activate()

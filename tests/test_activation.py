@@ -131,3 +131,21 @@ def test_async_style_engine_is_refused_with_the_fix(tmp_path, backend):
     cfg = load_config(_write_config(tmp_path / "c.yaml", [{"fn": "int8_profile_free"}]))
     with pytest.raises(RuntimeError, match=r"actor_rollout_ref\.rollout\.mode=sync"):
         vllm_engine.apply_entry(_engine_args(distributed_executor_backend=backend), cfg)
+
+
+def test_ray_worker_setup_hook_activates_trainer_side_patches(tmp_path):
+    cfg = _write_config(tmp_path / "c.yaml", [{"fn": "int8_profile_free", "load_format": "auto"}])
+    code = """
+        from npu_flashrl.kernels import emulation
+        emulation.install()
+        from npu_flashrl.activation import worker_process_setup
+        worker_process_setup()
+        from npu_flashrl import patches
+        print("APPLIED", sorted(p["name"] for p in patches.status() if p["applied"]))
+    """
+    r = _run(code, {"FLASHRL_CONFIG": cfg, "FLASHRL_LMHEAD_FP32": "1", "VLLM_PLUGINS": "none"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    applied = r.stdout.split("APPLIED", 1)[1]
+    for name in ("transformers_lmhead_fp32", "vllm_lmhead_fp32_compute", "model_loader_int8_load_weights",
+                 "verl_rollout_corr_metrics"):
+        assert name in applied, name

@@ -150,10 +150,11 @@ def _npu_device(device: Optional[str]) -> bool:
     if not _importable("torch_npu"):
         return False
     try:
-        importlib.import_module("torch_npu")
+        mod = importlib.import_module("torch_npu")
     except Exception:  # noqa: BLE001 - a torch_npu that cannot load is no NPU
         return False
-    return True
+    # npu_flashrl's CPU emulation of torch_npu is no NPU either
+    return not getattr(mod, "__npu_flashrl_emulated__", False)
 
 
 def _mindspeed_pin() -> Tuple[str, str]:

@@ -264,6 +264,11 @@ grpo_worker_env() {
   for kv in "${WORKER_ENV[@]}"; do
     RUNTIME_ENV_OVERRIDES+=("+ray_kwargs.ray_init.runtime_env.env_vars.${kv%%=*}='${kv#*=}'")
   done
+  if [[ -n "$FLASHRL_CONFIG" ]]; then
+    # activate npu_flashrl in every Ray worker before verl builds a model (trainer-side FP32
+    # lm-head, MindSpeed import order); the vLLM plugin alone fires only at rollout start
+    RUNTIME_ENV_OVERRIDES+=("+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=npu_flashrl.activation.worker_process_setup")
+  fi
   if [[ -n "$RAY_ADDRESS" ]]; then WORKER_ENV+=("RAY_ADDRESS=$RAY_ADDRESS"); fi
 }
 
