@@ -145,8 +145,9 @@ def _npu_device(device: Optional[str]) -> bool:
     """`device` as verl's ``trainer.device`` ('npu', 'cuda', ...); None: torch_npu really importable."""
     if device is not None:
         return str(device).lower().startswith("npu")
-    if "torch_npu" in sys.modules:
-        return True
+    loaded = sys.modules.get("torch_npu")
+    if loaded is not None:  # npu_flashrl's CPU emulation of torch_npu is no NPU
+        return not getattr(loaded, "__npu_flashrl_emulated__", False)
     if not _importable("torch_npu"):
         return False
     try:
@@ -696,6 +697,8 @@ def _make_init(original):
 @register(PATCH_LMHEAD, "megatron.core.models.gpt.gpt_model:GPTModel.__init__", "megatron-core 0.12.x",
           doc="FLASHRL_LMHEAD_FP32 trainer side (Megatron): every GPTModel built afterwards computes logits in fp32")
 def _apply_lmhead() -> None:
-    if import_order()["megatron"] is None:
-        ensure_mindspeed_before_megatron()
-    patches.replace("megatron.core.models.gpt.gpt_model:GPTModel.__init__", _make_init)
+    # Only once Megatron's GPT model module is imported (by verl's Megatron workers): activation
+    # must not import Megatron into FSDP jobs, nor before MindSpeed.
+    when_imported("megatron.core.models.gpt.gpt_model",
+                  lambda _mod: patches.replace("megatron.core.models.gpt.gpt_model:GPTModel.__init__",
+                                               _make_init))
