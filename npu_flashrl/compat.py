@@ -100,6 +100,14 @@ def quant_method_classes():
     return qc.AscendLinearMethod, w8a8.AscendW8A8LinearMethod, dyn.AscendW8A8DynamicLinearMethod
 
 
+def nz_flag_target():
+    """(module, attribute) that switches the NZ cast of W8A8 weights, for tests to monkeypatch:
+    0.11.0 gates it by `utils._ENABLE_NZ` (VLLM_ASCEND_ENABLE_NZ). None on v0.10.1rc1, which
+    casts unconditionally."""
+    utils = importlib.import_module("vllm_ascend.utils")
+    return (utils, "_ENABLE_NZ") if hasattr(utils, "_ENABLE_NZ") else None
+
+
 def nz_enabled() -> bool:
     utils = importlib.import_module("vllm_ascend.utils")
     if hasattr(utils, "is_enable_nz"):
@@ -108,6 +116,19 @@ def nz_enabled() -> bool:
         except ValueError:  # not initialised yet
             return bool(getattr(utils, "_ENABLE_NZ", False))
     return True  # v0.10.1rc1: unconditional NZ cast
+
+
+def compute_logits(model, hidden_states):
+    """Logits from a vLLM model's final hidden states, outside the engine (no sampler).
+
+    vLLM 0.10.1's `compute_logits(hidden_states, sampling_metadata)` requires the metadata
+    argument (None skips pruning and logits processors); 0.11.0 dropped it."""
+    import inspect
+
+    params = inspect.signature(model.compute_logits).parameters
+    if "sampling_metadata" in params:
+        return model.compute_logits(hidden_states, None)
+    return model.compute_logits(hidden_states)
 
 
 # Where vLLM's model loader looks things up (patched by adapters.vllm_ascend).

@@ -10,3 +10,24 @@ os.environ.setdefault("VLLM_PLUGINS", "none")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("FLASHRL_CONFIG", None)
+
+# Optional: run against a vllm-ascend SOURCE TREE instead of the installed distribution, e.g. the
+# pinned v0.10.1rc1 line (no wheel exists): NPU_FLASHRL_VLLM_ASCEND_SRC=<dir containing
+# vllm_ascend/>. Prepended to sys.path here, before any test imports vllm_ascend; also exported
+# through PYTHONPATH so subprocesses the tests start see the same tree.
+_VLLM_ASCEND_SRC = os.environ.get("NPU_FLASHRL_VLLM_ASCEND_SRC")
+if _VLLM_ASCEND_SRC:
+    import sys
+
+    _VLLM_ASCEND_SRC = os.path.abspath(_VLLM_ASCEND_SRC)
+    if not os.path.isdir(os.path.join(_VLLM_ASCEND_SRC, "vllm_ascend")):
+        raise RuntimeError(f"NPU_FLASHRL_VLLM_ASCEND_SRC={_VLLM_ASCEND_SRC} has no vllm_ascend/ "
+                           "package directory")
+    if "vllm_ascend" in sys.modules:
+        raise RuntimeError("vllm_ascend was imported before tests/conftest.py could put "
+                           f"{_VLLM_ASCEND_SRC} first on sys.path")
+    if _VLLM_ASCEND_SRC not in sys.path:
+        sys.path.insert(0, _VLLM_ASCEND_SRC)
+    _pp = os.environ.get("PYTHONPATH", "")
+    if _VLLM_ASCEND_SRC not in _pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = _VLLM_ASCEND_SRC + (os.pathsep + _pp if _pp else "")

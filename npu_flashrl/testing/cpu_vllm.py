@@ -141,11 +141,13 @@ class CpuVllm:
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers."""
+        from npu_flashrl import compat
+
         out = []
         for seq in input_ids:
             positions = torch.arange(seq.shape[0])
             hidden = self.model.model(seq, positions)
-            out.append(self.model.compute_logits(hidden).float())
+            out.append(compat.compute_logits(self.model, hidden).float())
         return torch.stack(out)
 
 
