@@ -11,14 +11,11 @@ from typing import Dict, Optional
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.config import lmhead_fp32_requested
 
 logger = get_logger("activation")
 
 _active: Dict[str, object] = {"config": None}
-
-
-def lmhead_fp32_requested() -> bool:
-    return os.environ.get("FLASHRL_LMHEAD_FP32", "0").strip() == "1"
 
 
 def _importable(name: str) -> bool:

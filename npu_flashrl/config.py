@@ -41,6 +41,12 @@ logger = get_logger("config")
 ENV_CONFIG = "FLASHRL_CONFIG"
 EXTERNAL_LAUNCHER = "external_launcher"
 
+
+def lmhead_fp32_requested(environ=None) -> bool:
+    """FLASHRL_LMHEAD_FP32 == '1' (FlashRL's switch and meaning); the one parser every side uses."""
+    env = os.environ if environ is None else environ
+    return str(env.get("FLASHRL_LMHEAD_FP32", "0")).strip() == "1"
+
 FN_INT8 = "int8"
 FN_INT8_PROFILE_FREE = "int8_profile_free"
 FN_BF16 = "bf16"

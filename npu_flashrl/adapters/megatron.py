@@ -92,6 +92,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable, register
@@ -611,12 +612,6 @@ def _apply_stream() -> None:
 
 
 # =========================================================================== 3. FP32 output layer
-
-def lmhead_fp32_requested(environ=None) -> bool:
-    """FLASHRL_LMHEAD_FP32 == '1' (FlashRL's switch and meaning)."""
-    env = os.environ if environ is None else environ
-    return str(env.get("FLASHRL_LMHEAD_FP32", "0")).strip() == "1"
-
 
 def _fp32_forward(self, input_, weight=None, *args, **kwargs):
     w = self.weight if weight is None else weight

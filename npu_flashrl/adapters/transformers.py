@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import register
@@ -46,12 +47,6 @@ PATCH_NAME = "transformers_lmhead_fp32"
 
 __all__ = ["enable_fp32_lm_head", "disable_fp32_lm_head", "is_fp32_lm_head", "lmhead_fp32_requested",
            "PATCH_NAME"]
-
-
-def lmhead_fp32_requested(environ=None) -> bool:
-    """FLASHRL_LMHEAD_FP32 == '1' (FlashRL's switch and meaning)."""
-    env = os.environ if environ is None else environ
-    return str(env.get("FLASHRL_LMHEAD_FP32", "0")).strip() == "1"
 
 
 def _fp32_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:

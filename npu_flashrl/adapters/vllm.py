@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable, register
@@ -54,12 +55,6 @@ EMBED_MARK = "_npu_flashrl_embed_out_dtype"
 
 __all__ = ["upcast_lm_head", "enable_lm_head_fp32", "lmhead_fp32_requested", "find_lm_head",
            "PATCH_COMPUTE", "PATCH_INIT"]
-
-
-def lmhead_fp32_requested(environ=None) -> bool:
-    """FLASHRL_LMHEAD_FP32 == '1' (FlashRL's switch and meaning)."""
-    env = os.environ if environ is None else environ
-    return str(env.get("FLASHRL_LMHEAD_FP32", "0")).strip() == "1"
 
 
 # ------------------------------------------------------------------------------------ helpers
