@@ -520,13 +520,15 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str):
     """Teacher-forced rollout log-probs [B, T-1]: the vLLM model's own layers, one sequence at a time."""
     import torch
 
+    from npu_flashrl import compat
+
     rows = []
     with torch.no_grad():
         for seq in eval_ids:
             seq = seq.to(device)
             positions = torch.arange(seq.shape[0], device=device)
             hidden = model.model(seq, positions)
-            logits = model.compute_logits(hidden).float()[:, :vocab_size]
+            logits = compat.compute_logits(model, hidden).float()[:, :vocab_size]
             rows.append(_target_logp(logits[None], seq[None]))
     return torch.cat(rows)
 

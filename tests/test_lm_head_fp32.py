@@ -112,7 +112,9 @@ def test_hf_registered_patch_applies_to_new_models(tmp_path):
 # ------------------------------------------------------------------------------ rollout side (vLLM)
 
 def _run(code, timeout=600):
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", PYTHONPATH=ROOT)
+    # keep an inherited PYTHONPATH (e.g. a vllm-ascend source tree from NPU_FLASHRL_VLLM_ASCEND_SRC)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
     if proc.returncode != 0:
