@@ -168,6 +168,13 @@ def _versions() -> Dict[str, Optional[str]]:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = None
+    if out["vllm-ascend"] is None:  # a source tree on the path has no distribution metadata
+        try:
+            from npu_flashrl import compat
+
+            out["vllm-ascend"] = f"{compat.vllm_ascend_line()} (source tree)"
+        except Exception:  # noqa: BLE001 - not installed at all: stays None
+            pass
     return out
 
 
