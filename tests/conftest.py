@@ -31,3 +31,21 @@ if _VLLM_ASCEND_SRC:
     _pp = os.environ.get("PYTHONPATH", "")
     if _VLLM_ASCEND_SRC not in _pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = _VLLM_ASCEND_SRC + (os.pathsep + _pp if _pp else "")
+
+
+import pytest  # noqa: E402  (after the environment is fixed)
+
+
+@pytest.fixture(scope="module")
+def va():
+    """The vllm-ascend adapter with its patches applied on the CPU harness (emulated torch_npu);
+    models built in the test get the online INT8 loader once a quantizer is configured."""
+    from npu_flashrl import patches
+    from npu_flashrl.testing import cpu_vllm
+
+    cpu_vllm.prepare_process()
+    from npu_flashrl.adapters import vllm_ascend
+
+    patches.apply_patches(list(vllm_ascend.PATCHES))
+    yield vllm_ascend
+    vllm_ascend.configure_online_quantization(None)

@@ -271,18 +271,6 @@ def test_pp_layer_offset():
 
 # --------------------------------------------------------------------------- into the INT8 reload
 
-@pytest.fixture(scope="module")
-def va():
-    from npu_flashrl import patches
-    from npu_flashrl.testing import cpu_vllm
-
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm_ascend
-
-    patches.apply_patches(list(vllm_ascend.PATCHES))
-    yield vllm_ascend
-    vllm_ascend.configure_online_quantization(None)
-
 
 def test_megatron_stream_into_int8_reload_equals_hf_load(va, tiny, gpt_layout):
     from npu_flashrl.testing import cpu_vllm

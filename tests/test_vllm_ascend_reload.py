@@ -24,15 +24,6 @@ LINEAR_RTOL = 0.03
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(scope="module")
-def va():
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm_ascend
-
-    patches.apply_patches(list(vllm_ascend.PATCHES))
-    yield vllm_ascend
-    vllm_ascend.configure_online_quantization(None)
-
 
 @pytest.fixture(scope="module")
 def ckpts():
