@@ -259,10 +259,16 @@ class _Target:
     def hf_name(self, shard: str) -> str:
         return f"{self.path.rsplit('.', 1)[0]}.{shard}.weight"
 
+    @staticmethod
+    def shard_of(hf_name: str) -> str:
+        """'model.layers.0.self_attn.q_proj.weight' -> 'q_proj'."""
+        return hf_name.rsplit(".", 2)[-2]
+
 
 @dataclasses.dataclass
 class _Staging:
-    weight: torch.nn.Parameter        # int8 [out_part, in_part], this rank's unprocessed layout
+    target: _Target
+    weight: torch.nn.Parameter        # int8 [out_part, in_part] view of [in_part, out_part] memory
     scale: Optional[torch.nn.Parameter]
     received: Set[str] = dataclasses.field(default_factory=set)
 
@@ -334,7 +340,6 @@ class Int8WeightLoader:
         self._pending: Dict[str, _Staging] = {}
         self._params = dict(model.named_parameters())
         self._packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-        self.syncs = 0
 
     # ------------------------------------------------------------------ public API
     def processed(self) -> bool:
@@ -377,11 +382,9 @@ class Int8WeightLoader:
         """End the current sync. Raises WeightSyncError listing shards that never arrived (the
         layers they belong to keep their previous weights)."""
         missing = []
-        for path, st in self._pending.items():
-            t = next(t for t in self.targets.values() if t.path == path)
-            missing += [t.hf_name(s) for s in t.shards if s not in st.received]
+        for st in self._pending.values():
+            missing += [st.target.hf_name(s) for s in st.target.shards if s not in st.received]
         self._pending.clear()
-        self.syncs += 1
         if missing:
             raise WeightSyncError(
                 f"weight sync ended with {len(missing)} shard(s) missing: {missing[:8]}"
@@ -423,7 +426,7 @@ class Int8WeightLoader:
             if not tensor.is_floating_point():
                 raise WeightSyncError(f"{name}: expected a floating-point tensor (bf16/fp16/fp32) "
                                       f"to quantize online, got {tensor.dtype}")
-            want = target.full_shapes[target.shards.index(name.rsplit(".", 2)[-2])]
+            want = target.full_shapes[target.shards.index(_Target.shard_of(name))]
             if tuple(tensor.shape) != tuple(want):
                 raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
         else:
@@ -451,7 +454,7 @@ class Int8WeightLoader:
         return None
 
     def _stage(self, target: _Target, name: str, tensor: torch.Tensor) -> None:
-        shard = name.rsplit(".", 2)[-2]
+        shard = _Target.shard_of(name)
         idx = target.shards.index(shard)
         try:
             # int8 produced in [in, out] memory: the processed layout, so the commit is a memcpy
@@ -465,7 +468,7 @@ class Int8WeightLoader:
             # [out, in] view of an [in, out] buffer: upstream's loader narrows it like the
             # unprocessed parameter, while the bytes already sit in the processed layout.
             buf = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-            st = _Staging(_stage_param(buf.t(), w), None)
+            st = _Staging(target, _stage_param(buf.t(), w), None)
             if scale is not None:
                 st.scale = _stage_param(torch.empty((w.shape[1], 1), dtype=torch.float32,
                                                     device=w.device), layer.weight_scale)
