@@ -19,7 +19,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -531,7 +531,52 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
     return rows
 
 
-def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False) -> List[Dict[str, str]]:
+def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
+    """(Hydra overrides, environment assignments) of a verl command or an overrides file: one
+    override per line or a recipe's ``--dry-run`` output (backslash continuations, ``env K=V``)."""
+    import shlex
+
+    words = shlex.split(text.replace("\\\n", " "), comments=True)
+    env: Dict[str, str] = {}
+    entry = "verl.trainer.main_ppo"
+    if entry in words:
+        for w in words[:words.index(entry)]:
+            k, sep, v = w.partition("=")
+            if sep and k.isidentifier():
+                env[k] = v
+        words = words[words.index(entry) + 1:]
+    return [w for w in words if "=" in w and not w.startswith("-")], env
+
+
+def verl_rows(path: str) -> List[Dict[str, str]]:
+    """Check verl overrides (file, or '-' for stdin) the way verl 51d2104 would run them."""
+    from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
+                                           overrides_to_config)
+
+    label = f"verl overrides {path}"
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as exc:
+        return [_row(label, FAIL, f"cannot read: {exc}", "pass a file of Hydra overrides or '-' for stdin")]
+    overrides, env = read_overrides(text)
+    if not overrides:
+        return [_row(label, FAIL, "no Hydra overrides (key=value) found",
+                     "pass a recipe's --dry-run output or one override per line")]
+    cfg = overrides_to_config(overrides)
+    environ = dict(os.environ)
+    environ.update(env)
+    try:
+        warnings = check_rollout_mode(cfg, environ=environ)
+    except (RolloutModeError, TisConfigError) as exc:
+        msg, _, fix = str(exc).partition(" Fix: ")
+        return [_row(label, FAIL, msg, fix)]
+    if warnings:
+        return [_row(label, WARN, w) for w in warnings]
+    return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl 51d2104")]
+
+
+def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
+                verl_overrides: Optional[str] = None) -> List[Dict[str, str]]:
     rows: List[Dict[str, str]] = []
     try:
         pins = _load_pins()
@@ -541,6 +586,8 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False) 
     rows += package_rows(pins)
     rows.append(cann_row(pins))
     rows += config_rows(config_path)
+    if verl_overrides:
+        rows += verl_rows(verl_overrides)
     rows += patch_rows(apply_patches)
     return rows
 
@@ -567,11 +614,16 @@ def _add_verify(sub) -> None:
     p.add_argument("--strict", action="store_true", help="warnings (version drift, emulation) fail too")
     p.add_argument("--apply-patches", action="store_true",
                    help="apply every registered patch in this process before listing them")
+    p.add_argument("--verl-overrides", metavar="FILE",
+                   help="also check verl Hydra overrides: a file (one per line, or a recipe's --dry-run "
+                        "output) or '-' for stdin, e.g. `bash RECIPE --dry-run | npu-flashrl verify "
+                        "--verl-overrides -`; refuses rollout modes and TIS settings that silently do "
+                        "nothing at verl 51d2104")
     p.set_defaults(func=_run_verify)
 
 
 def _run_verify(args) -> int:
-    rows = verify_rows(args.config, args.apply_patches)
+    rows = verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
     failing = [r for r in rows if r["status"] == FAIL or (args.strict and r["status"] == WARN)]
     if args.json:
         _out(json.dumps({"ok": not failing, "strict": bool(args.strict), "rows": rows}, indent=2))
