@@ -136,6 +136,18 @@ def _check_model_dir(model: str, what: str = "model") -> None:
                        f"checkpoint is needed)")
 
 
+W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHatAI's, or a ModelSlim "
+            "W8A8 export); for a bf16 checkpoint use --fn int8_profile_free")
+
+
+def _check_w8a8(model: str) -> None:
+    from npu_flashrl.profile import check_w8a8_checkpoint
+
+    problems = check_w8a8_checkpoint(model)
+    if problems:
+        raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
+
+
 def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
                 check: bool = True):
     """The config entry `setup` writes, validated (profile vs model when check)."""
@@ -157,10 +169,15 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
         raise CliError(str(exc), code=2) from None
     if needs_profile(entry) and not entry.model:
         raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
+    if needs_profile(entry) and str(entry.load_format).lower() == "dummy":
+        raise CliError(f"load_format=dummy with --fn {entry.fn}: the W8A8 model would keep random "
+                       "weight_scale tensors that no weight sync replaces; drop it (setup writes "
+                       "load_format: auto)", code=2)
     if check:
         if entry.model:
             _check_model_dir(entry.model)
         if needs_profile(entry):
+            _check_w8a8(entry.model)
             path = entry.profile_path()
             try:
                 prof = load_profile(path)
@@ -473,6 +490,22 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
         if not needs_profile(entry):
             rows.append(_row(check, OK, f"model {entry.model or '(the rollout model)'}"))
             continue
+        fmt = str(entry.load_format).lower() if entry.load_format else None
+        if fmt == "dummy":
+            rows.append(_row(check, FAIL, f"load_format: {entry.load_format} with fn int8: random "
+                             "weight_scale tensors that no weight sync replaces", "load_format: auto"))
+            continue
+        if fmt is None:
+            rows.append(_row(check, WARN, "no load_format: the engine's own is used, and verl's sync "
+                             "rollout passes dummy, which is refused at engine build for fn int8",
+                             "load_format: auto"))
+        if entry.model:
+            from npu_flashrl.profile import check_w8a8_checkpoint
+
+            problems = check_w8a8_checkpoint(entry.model)
+            if problems:
+                rows.append(_row(check, FAIL, "; ".join(problems), W8A8_FIX.replace("-m", "`model`", 1)))
+                continue
         path = entry.profile_path()
         if path is None:
             rows.append(_row(check, WARN, "no `profile` and no `model`: profile resolved at run time "

@@ -82,18 +82,19 @@ def test_recipe_preflight_refuses_the_combination_without_tis(env, extra, needle
 
 
 def test_verify_refuses_the_broken_overrides(tmp_path):
+    from npu_flashrl import cli
     from npu_flashrl.cli import verl_rows
 
     proc = _dry_run("test_grpo_qwen25_7b_fsdp_int8_A2.sh", tmp_path)
     good = tmp_path / "good.txt"
     good.write_text(proc.stdout)
-    assert [r["status"] for r in verl_rows(str(good))] == ["ok"]
+    assert [r["status"] for r in verl_rows(str(good))] == [cli.OK]
     bad = tmp_path / "bad.txt"
     bad.write_text("\n".join(BROKEN[:1] + (RC + "rollout_is=token",
                                            "actor_rollout_ref.rollout.mode=sync",
                                            "actor_rollout_ref.rollout.calculate_log_probs=True")))
     rows = verl_rows(str(bad))
-    assert rows[0]["status"] == "FAIL" and "computes no IS weights" in rows[0]["detail"]
+    assert rows[0]["status"] == cli.FAIL and "computes no IS weights" in rows[0]["detail"]
     assert "bypass_mode=False" in rows[0]["fix"]
     with pytest.raises(ad.TisConfigError, match="use_policy_gradient=True"):
         ad.tis_overrides(use_policy_gradient=True)
