@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 from npu_flashrl import cli
@@ -144,3 +145,37 @@ def test_engine_build_accepts_int8_loaded_from_the_checkpoint(pair, profile_pt, 
     finally:
         vllm_engine.set_config(None)
         vllm_ascend.configure_online_quantization(None)
+
+
+def test_why_dummy_is_refused_a_synced_int8_model_keeps_random_scales(va, pair, profile_pt):
+    """The defect the refusal prevents, on the real CPU vLLM W8A8_DYNAMIC model (tests/conftest.py
+    `va`): built with load_format=dummy, a complete fn-int8 sync leaves vLLM's random weight_scale in
+    use (the profile keeps the checkpoint's scales), while a model loaded from the checkpoint has them."""
+    from npu_flashrl.profile import load_profile
+    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+
+    bf16, w8a8 = pair
+    profile = load_profile(profile_pt)
+    hf = build_tiny_qwen2(os.path.join(os.path.dirname(bf16), "trainer"), seed=5)
+    weights = [(n, p.detach().float().clone()) for n, p in hf.named_parameters()]
+    scales = {}
+    for fmt in ("auto", "dummy"):
+        va.configure_online_quantization("int8", profile)
+        with cpu_vllm.CpuVllm(w8a8, quantization="ascend", load_format=fmt) as v:
+            v.model.load_weights(weights)
+            va.end_weight_sync(v.model)
+            scales[fmt] = {n: p.detach().clone() for n, p in v.model.named_parameters()
+                           if n.endswith("weight_scale")}
+    va.configure_online_quantization(None)
+    from safetensors import safe_open
+
+    ckpt = {}
+    for f in os.listdir(w8a8):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(w8a8, f), framework="pt") as fh:
+                ckpt.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("weight_scale")})
+    q = torch.cat([ckpt[f"model.layers.0.self_attn.{p}.weight_scale"] for p in ("q_proj", "k_proj", "v_proj")])
+    name = "model.layers.0.self_attn.qkv_proj.weight_scale"
+    torch.testing.assert_close(scales["auto"][name].flatten().float(), q.flatten().float())
+    assert not torch.allclose(scales["dummy"][name].flatten().float(), q.flatten().float())
