@@ -156,6 +156,10 @@ def test_patch_is_registered_idempotent_and_activated(synced, monkeypatch):
     assert synced.update_weights is wrapped
     assert asyncio.iscoroutinefunction(wrapped)
     assert any(p["name"] == verl_adapter.PATCH_SYNC_END and p["applied"] for p in patches.status())
+    from npu_flashrl import cli
+
+    rows = [r for r in cli.patch_rows() if r["check"] == f"patch {verl_adapter.PATCH_SYNC_END}"]
+    assert rows and rows[0]["status"] == cli.OK and "vLLMRollout.update_weights" in rows[0]["detail"]
     seen = []
     monkeypatch.setattr(activation.patches, "apply_patches", lambda names: seen.extend(names) or {})
     import npu_flashrl.config as config_mod

@@ -60,7 +60,10 @@ def _patch_module(module) -> None:
         logger.warning("npu_flashrl: %s has no vLLMRollout.update_weights; weight syncs end unchecked "
                        "(a layer whose shard never arrives stays stale, unreported)", ROLLOUT_MODULE)
         return
-    patches.replace(TARGET, _wrap_update_weights)
+    try:
+        patches.replace(TARGET, _wrap_update_weights)
+    except patches.PatchNotApplicable as exc:  # runs inside verl's import: never break it
+        logger.warning("npu_flashrl: cannot patch %s -> %s: %s", PATCH_SYNC_END, TARGET, exc)
 
 
 @patches.register(PATCH_SYNC_END, TARGET, "verl 51d2104 / 0.6.1",
