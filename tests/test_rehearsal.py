@@ -246,6 +246,16 @@ def test_bad_model_already_quantized(tmp_path, capsys):
     assert "already quantized" in err
 
 
+@pytest.mark.parametrize("value", ["nan", "0", "-1", "inf"])
+def test_bad_max_layer_error_is_refused_before_anything_starts(tmp_path, capsys, value):
+    from npu_flashrl import cli
+
+    code = cli.main(["rehearse", "--max-layer-error", value, "--output-dir", str(tmp_path / "out")])
+    assert code == 1
+    assert f"--max-layer-error must be a finite number > 0, got {float(value)}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_help_names_the_options_and_the_hardware_caveat(capsys):
     from npu_flashrl import cli
 
@@ -254,7 +264,7 @@ def test_help_names_the_options_and_the_hardware_caveat(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--model", "--mode", "--steps", "--buckets", "--device", "--cache-dir", "--output-dir",
-                 "--max-error", "--no-fp32-head"):
+                 "--max-error", "--max-layer-error", "--no-fp32-head"):
         assert flag in out
     assert "NOT VERIFIED ON HARDWARE" in " ".join(out.split()).upper()
 

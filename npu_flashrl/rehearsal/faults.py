@@ -72,13 +72,13 @@ class _FaultyQuantizer:
 
 
 class Fault:
-    def __init__(self, name: str, model, targets):
+    def __init__(self, name: str, model, loader):
         self.name, self.model = name, model
         self._layer = None
+        targets = loader.targets
         if name in QUANTIZER_FAULTS:
             from npu_flashrl.adapters import vllm_ascend
 
-            loader = model._npu_flashrl_loader
             square = next((n for n, t in targets.items() if n.endswith("o_proj.weight")
                            and t.layer.weight.shape[0] == t.layer.weight.shape[1]), None)
             vllm_ascend.attach(model, _FaultyQuantizer(loader.quantizer, name, square))
@@ -96,7 +96,8 @@ class Fault:
             self._layer.weight_scale_fp32.copy_(self._cold_fp32)
 
 
-def install(model, targets) -> Optional[Fault]:
-    """Called by the rollout loop right after the INT8 model's cold load; None without a fault."""
+def install(model, loader) -> Optional[Fault]:
+    """Called by the rollout loop right after the INT8 model's cold load (`loader`: the model's INT8
+    loader, as `vllm_ascend.attach` returns it); None without a fault."""
     name = active()
-    return None if name is None else Fault(name, model, targets)
+    return None if name is None else Fault(name, model, loader)

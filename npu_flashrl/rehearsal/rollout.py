@@ -124,7 +124,7 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
             if int8:
                 # right after the cold load: pointers, formats and cold scales are the reference
                 checker = Int8StateCheck(model, loader.targets, device, profile=profile, seed=args.seed)
-                fault = faults.install(model, loader.targets)
+                fault = faults.install(model, loader)
                 info["fault_injected"] = fault.name if fault else None
             bar.update(1)
             rng = random.Random(args.seed + 7)
