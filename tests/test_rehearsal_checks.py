@@ -141,7 +141,7 @@ def test_fault_details_carry_the_numbers(fault_runs):
     assert stale.startswith(f"step 2 {QKV0}: ") and "in k_proj" in stale  # the first sync is still right
     assert "not at a .5 tie" in detail("round_trunc", INT8)
     assert "weight_scale_fp32 differs from weight_scale" in detail("stale_fp32_scale", DERIVED)
-    assert "moved since the cold load" in detail("moved_weight", IN_PLACE)
+    assert "not written in place: weight data_ptr" in detail("moved_weight", IN_PLACE)
 
 
 def test_unknown_fault_is_refused(tmp_path, capsys, monkeypatch):

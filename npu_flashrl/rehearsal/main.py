@@ -34,9 +34,9 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     from npu_flashrl.rehearsal.checks import evaluate_checks, summaries
     from npu_flashrl.rehearsal.cli_setup import activate_entry, prepare_config
     from npu_flashrl.rehearsal.model import ensure_tiny_model, tiny_settings
-    from npu_flashrl.rehearsal.state import by_type, state_rules
     from npu_flashrl.rehearsal.output import print_summary, write_plot
     from npu_flashrl.rehearsal.rollout import make_rollout, run_variant
+    from npu_flashrl.rehearsal.state import by_type, state_rules
     from npu_flashrl.rehearsal.trainer import hf_load, simulate_training, trainer_logps
     from npu_flashrl.testing.synthetic_task import MarkovTask
 

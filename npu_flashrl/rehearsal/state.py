@@ -96,6 +96,10 @@ class Int8StateCheck:
             static = hasattr(layer, "deq_scale") and hasattr(layer, "input_scale")
             self.layers.append(_Layer(path, short, layer, shards, static))
         self.cold_ptr = {l.path: {n: t.data_ptr() for n, t in _tensors(l.layer).items()} for l in self.layers}
+        # Keep the cold-load tensors alive: a loader that re-allocates cannot have its new tensor land
+        # on the freed address (the caching allocator reuses blocks) and so pass the pointer check.
+        # Written in place, they share the live storage: no extra memory.
+        self._cold_refs = {l.path: {n: t.data for n, t in _tensors(l.layer).items()} for l in self.layers}
         self.cold_format = {l.path: kernels.storage_format(l.layer.weight) for l in self.layers}
         self.cold_scale = {l.path: _host(l.layer.weight_scale).flatten().float() for l in self.layers}
         gen = torch.Generator().manual_seed(seed + 4242)
@@ -143,7 +147,7 @@ class Int8StateCheck:
         worst = 0
         bad_shards: List[str] = []
         scale_rel = 0.0
-        w_eff, q_parts = [], []
+        w_eff: List[torch.Tensor] = []
         shape_ok = tuple(live.shape) == (in_features, out_total) and live.dtype == torch.int8 \
             and scale_live.numel() == out_total
         r0 = 0
@@ -183,12 +187,13 @@ class Int8StateCheck:
             problems["scale"] = (f"weight_scale off by up to {scale_rel:.3g} relative (limit {ulp:.3g}, one "
                                  f"{str(layer.weight_scale.dtype).replace('torch.', '')} ulp)")
         problems["derived"] = self._derived(layer, l, live, scale_live)
-        moved = [n for n, t in _tensors(layer).items() if self.cold_ptr[l.path].get(n) not in (None, t.data_ptr())]
+        moved = [f"{n} data_ptr" for n, t in _tensors(layer).items()
+                 if self.cold_ptr[l.path].get(n) not in (None, t.data_ptr())]
         fmt = kernels.storage_format(layer.weight)
         if fmt != self.cold_format[l.path]:
-            moved.append(f"weight storage format {self.cold_format[l.path]} -> {fmt}")
+            moved.append(f"weight storage format ({self.cold_format[l.path]} -> {fmt})")
         if moved:
-            problems["in_place"] = f"{', '.join(moved)} moved since the cold load (not written in place)"
+            problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
         res["moved"] = moved
         # output error: the layer's own forward against the bf16 counterpart
         x = self.acts[l.path]
