@@ -106,3 +106,27 @@ def test_scale_derived_and_in_place_problems_are_named():
     res = chk.check({NAME: w}, step=1)[0]
     assert "weight_scale_fp32 differs from weight_scale in 64/64 values" in res["problems"]["derived"]
     assert res["problems"]["in_place"] == "not written in place: weight data_ptr changed since the cold load"
+
+
+def test_static_w8a8_deq_scale_and_quant_bias_are_recomputed_from_the_live_weight():
+    """Static W8A8 (ModelSlim checkpoints): deq_scale = input_scale * weight_scale and quant_bias =
+    round(bias / deq_scale) - input_offset * sum_k W_q must follow every sync."""
+    w, q, s = _weights()
+    layer = _W8A8(q, s)
+    layer.input_scale = torch.nn.Parameter(torch.tensor([0.02], dtype=torch.bfloat16), requires_grad=False)
+    layer.input_offset = torch.nn.Parameter(torch.tensor([3.0], dtype=torch.bfloat16), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, N, dtype=torch.bfloat16), requires_grad=False)
+    deq = (layer.input_scale.float() * layer.weight_scale.float()).flatten()
+    layer.deq_scale = torch.nn.Parameter(deq.clone(), requires_grad=False)
+    wsum = q.to(torch.int64).sum(dim=1)  # sum over in of [out, in]
+    qb = (torch.round(layer.bias.float() / deq).to(torch.int64) - 3 * wsum).to(torch.int32)
+    layer.quant_bias = torch.nn.Parameter(qb.clone(), requires_grad=False)
+    targets = {NAME: types.SimpleNamespace(path=PATH, layer=layer)}
+    chk = Int8StateCheck(types.SimpleNamespace(packed_modules_mapping={}), targets, "cpu")
+    res = chk.check({NAME: w}, step=1)[0]
+    assert res["problems"]["derived"] is None, res["problems"]
+    layer.quant_bias.data[5] += 1  # a bias fold that missed one channel
+    layer.deq_scale.data[0] *= 1.01
+    derived = chk.check({NAME: w}, step=2)[0]["problems"]["derived"]
+    assert "deq_scale off input_scale * weight_scale by 0.01" in derived
+    assert "quant_bias differs from round(bias / deq_scale) - input_offset * sum(W_q) in 1/64 values" in derived
