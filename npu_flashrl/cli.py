@@ -24,19 +24,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import CliError  # noqa: F401  (re-exported: npu_flashrl.cli.CliError)
 
 logger = get_logger("cli")
 
 PROG = "npu-flashrl"
 DEFAULT_CONFIG_OUTPUT = os.path.join("~", ".flashrl_config.yaml")  # FlashRL's default
-
-
-class CliError(Exception):
-    """An error to print as `npu-flashrl <cmd>: error: ...` with exit code `code`."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 def _out(msg: str = "") -> None:

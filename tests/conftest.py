@@ -98,3 +98,10 @@ def va():
     patches.apply_patches(list(vllm_ascend.PATCHES))
     yield vllm_ascend
     vllm_ascend.configure_online_quantization(None)
+
+
+@pytest.fixture(scope="session")
+def rehearsal_cache(tmp_path_factory):
+    """One `npu-flashrl rehearse --cache-dir` for the session: the tiny model is pre-trained by the
+    first rehearsal that runs (tests/test_rehearsal.py in file order) and reused by the others."""
+    return tmp_path_factory.mktemp("rehearsal-cache")
