@@ -174,9 +174,12 @@ class _AlreadyLoaded(importlib.abc.Loader):
     """Hands the import system the ``megatron`` module that exists already.
 
     Once a finder is asked for ``megatron`` the import system is committed to loading it: if the
-    finder imported the adaptor (which imports megatron itself) and returned None, the next finder
-    would build a second, empty ``megatron`` namespace package over the first one, and
-    ``megatron.core`` would no longer be an attribute of ``megatron``."""
+    finder imported the adaptor (which imports megatron itself) and returned None, the next finder's
+    spec would be replaced by the loaded module's own ``__spec__`` (importlib's ``_find_spec`` does
+    that when the name appeared in ``sys.modules`` meanwhile), whose namespace loader builds a second,
+    empty ``megatron`` package over the first: ``megatron.core`` would no longer be an attribute of
+    ``megatron``. So the module's ``__spec__`` points at this loader until the import system has
+    "loaded" it (the same object), then the real spec is put back."""
 
     def __init__(self, module):
         self.module = module
@@ -217,7 +220,9 @@ class _MegatronImportGuard(importlib.abc.MetaPathFinder):
         guard_import_adaptor()
         loaded = sys.modules.get("megatron")
         if loaded is not None:  # the adaptor imported megatron: keep that module
-            return importlib.util.spec_from_loader("megatron", _AlreadyLoaded(loaded), is_package=True)
+            spec = importlib.util.spec_from_loader("megatron", _AlreadyLoaded(loaded), is_package=True)
+            loaded.__spec__ = spec
+            return spec
         return None
 
 
