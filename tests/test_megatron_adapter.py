@@ -351,6 +351,26 @@ def test_fused_kernels_refused_with_fp32_lmhead():
         M.check_fused_kernels(ref_only, environ=on)
 
 
+def test_use_mbridge_warns_that_the_stream_check_is_bypassed():
+    import logging
+
+    from omegaconf import OmegaConf
+    from npu_flashrl.adapters.megatron import workers as W
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("npu_flashrl.adapters.megatron")
+    log.addHandler(handler)
+    try:
+        W._check_config(OmegaConf.create({"actor": {"megatron": {"use_mbridge": False}}, "model": {}}))
+        assert seen == []
+        W._check_config(OmegaConf.create({"actor": {"megatron": {"use_mbridge": True}}, "model": {}}))
+    finally:
+        log.removeHandler(handler)
+    assert len(seen) == 1 and "use_mbridge=True" in seen[0] and "bridge.export_weights" in seen[0]
+
+
 def test_pp_layer_offset():
     assert [M.pp_layer_offset(r, 4, 8) for r in range(4)] == [0, 2, 4, 6]
     assert [M.pp_layer_offset(r, 3, 10, first_stage_layers=2) for r in range(3)] == [0, 2, 6]
