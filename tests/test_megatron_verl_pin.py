@@ -257,8 +257,9 @@ def test_recommended_overrides_compose_with_the_recipe(tmp_path, script):
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose(config_name=name, overrides=recipe + extra)
         assert cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == M.RAY_HOOK
-        assert compose(config_name=name, overrides=[M.RAY_HOOK_OVERRIDE]).ray_kwargs.ray_init.runtime_env \
-            .worker_process_setup_hook == M.RAY_HOOK                # alone (own launch command) too
+        alone = compose(config_name=name, overrides=[M.RAY_HOOK_OVERRIDE])   # own launch command
+        assert alone.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == M.RAY_HOOK
         # what the docs used to recommend: Hydra refuses to append a key the recipe already added
+        old = f"+{hook}=npu_flashrl.adapters.megatron.worker_process_setup"
         with pytest.raises(ConfigCompositionException, match="Could not append"):
-            compose(config_name=name, overrides=recipe + [f"+{hook}=npu_flashrl.adapters.megatron.worker_process_setup"])
+            compose(config_name=name, overrides=recipe + [old])
