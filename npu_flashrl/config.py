@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 import yaml
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.quant.registry import names as _quantizer_names
 
 logger = get_logger("config")
 
@@ -50,7 +51,8 @@ def lmhead_fp32_requested(environ=None) -> bool:
 FN_INT8 = "int8"
 FN_INT8_PROFILE_FREE = "int8_profile_free"
 FN_BF16 = "bf16"
-SUPPORTED_FNS = (FN_INT8, FN_INT8_PROFILE_FREE, FN_BF16)
+# The online INT8 functions are the quantizer registry's names; bf16 is "no quantizer".
+SUPPORTED_FNS = _quantizer_names() + (FN_BF16,)
 
 # FlashRL 1.0.3 names that mean one of ours.
 FN_ALIASES = {
