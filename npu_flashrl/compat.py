@@ -100,6 +100,17 @@ def quant_method_classes():
     return qc.AscendLinearMethod, w8a8.AscendW8A8LinearMethod, dyn.AscendW8A8DynamicLinearMethod
 
 
+def ascend_quant_method_map():
+    """The table vllm-ascend picks W8A8 scheme classes from (torchair graph mode rewrites it via
+    `vllm_ascend.torchair.utils.torchair_quant_method_register`): v0.10.1rc1 keeps quantizer
+    classes in `quantizer.SUPPORT_ASCEND_QUANTIZER_TYPE`, 0.11.0 method classes in
+    `utils.ASCEND_QUANTIZATION_METHOD_MAP`. For tests that must restore it."""
+    import_quantization()
+    if vllm_ascend_line() == "0.10.1rc1":
+        return importlib.import_module("vllm_ascend.quantization.quantizer").SUPPORT_ASCEND_QUANTIZER_TYPE
+    return importlib.import_module("vllm_ascend.quantization.utils").ASCEND_QUANTIZATION_METHOD_MAP
+
+
 def nz_flag_target():
     """(module, attribute) that switches the NZ cast of W8A8 weights, for tests to monkeypatch:
     0.11.0 gates it by `utils._ENABLE_NZ` (VLLM_ASCEND_ENABLE_NZ). None on v0.10.1rc1, which

@@ -32,6 +32,9 @@ class OnlineQuantizer:
         `transposed`: the int8 result lives in [in, out] memory (see the kernels)."""
         raise NotImplementedError
 
+    def check(self, name: str, weight: torch.Tensor) -> None:
+        """Refuse a projection this quantizer cannot handle, before any write (default: all ok)."""
+
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A non-quantized tensor as the INT8 model wants it (identity unless a profile says)."""
         return tensor

@@ -137,3 +137,11 @@ def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
         "is not supported on Ascend; use a bf16 checkpoint (profile-free INT8), a "
         "compressed-tensors w8a8 checkpoint, or a ModelSlim checkpoint")
 
+
+
+def checkpoint_is_quantized(model_dir: str) -> bool:
+    """True for a W8A8 checkpoint (ModelSlim description or an HF quantization_config): its
+    int8 weights and (smoothed) layernorms are final, nothing is to be transformed at load."""
+    if os.path.exists(os.path.join(model_dir, DESCRIPTION_FILE)):
+        return True
+    return read_hf_quant_config(model_dir) is not None

@@ -7,12 +7,13 @@ registers them against its own line's targets.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, Optional
 
 import torch
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.adapters.vllm_ascend.description import describe_checkpoint
+from npu_flashrl.adapters.vllm_ascend.description import checkpoint_is_quantized, describe_checkpoint
 from npu_flashrl.adapters.vllm_ascend.reload import attach
 from npu_flashrl.quant import PerChannelQuantizer, make_quantizer
 
@@ -83,7 +84,9 @@ def attach_on_init(original):
         # reloads use fresh per-channel scales.
         fn = _online["fn"] or PerChannelQuantizer.name
         dtype = getattr(model_config, "dtype", torch.bfloat16)
-        loader = attach(model, make_quantizer(fn, dtype, _online["profile"]))
+        model_dir = getattr(model_config, "model", None)
+        prequantized = bool(model_dir) and os.path.isdir(model_dir) and checkpoint_is_quantized(model_dir)
+        loader = attach(model, make_quantizer(fn, dtype, _online["profile"]), prequantized)
         if not loader.targets:
             logger.warning("npu_flashrl: %s has no vllm-ascend W8A8 linear layers; nothing to "
                            "quantize", type(model).__name__)

@@ -32,6 +32,25 @@ def method_classes():
     return static_cls, dynamic_cls
 
 
+def linear_wrapper_class():
+    """vllm-ascend's LinearMethodBase adapter; `layer.quant_method.quant_method` is the scheme."""
+    return compat.quant_method_classes()[0]
+
+
+def unsupported_reason(inner) -> str:
+    """Why the online reload cannot serve a vllm-ascend linear scheme other than W8A8/W8A8_DYNAMIC."""
+    cls = type(inner)
+    if cls.__name__.startswith("Torchair") or cls.__module__.startswith("vllm_ascend.torchair"):
+        # Same [in, out] + NZ layout as the eager method, but its post-processing is not made
+        # run-once here and graph capture of in-place weight updates is unverified: refuse.
+        return (f"{cls.__name__} is torchair graph mode's W8A8 layer, which npu_flashrl's online "
+                "INT8 reload does not support; build the rollout engine without torchair graph "
+                "mode (additional_config torchair_graph_config.enabled=false, the default)")
+    return (f"{cls.__name__} is not a W8A8 scheme npu_flashrl can reload (supported: "
+            "AscendW8A8LinearMethod, AscendW8A8DynamicLinearMethod); float weights pushed into "
+            "it would be truncated")
+
+
 def quant_config_class():
     compat.import_quantization()
     return importlib.import_module("vllm_ascend.quantization.quant_config").AscendQuantConfig
