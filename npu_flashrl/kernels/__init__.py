@@ -44,3 +44,23 @@ def quantize_weight_with_scales(weight: torch.Tensor, output_scale: Union[torch.
     require_same_device("quantize_weight_with_scales", weight=weight, output_scale=output_scale,
                         input_scale=input_scale)
     return reference.quantize_weight_with_scales(weight, output_scale, input_scale, transposed)
+
+
+def storage_format(t: torch.Tensor) -> int:
+    """The acl storage format of `t` (ACL_FORMAT_ND for any CPU tensor not NZ-cast by the emulation)."""
+    if backend_for(t) == "npu":
+        from npu_flashrl.kernels import npu
+
+        return npu.storage_format(t)
+    return reference.get_npu_format(t)
+
+
+def to_host_nd(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t` with its logical (ND) values, whatever its device storage format: an NZ
+    weight on the NPU is cast to ND on the device first. On the CPU the emulated NZ cast never
+    changed the bytes, so this is a plain copy."""
+    if backend_for(t) == "npu":
+        from npu_flashrl.kernels import npu
+
+        return npu.to_host_nd(t)
+    return t.detach().clone()
