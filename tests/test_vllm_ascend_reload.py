@@ -23,8 +23,6 @@ pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on ever
 # the bf16 scale storage and bf16 output rounding, and is far below the ~100% of a broken layer.
 LINEAR_RTOL = 0.03
 
-pytestmark = pytest.mark.every_line
-
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
