@@ -122,6 +122,9 @@ def _add_setup(sub) -> None:
     p.add_argument("-a", "--append", action="store_true", help="append an entry to an existing config")
     p.add_argument("--no-check", action="store_true",
                    help="do not check the model dir and the profile (e.g. a model that is not local)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an -o file that is not a FlashRL config, and keep entry keys that "
+                        "neither npu_flashrl nor FlashRL reads")
     p.add_argument("columns", nargs=argparse.REMAINDER, metavar="key=value",
                    help="extra entry keys, values as Python/YAML literals, e.g. "
                         "load_format=auto module_attribute_to_preserve='[\"workspace\"]'")
@@ -131,15 +134,19 @@ def _add_setup(sub) -> None:
 def _check_model_dir(model: str, what: str = "model") -> None:
     if not os.path.isdir(model):
         raise CliError(f"-m {model}: {what} dir not found (pass --no-check for a model that is not local)")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
+    try:
+        names = os.listdir(model)
+    except OSError as exc:
+        raise CliError(f"-m {model}: cannot list the {what} dir: {exc.strerror or exc}") from None
+    if not any(f.endswith(".safetensors") for f in names):
         raise CliError(f"-m {model}: no *.safetensors files in the {what} dir (a safetensors HF "
                        f"checkpoint is needed)")
 
 
 def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
-                check: bool = True):
+                check: bool = True, allow_unknown_keys: bool = False):
     """The config entry `setup` writes, validated (profile vs model when check)."""
-    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile
+    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile, unknown_key_problems
     from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
 
     try:
@@ -155,6 +162,9 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
         entry = RolloutConfig.from_dict(data, "new entry")
     except ConfigError as exc:
         raise CliError(str(exc), code=2) from None
+    unknown = unknown_key_problems(entry, "key=value")
+    if unknown and not allow_unknown_keys:
+        raise CliError("\n  ".join(unknown) + "\n(--force keeps such keys)", code=2)
     if needs_profile(entry) and not entry.model:
         raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
     if check:
@@ -176,22 +186,41 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
 
 
 def _run_setup(args) -> int:
-    from npu_flashrl.config import ConfigError, FlashRLConfig, load_config, write_config
+    from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
+                                    output_path_problem, write_config)
 
     output = os.path.expanduser(args.config_output or DEFAULT_CONFIG_OUTPUT)
     if args.config_output is None:
         _out(f"No -o given; writing {output} (FlashRL's default)")
-    entry = build_entry(args.fn, args.model, args.profile, parse_columns(args.columns),
-                        check=not args.no_check)
-    if args.append and os.path.exists(output):
+    # everything about -o first: the profile check below reads the whole model
+    problem = output_path_problem(output)
+    if problem:
+        raise CliError(f"-o {problem}")
+    if args.append and not os.path.exists(output):
+        raise CliError(f"-a: {output} does not exist, nothing to append to (drop -a to create it)")
+    if os.path.exists(output) and not args.append and not args.force:
         try:
-            cfg = load_config(output)
+            load_config(output)
         except ConfigError as exc:
-            raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
-        cfg.entries.append(entry)
-    else:
-        cfg = FlashRLConfig(entries=[entry], path=output)
-    write_config(cfg, output)
+            raise CliError(f"-o {output}: exists and is not a FlashRL config, not replaced ({exc}); "
+                           f"pass --force to replace it") from None
+    columns = parse_columns(args.columns)
+    entry = build_entry(args.fn, args.model, args.profile, columns, check=not args.no_check,
+                        allow_unknown_keys=args.force)
+    try:
+        if args.append:
+            with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
+                try:
+                    cfg = load_config(output)
+                except ConfigError as exc:
+                    raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
+                cfg.entries.append(entry)
+                write_config(cfg, output)
+        else:
+            cfg = FlashRLConfig(entries=[entry], path=output)
+            write_config(cfg, output)
+    except OSError as exc:
+        raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
     _out(f"FlashRL config with {len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'} "
          f"written to {output}")
     _out(f"Enable it with: export FLASHRL_CONFIG={output}")
@@ -444,8 +473,29 @@ def cann_row(pins: dict) -> Dict[str, str]:
                 f"on an Ascend machine install CANN {want} and source its set_env.sh")
 
 
+def activation_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
+    """Did `import npu_flashrl` activate from FLASHRL_CONFIG in this process (it runs before verify)?"""
+    import npu_flashrl
+    from npu_flashrl.config import ENV_CONFIG, ConfigError, lmhead_fp32_requested
+
+    rows = []
+    try:
+        lmhead_fp32_requested()
+    except ConfigError as exc:
+        rows.append(_row("FLASHRL_LMHEAD_FP32", FAIL, str(exc), "export FLASHRL_LMHEAD_FP32=1 (or 0)"))
+    error = getattr(npu_flashrl, "activation_error", None)
+    if error:
+        rows.append(_row("activation", FAIL, f"activation from {ENV_CONFIG} failed at import: {error}",
+                         "fix the cause above; a rollout with this environment runs without npu_flashrl"))
+    elif os.environ.get(ENV_CONFIG, "").strip() and not config_path \
+            and os.environ.get("NPU_FLASHRL_NO_AUTOACTIVATE") != "1":
+        rows.append(_row("activation", OK, f"activated from {ENV_CONFIG} at import"))
+    return rows
+
+
 def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
-    from npu_flashrl.config import ENV_CONFIG, ConfigError, load_config, needs_profile
+    from npu_flashrl.config import (ENV_CONFIG, ConfigError, load_config, needs_profile,
+                                    unknown_key_problems)
     from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
 
     source = config_path if config_path else os.environ.get(ENV_CONFIG)
@@ -461,6 +511,8 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                  + ", ".join(e.fn for e in cfg.entries))]
     for i, entry in enumerate(cfg.entries):
         check = f"configs[{i}] ({entry.fn})"
+        for problem in unknown_key_problems(entry, f"configs[{i}]"):
+            rows.append(_row(check, FAIL, problem, "fix the key's spelling, or remove it"))
         if entry.model:
             if not os.path.isdir(entry.model):
                 rows.append(_row(check, FAIL, f"model {entry.model}: no such dir",
@@ -487,7 +539,11 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
             rows.append(_row(check, WARN, f"profile {path} readable ({len(prof)} entries); no `model` "
                              "to check it against", "set `model` in the entry"))
             continue
-        offenders = check_profile_against_model(prof, entry.model)
+        try:
+            offenders = check_profile_against_model(prof, entry.model)
+        except ProfileError as exc:
+            rows.append(_row(check, FAIL, str(exc), "re-download or re-convert the checkpoint"))
+            continue
         if offenders:
             rows.append(_row(check, FAIL, f"profile {path} does not match model {entry.model}: "
                              + "; ".join(offenders),
@@ -510,15 +566,24 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
                 importlib.import_module(mod)
             except ImportError:
                 pass
+    crashed: Dict[str, str] = {}
     if apply:
-        names = [p["name"] for p in patches.status()]
-        if names:
-            patches.apply_patches(names)
+        for name in [p["name"] for p in patches.status()]:
+            try:
+                patches.apply_patch(name)
+            except Exception as exc:  # noqa: BLE001 - a missing or broken torch_npu, say: one failed row
+                crashed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     rows = []
     for p in patches.status():
         check = f"patch {p['name']}"
         detail = f"{p['target']} [{p['versions']}]"
-        if p["applied"]:
+        if p["name"] in crashed:
+            error = crashed[p["name"]]
+            fix = ("install the pinned torch_npu (scripts/install_pinned.sh --only torch_npu) and source "
+                   "CANN's set_env.sh" if "torch_npu" in error else
+                   "install the pinned version of the target (npu_flashrl/pins.yaml)")
+            rows.append(_row(check, FAIL, f"applying it failed: {error} ({detail})", fix))
+        elif p["applied"]:
             rows.append(_row(check, OK, f"applied in this process: {detail}"))
         elif p["error"]:
             rows.append(_row(check, WARN, f"not applied: {p['error']} ({detail})",
@@ -540,6 +605,7 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False) 
         rows.append(_row("pins.yaml", FAIL, str(exc), "reinstall npu_flashrl"))
     rows += package_rows(pins)
     rows.append(cann_row(pins))
+    rows += activation_rows(config_path)
     rows += config_rows(config_path)
     rows += patch_rows(apply_patches)
     return rows
