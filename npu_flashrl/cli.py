@@ -198,7 +198,12 @@ def _run_setup(args) -> int:
         raise CliError(f"-o {problem}")
     if args.append and not os.path.exists(output):
         raise CliError(f"-a: {output} does not exist, nothing to append to (drop -a to create it)")
-    if os.path.exists(output) and not args.append and not args.force:
+    if args.append:  # read again under the lock below; this finds a bad file before any work
+        try:
+            load_config(output)
+        except ConfigError as exc:
+            raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
+    elif os.path.exists(output) and not args.force:
         try:
             load_config(output)
         except ConfigError as exc:
