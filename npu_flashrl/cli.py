@@ -405,12 +405,38 @@ def _torch_npu_row(version: Optional[str], want: Optional[str]) -> Dict[str, str
     except ImportError:
         real = importlib.util.find_spec("torch_npu") is not None
     if real:
+        broken = _torch_npu_import_error()
+        if broken:
+            return _row("package torch_npu", FAIL, f"{version or 'installed'} but `import torch_npu` fails: {broken}",
+                        f"reinstall torch_npu=={want} for this torch and source CANN's set_env.sh "
+                        f"(scripts/install_pinned.sh --only torch_npu)")
         detail = f"{version or 'installed'}" + (f" (pinned {want})" if want else "")
         status = OK if not want or (version or "").split("+")[0] == str(want) else WARN
         return _row("package torch_npu", status, detail,
                     "" if status == OK else f"install torch_npu=={want}")
     return _row("package torch_npu", WARN, "emulated (no torch_npu: CPU reference kernels, no NPU)",
                 f"on an Ascend machine install torch_npu=={want} (scripts/install_pinned.sh)")
+
+
+_TORCH_NPU_ERROR: List[Optional[str]] = []
+
+
+def _torch_npu_import_error() -> Optional[str]:
+    """Why a present torch_npu cannot be imported (None: imports, or absent, or ours emulated)."""
+    if not _TORCH_NPU_ERROR:
+        error = None
+        try:
+            from npu_flashrl.kernels import emulation
+            real = emulation.real_torch_npu_importable()
+        except ImportError:
+            real = importlib.util.find_spec("torch_npu") is not None
+        if real:
+            try:
+                importlib.import_module("torch_npu")
+            except Exception as exc:  # noqa: BLE001 - a broken install raises anything
+                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        _TORCH_NPU_ERROR.append(error)
+    return _TORCH_NPU_ERROR[0]
 
 
 def cann_roots() -> List[str]:
@@ -585,7 +611,7 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
         if p["name"] in crashed:
             error = crashed[p["name"]]
             fix = ("install the pinned torch_npu (scripts/install_pinned.sh --only torch_npu) and source "
-                   "CANN's set_env.sh" if "torch_npu" in error else
+                   "CANN's set_env.sh" if "torch_npu" in error or _torch_npu_import_error() else
                    "install the pinned version of the target (npu_flashrl/pins.yaml)")
             rows.append(_row(check, FAIL, f"applying it failed: {error} ({detail})", fix))
         elif p["applied"]:
