@@ -35,6 +35,31 @@ if _VLLM_ASCEND_SRC:
 
 import pytest  # noqa: E402  (after the environment is fixed)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The pinned line's upstream trees (no registry release); a user's clone has no ../shared.
+SHARED_UPSTREAM = os.path.join(os.path.dirname(ROOT), "shared", "upstream")
+UPSTREAM_TREES = {
+    "verl-51d2104": ("https://github.com/volcengine/verl", "51d2104ecb61563c41123a8f0bce2f06b18387dc"),
+    "vllm-ascend-v0.10.1rc1": ("https://github.com/vllm-project/vllm-ascend",
+                               "7e16b4a7cdb15723c63c1c0efe58672a056eace8"),
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "every_line: runs on every CPU test-stack line (scripts/test.sh), not only the "
+        "primary one: the test exercises line-specific upstream code")
+
+
+def upstream_tree(name: str) -> str:
+    """Path of a pinned upstream source tree in ../shared/upstream, or skip saying how to get it."""
+    path = os.path.join(SHARED_UPSTREAM, name)
+    if not os.path.isdir(path):
+        url, commit = UPSTREAM_TREES[name]
+        pytest.skip(f"{path} not found: git clone {url} and check out {commit} there "
+                    "(read-only; never copy it into the project)")
+    return path
+
 
 @pytest.fixture(scope="module")
 def va():

@@ -11,6 +11,8 @@ import yaml
 
 from npu_flashrl.adapters import vllm_engine
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 
 def _write_config(path, entries):
     with open(path, "w") as f:

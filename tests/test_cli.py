@@ -20,7 +20,7 @@ def ckpts(tmp_path_factory):
         import compressed_tensors  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"compressed-tensors cannot be imported ({exc}): add frozendict to "
-                    f"requirements/cpu-stack.txt [deps]")
+                    f"requirements/cpu-stack-<line>.txt [deps]")
     return tiny_checkpoint_pair(str(tmp_path_factory.mktemp("pair")))
 
 

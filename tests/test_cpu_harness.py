@@ -8,6 +8,8 @@ pytest.importorskip("vllm")
 
 from npu_flashrl.testing.tiny_models import TINY_QWEN2, build_tiny_qwen2  # noqa: E402
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 # Both models run in bf16 (vLLM here with plain causal attention): each matmul/norm rounds to
 # bf16 (eps 2^-8 = 0.4%), and the two implementations round in different places (fused qkv /
 # gate_up, fp32 attention on the vLLM side, RoPE and RMSNorm internals). Over 2 layers that

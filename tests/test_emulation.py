@@ -15,6 +15,8 @@ import torch
 
 from npu_flashrl.kernels import emulation, reference
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 
 @pytest.fixture(scope="module")
 def torch_npu():

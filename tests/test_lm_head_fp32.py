@@ -18,6 +18,8 @@ from npu_flashrl import patches
 from npu_flashrl.adapters import transformers as tfa
 from npu_flashrl.testing.tiny_models import build_tiny_qwen2, tiny_qwen2_config
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -28,6 +28,8 @@ from npu_flashrl import pins
 from npu_flashrl.adapters import megatron as M
 from npu_flashrl.testing.tiny_models import build_tiny_qwen2
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

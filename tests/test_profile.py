@@ -18,7 +18,7 @@ def _require_compressed_tensors():
         import compressed_tensors  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"compressed-tensors cannot be imported ({exc}); it is installed with --no-deps: "
-                    f"add its dependency (frozendict) to requirements/cpu-stack.txt [deps]")
+                    f"add its dependency (frozendict) to requirements/cpu-stack-<line>.txt [deps]")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def flashrl_profile(ckpts, tmp_path_factory):
 
     if importlib.util.find_spec("accelerate") is None:
         pytest.fail("accelerate is not installed: transformers needs it to load the W8A8 checkpoint "
-                    "for FlashRL's profiler; add accelerate to requirements/cpu-stack.txt [deps]")
+                    "for FlashRL's profiler; add accelerate to requirements/cpu-stack-<line>.txt [deps]")
     bf16, w8a8 = ckpts
     out = str(tmp_path_factory.mktemp("ref") / "flashrl_profile.pt")
     env = dict(os.environ, VLLM_PLUGINS="none", TORCH_DEVICE_BACKEND_AUTOLOAD="0")

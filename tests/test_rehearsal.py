@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # bf16 vLLM vs bf16 transformers on the same bf16 weights: they differ only by kernel rounding (vLLM's

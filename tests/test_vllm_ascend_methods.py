@@ -22,6 +22,8 @@ pytest.importorskip("vllm_ascend")
 from npu_flashrl import compat  # noqa: E402
 from npu_flashrl.kernels import reference as ref  # noqa: E402
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 REL_TOL = 2.5e-2
 IN, OUT, TOKENS = 256, 96, 24
 

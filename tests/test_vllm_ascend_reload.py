@@ -15,6 +15,8 @@ from npu_flashrl import kernels, patches
 from npu_flashrl.testing import cpu_vllm
 from npu_flashrl.testing.tiny_models import build_tiny_qwen2
 
+pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+
 # Relative error of an INT8 linear (per-channel int8 weights, per-token int8 activations) against
 # its bf16 layer: each operand carries <= 0.5/127 relative rounding per element; over a K-long dot
 # product of random signs the errors average out to ~0.5-1% of the output norm. 3% leaves room for
