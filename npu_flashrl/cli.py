@@ -68,10 +68,28 @@ def _run_profile(args) -> int:
                        "matmul; use --fn int8", code=2)
     if not args.model:
         raise CliError("--fn int8 needs the original bf16 checkpoint: -m BF16_DIR", code=2)
+    _refuse_overwriting_a_checkpoint_file(args.output, (args.model, args.quantized))
     profile = make_profile(args.model, args.quantized, args.output, fn=args.fn,
                            progress=not args.no_progress)
     _out(f"int8 profile with {len(profile)} entries written to {args.output}")
     return 0
+
+
+def _refuse_overwriting_a_checkpoint_file(output: str, dirs) -> None:
+    """-o must not replace a file of -m / -q (a shard, config.json) by a profile; a previous profile there
+    (FlashRL's default place is <w8a8>/profile.pt) may be replaced."""
+    from npu_flashrl.profile import ProfileError, load_profile
+
+    if not os.path.isfile(output):
+        return
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(output)))
+    if parent not in {os.path.realpath(d) for d in dirs if d}:
+        return
+    try:
+        load_profile(output)
+    except ProfileError:
+        raise CliError(f"-o {output}: is a file of the checkpoint dir {os.path.dirname(output) or '.'} and not a "
+                       f"profile; not replaced (choose another -o, e.g. {os.path.join(parent, 'profile.pt')})") from None
 
 
 # ============================================================================ setup
@@ -165,6 +183,8 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
     unknown = unknown_key_problems(entry, "key=value")
     if unknown and not allow_unknown_keys:
         raise CliError("\n  ".join(unknown) + "\n(--force keeps such keys)", code=2)
+    if profile is not None and not needs_profile(entry):
+        raise CliError(f"-p {profile}: only --fn int8 uses a profile (--fn {entry.fn} would ignore it)", code=2)
     if needs_profile(entry) and not entry.model:
         raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
     if check:
@@ -730,4 +750,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # `python -m npu_flashrl.cli`: run the imported module, not this __main__ copy, so that a CliError
+    # raised by another module (rehearsal) is the class main() catches, not a second one
+    from npu_flashrl.cli import main as _main
+
+    sys.exit(_main())

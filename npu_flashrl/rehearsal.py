@@ -797,6 +797,12 @@ def run(args) -> int:
                                 ("--inner-iters", args.inner_iters, 1), ("--train-iters", args.train_iters, 1)):
             if value < lo:
                 raise RehearsalError(f"{flag} must be >= {lo}, got {value}")
+        from npu_flashrl.config import output_path_problem
+
+        for flag, where in (("--output-dir", args.output_dir), ("--cache-dir", args.cache_dir)):
+            problem = where and output_path_problem(os.path.join(os.path.expanduser(where), "probe"))
+            if problem:  # found now, not after pre-training
+                raise RehearsalError(f"{flag} {where}: cannot be used as a directory ({problem})")
         _prepare_environment(device, args.verbose)
         with _quiet_logs(args.verbose):
             return _run(args, device, emulated, t_start, model_cfg)

@@ -250,6 +250,9 @@ PROFILE_CASES = {
     "fn_fp8": lambda w, d: Case(
         ["profile", "-m", w.bf16, "-q", w.w8a8, "-o", d / "p.pt", "--fn", "fp8"], 2, ["--fn fp8"], [d]),
     "no_m": lambda w, d: Case(["profile", "-q", w.w8a8, "-o", d / "p.pt"], 2, ["-m BF16_DIR"], [d]),
+    "o_is_a_file_of_the_checkpoint": lambda w, d: Case(  # would have replaced the W8A8 config.json
+        ["profile", "-m", w.bf16, "-q", w.w8a8, "-o", os.path.join(w.w8a8, "config.json"), "--no-progress"], 1,
+        [os.path.join(w.w8a8, "config.json"), "not a profile; not replaced"], [d, w.w8a8]),
 }
 
 
@@ -346,6 +349,8 @@ SETUP_CASES = {
         ["setup", "-a", "--fn", "bf16", "-o", d / "flashrl.yaml", "laod_format=dummy"], 2, ["'laod_format'"], [d]),
     "column_without_key": lambda w, d: Case(
         ["setup", "--fn", "bf16", "-o", d / "c.yaml", "=dummy"], 2, ["'=dummy'", "expected key=value"], [d]),
+    "profile_with_fn_bf16": lambda w, d: Case(  # would be ignored silently
+        ["setup", "--fn", "bf16", "-p", w.profile, "-o", d / "c.yaml"], 2, [f"-p {w.profile}", "only --fn int8"], [d]),
     "unknown_fn": lambda w, d: Case(["setup", "--fn", "int4", "-o", d / "c.yaml"], 2, ["unknown fn 'int4'"], [d]),
     "model_dir_missing": lambda w, d: Case(
         ["setup", "--fn", "bf16", "-m", d / "nomodel", "-o", d / "c.yaml"], 1, [str(d / "nomodel"), "not found"], [d]),
@@ -576,6 +581,13 @@ REHEARSE_CASES = {
     "step_lr_zero": (["--step-lr", "0"], "--step-lr"),
     "threads_zero": (["--threads", "0"], "--threads"),
 }
+
+
+@pytest.mark.parametrize("flag", ["--output-dir", "--cache-dir"])
+def test_rehearse_dirs_that_are_files_are_refused_up_front(d, flag):
+    """Found before pre-training, one line (it was a raw NotADirectoryError after the model was built)."""
+    check(Case(["rehearse", flag, d / "afile"], 1, [f"{flag} {d / 'afile'}", "not a directory"], [d], cwd=str(d)),
+          cli_runner)
 
 
 @pytest.mark.parametrize("name", sorted(REHEARSE_CASES))
