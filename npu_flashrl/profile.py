@@ -15,9 +15,10 @@ HF parameter name, each value `{'input_scale', 'output_scale', 'type'}`; online 
 * ``mlp.down_proj.weight``: input_scale = 1 / beta of the layer's up_proj as [1, intermediate].
 
 Differences from FlashRL's own profiler, on purpose: it loads both whole models with transformers;
-this reads one decoder layer's tensors at a time with `safetensors.safe_open`. It also checks
-the pair (FlashRL does not): every bf16 projection quantized with its new entry must land on the W8A8
-checkpoint's int8 weight within rounding, so `-m base -q Instruct-W8A8` is refused naming the tensor. Numbers are the same (same fp32 ops in the
+this reads one decoder layer's tensors at a time with `safetensors.safe_open`, and it checks the pair
+(FlashRL does not): every bf16 projection quantized with its new entry must land on the W8A8
+checkpoint's int8 weight within rounding, so `-m base -q Instruct-W8A8` is refused naming the
+tensor. Numbers are the same (same fp32 ops in the
 same order). `type` of the layernorm entries is the w8a8 checkpoint's dtype (bf16 for RedHatAI
 checkpoints); FlashRL reports whatever dtype transformers loaded the quantized model in (float16 on
 transformers 4.57 when no dtype is given), which only decides an intermediate cast. Tensors carry no
