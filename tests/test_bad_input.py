@@ -11,7 +11,8 @@ Stand-ins, by name:
 * "unreadable" / "read-only" inputs: tests run as root here, and root ignores file modes, so those
   subprocesses drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from their capability bounding set
   (`_no_dac`): the kernel then applies the file modes to them as to any user;
-* "base vs Instruct": a second tiny Qwen2 of the same shape from another seed (`other`);
+* "base vs Instruct": a second tiny Qwen2 of the same shape from another seed (`other`), and the
+  pair's bf16 model with its layernorms moved 10% and its weights 0.5% (`finetuned`);
 * a broken torch_npu: a `torch_npu` package on PYTHONPATH whose import raises;
 * the recipes' `npu-flashrl` and `python` are scripts that only record that they were started.
 """
@@ -138,6 +139,24 @@ def bash_runner(case: Case):
 
 # ------------------------------------------------------------------------------------------ fixtures
 
+def _finetune_like(src: str, dst: str, layernorm: float, weights: float, seed: int = 0) -> str:
+    """`src` with relative noise on the layernorms and the projections: what separates a base model
+    from its Instruct fine-tune (the layernorms move most), or an actor from its start (small drift)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for f in os.listdir(dst):
+        if f.endswith(".safetensors"):
+            t = load_file(os.path.join(dst, f))
+            for k, v in t.items():
+                rel = layernorm if "layernorm" in k else weights if k.endswith("proj.weight") else 0.0
+                if rel:
+                    t[k] = (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(v.dtype)
+            save_file(t, os.path.join(dst, f), metadata={"format": "pt"})
+    return dst
+
+
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
     """The shared world: a tiny bf16/W8A8 pair, another model of the same shape, profiles, bad files."""
@@ -178,6 +197,8 @@ def w(tmp_path_factory):
     with open(corrupt / cshard, "r+b") as f:
         f.write(b"\xff" * 16)  # header length and the start of the JSON header
     ns["corrupt"], ns["corrupt_shard"] = str(corrupt), cshard
+    ns["finetuned"] = _finetune_like(bf16, str(base / "finetuned"), layernorm=0.1, weights=0.005)
+    ns["drifted"] = _finetune_like(bf16, str(base / "drifted"), layernorm=0.0, weights=0.005)
     badindex = base / "w8a8_badindex"
     shutil.copytree(w8a8, badindex)
     (badindex / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["not", "a", "map"]}))
@@ -223,6 +244,9 @@ PROFILE_CASES = {
         ["profile", "-m", w.other_bf16, "-q", w.w8a8, "-o", d / "p.pt", "--no-progress"], 1,
         ["model.layers.0.self_attn.q_proj.weight", w.other_bf16, w.w8a8, "not a bf16 model and its W8A8"],
         [d]),
+    "pair_mismatch_finetune_like": lambda w, d: Case(  # layernorms 10% off, weights 0.5%
+        ["profile", "-m", w.finetuned, "-q", w.w8a8, "-o", d / "p.pt", "--no-progress"], 1,
+        ["model.layers.0.self_attn.q_proj.weight", w.finetuned, "relative RMS error"], [d]),
     "pair_mismatch_keeps_old_output": lambda w, d: Case(
         ["profile", "-m", w.other_bf16, "-q", w.w8a8, "-o", d / "flashrl.yaml", "--no-progress"], 1,
         ["model.layers.0.self_attn.q_proj.weight", "relative RMS error"], [d]),
@@ -282,6 +306,8 @@ def test_pair_check_in_process(w):
     with pytest.raises(P.ProfileError, match=r"first offending tensor model\.layers\.0\.self_attn\.q_proj\.weight"):
         P.compute_int8_profile(w.other_bf16, w.w8a8, progress=False)
     assert P.check_profile_against_model(P.load_profile(w.profile), w.w8a8) == []
+    # the check is about the pair, not a bitwise match: 0.5% weight drift alone still passes
+    assert P.compute_int8_profile(w.drifted, w.w8a8, progress=False)
 
 
 # ================================================================================== 2. setup
