@@ -72,6 +72,8 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
         from npu_flashrl.adapters import verl as verl_adapter
 
         names += [verl_adapter.PATCH_DRIVER, verl_adapter.PATCH_ACTOR]
+        if _importable("vllm"):
+            names.append(verl_adapter.PATCH_SYNC_END)  # rollout workers: every sync ends checked
         if lmhead_fp32_requested() and _importable("transformers"):
             from npu_flashrl.adapters import transformers as hf_adapter
 

@@ -30,6 +30,23 @@ def current_entry():
     return _state["entry"]
 
 
+def _refuse_dummy_int8(engine_args, entry) -> None:
+    """fn int8 keeps the W8A8 checkpoint's weight_scale through every sync (the profile's scales
+    are relative to them): dummy weights would leave random scales in use for the whole run."""
+    fmt = getattr(engine_args, "load_format", None)
+    fmt = str(getattr(fmt, "value", fmt) or "").lower()
+    if not flashrl_config.needs_profile(entry) or fmt != "dummy":
+        return
+    where = ("the config entry sets load_format: dummy" if entry.load_format
+             else "the config entry has no load_format, so the engine's own (verl's default: dummy) is used")
+    raise flashrl_config.ConfigError(
+        f"npu_flashrl: FLASHRL_CONFIG={os.environ.get('FLASHRL_CONFIG')!r}: fn int8 with "
+        f"load_format=dummy ({where}): the W8A8 model would be built with random weight_scale "
+        "tensors that no weight sync replaces (the int8 profile keeps the checkpoint's scales), so "
+        "every rollout would be garbage. Fix: set `load_format: auto` in that entry "
+        f"(npu-flashrl setup --fn int8 -m W8A8 ... writes it), model {engine_args.model}")
+
+
 def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
     """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says."""
     from npu_flashrl.adapters import vllm_ascend
@@ -55,6 +72,7 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
         engine_args.model = entry.model
     if entry.load_format:
         engine_args.load_format = entry.load_format
+    _refuse_dummy_int8(engine_args, entry)
     profile = None
     if flashrl_config.is_quantized(entry):
         engine_args.quantization = "ascend"
