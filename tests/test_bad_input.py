@@ -600,6 +600,7 @@ REHEARSE_CASES = {
     "max_error_inf": (["--max-error", "inf"], "--max-error"),
     "max_error_below_one": (["--max-error", "0.5"], "--max-error"),
     "max_error_word": (["--max-error", "tight"], "--max-error"),
+    "max_layer_error_nan": (["--max-layer-error", "nan"], "--max-layer-error"),
     "baseline_tol_negative": (["--baseline-tol", "-0.1"], "--baseline-tol"),
     "steps_zero": (["--steps", "0"], "--steps"),
     "steps_word": (["--steps", "two"], "--steps"),
