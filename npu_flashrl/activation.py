@@ -100,7 +100,9 @@ def worker_process_setup() -> None:
     engine starts, after the trainer's model exists (too late for the trainer-side FP32 lm-head)
     and after Megatron is imported (too late for the MindSpeed import-order guard).
 
-        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=npu_flashrl.activation.worker_process_setup
+        ++ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=npu_flashrl.activation.worker_process_setup
+
+    (the recipes in tests/verl_examples set it already; '++' also composes with theirs)
     """
     if _installed("megatron-core") or _importable("mindspeed"):
         from npu_flashrl.adapters import megatron as megatron_adapter
