@@ -23,9 +23,24 @@ from npu_flashrl.adapters.vllm_ascend.hooks import (  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.derived import static_quant_bias  # noqa: F401
 
 
+def _declare_line_patches() -> None:
+    """Import the installed line's layout module, which declares its patches (`npu-flashrl
+    verify` lists them), without importing vllm_ascend itself. Where vllm-ascend is missing or
+    an unsupported release nothing is declared, and `PATCHES` raises saying so."""
+    from npu_flashrl import compat
+    from npu_flashrl.adapters.vllm_ascend import layout
+
+    try:
+        layout.current()
+    except compat.UnsupportedVersion:
+        pass
+
+
+_declare_line_patches()
+
+
 def __getattr__(name: str):
-    # The installed line's layout module is imported (and its patches registered) on first use
-    # only: importing this package must work where vllm_ascend is not installed.
+    # The line's patch names; UnsupportedVersion (naming the supported lines) when there is none.
     if name == "PATCHES":
         from npu_flashrl.adapters.vllm_ascend import layout
 
