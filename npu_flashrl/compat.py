@@ -1,121 +1,251 @@
 """Every upstream version difference npu_flashrl knows about, in one place.
 
-Supported vllm-ascend lines: v0.10.1rc1 (the pinned production stack, with vllm 0.10.1) and
-0.11.0 (with vllm 0.11.0; the line CI runs, as 0.10.x has no wheel). Anything else is refused by
-`check_vllm_ascend()` with a message naming what is supported.
+The installed vllm-ascend decides the *stack line* once per process (`line()`, cached): a frozen
+`StackLine` naming the vllm-ascend release, the adapter layout module that knows its code, where
+its quantization classes live and how it switches the NZ weight format. Supported lines:
+
+- v0.10.1rc1 (with vllm 0.10.1): the pinned production stack; no wheel, a source tree;
+- 0.11.0 (with vllm 0.11.0);
+- 0.23.0 (with vllm 0.23.x): what verl 0.9 installs; quantization split into
+  `modelslim_config` / `method_adapters` / `methods/` (a scheme registry).
+
+Anything else is refused with a message naming what is supported. Code outside this module and
+the adapters' `layout_*` modules names no version.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import importlib.util
-from typing import Optional
+import os
+from typing import Optional, Tuple
 
-SUPPORTED_VLLM_ASCEND = ("0.10.1rc1", "0.11.0")
+SUPPORTED_VLLM_ASCEND = ("0.10.1rc1", "0.11.0", "0.23.0")
 
 
 class UnsupportedVersion(RuntimeError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class StackLine:
+    """What one vllm-ascend line looks like to npu_flashrl."""
+    vllm_ascend: str      # the release, e.g. "0.23.0"
+    layout: str           # adapters.vllm_ascend layout module suffix: "011" or "023"
+    vllm: str             # the vLLM release it is built against
+    quant_config: str     # "module:Class" of the "ascend" QuantizationConfig
+    linear_method: str    # "module:Class" wrapping a scheme for vLLM's LinearBase
+    static_method: str    # W8A8 (static activations) linear scheme
+    dynamic_method: str   # W8A8_DYNAMIC linear scheme
+    nz: str               # how the NZ cast of int8 weights is switched: "always" (v0.10.1rc1),
+    #                       "utils_flag" (0.11.0: utils._ENABLE_NZ), "weight_nz_mode" (0.23:
+    #                       get_ascend_config().weight_nz_mode, env VLLM_ASCEND_ENABLE_NZ)
+    verl_mode: str        # how verl drives the rollout on this line: "sync" or "server"
+    attention: str        # "module:Class" of vLLM's Attention layer
+    compile_mode: bool    # vLLM's CompilationConfig takes `mode=` (0.23), not `level=`
+    source: str = ""      # how the line was recognised (for `verify` / error messages)
+
+    @property
+    def name(self) -> str:
+        return self.vllm_ascend
+
+
+_Q = "vllm_ascend.quantization"
+_LINES = {
+    "0.10.1rc1": StackLine("0.10.1rc1", "011", "0.10.1", f"{_Q}.quant_config:AscendQuantConfig",
+                           f"{_Q}.quant_config:AscendLinearMethod", f"{_Q}.w8a8:AscendW8A8LinearMethod",
+                           f"{_Q}.w8a8_dynamic:AscendW8A8DynamicLinearMethod", "always", "sync",
+                           "vllm.attention.layer:Attention", False),
+    "0.11.0": StackLine("0.11.0", "011", "0.11.0", f"{_Q}.quant_config:AscendQuantConfig",
+                        f"{_Q}.quant_config:AscendLinearMethod", f"{_Q}.w8a8:AscendW8A8LinearMethod",
+                        f"{_Q}.w8a8_dynamic:AscendW8A8DynamicLinearMethod", "utils_flag", "sync",
+                        "vllm.attention.layer:Attention", False),
+    "0.23.0": StackLine("0.23.0", "023", "0.23.0", f"{_Q}.modelslim_config:AscendModelSlimConfig",
+                        f"{_Q}.method_adapters:AscendLinearMethod",
+                        f"{_Q}.methods.w8a8_static:AscendW8A8LinearMethod",
+                        f"{_Q}.methods.w8a8_dynamic:AscendW8A8DynamicLinearMethod",
+                        "weight_nz_mode", "server",
+                        "vllm.model_executor.layers.attention.attention:Attention", True),
+}
+
+# Files only one quantization layout has, used for a source tree (no dist metadata). Each layout
+# is recognised by all of its `has` files being present and all of its `lacks` files absent, so
+# no single file decides (0.23 still has `quantization/utils.py`, like 0.11.0).
+_LAYOUT_FILES = (
+    ("0.23.0", ("methods/registry.py", "modelslim_config.py", "method_adapters.py"),
+     ("quant_config.py", "quantizer.py")),
+    ("0.10.1rc1", ("quantizer.py", "quant_config.py", "w8a8_dynamic.py"),
+     ("utils.py", "methods/registry.py")),
+    # 0.13.0 keeps 0.11's files and adds compressed_tensors/: not taken for 0.11.0
+    ("0.11.0", ("quant_config.py", "utils.py", "w8a8_dynamic.py"),
+     ("quantizer.py", "methods/registry.py", "compressed_tensors/compressed_tensors.py")),
+)
+
+
+def _supported() -> str:
+    return ", ".join(SUPPORTED_VLLM_ASCEND)
+
+
 def _dist_version(name: str) -> Optional[str]:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(name)
     except PackageNotFoundError:
         return None
 
 
-def vllm_ascend_line() -> str:
-    """'0.10.1rc1' or '0.11.0', from the installed distribution or, for a source tree on
-    PYTHONPATH (no metadata), from the module layout: v0.10.1rc1 maps quant types in
-    `quantization/quantizer.py`, 0.11.0 in `quantization/utils.py`."""
+def line_for_version(version: str) -> StackLine:
+    """The line of a vllm-ascend release string; UnsupportedVersion names the supported ones."""
+    base = version.split("+")[0]
+    if base.startswith("0.10.1"):
+        base = "0.10.1rc1"
+    try:
+        return _LINES[base]
+    except KeyError:
+        raise UnsupportedVersion(f"vllm-ascend {version} is not supported; npu_flashrl supports "
+                                 f"vllm-ascend {_supported()} (see npu_flashrl/pins.yaml)") from None
+
+
+def line_for_tree(package_dir: str) -> StackLine:
+    """The line of a vllm_ascend package directory, from the files only its layout has."""
+    quant = os.path.join(package_dir, "quantization")
+    for name, has, lacks in _LAYOUT_FILES:
+        if all(os.path.exists(os.path.join(quant, f)) for f in has) and \
+                not any(os.path.exists(os.path.join(quant, f)) for f in lacks):
+            return _LINES[name]
+    raise UnsupportedVersion(f"cannot tell the vllm-ascend version of the tree at {package_dir} "
+                             f"(its quantization/ matches no known layout); npu_flashrl supports "
+                             f"vllm-ascend {_supported()}")
+
+
+@functools.lru_cache(maxsize=None)
+def line() -> StackLine:
+    """The installed vllm-ascend's line, decided once per process.
+
+    The distribution's version decides when vllm_ascend is imported from where the distribution
+    was installed; a source tree on PYTHONPATH (no metadata, or metadata of another copy) is
+    recognised by its quantization layout."""
     spec = importlib.util.find_spec("vllm_ascend")
     if spec is None:
-        raise UnsupportedVersion("vllm_ascend is not installed; npu_flashrl supports vllm-ascend "
-                                 f"{' and '.join(SUPPORTED_VLLM_ASCEND)}")
-    origin_dir = list(spec.submodule_search_locations or [])[0]
-    import os
-
-    has_quantizer = os.path.exists(os.path.join(origin_dir, "quantization", "quantizer.py"))
-    has_utils = os.path.exists(os.path.join(origin_dir, "quantization", "utils.py"))
+        raise UnsupportedVersion(f"vllm_ascend is not installed; npu_flashrl supports vllm-ascend "
+                                 f"{_supported()}")
+    package_dir = list(spec.submodule_search_locations or [])[0]
     version = _dist_version("vllm_ascend") or _dist_version("vllm-ascend")
-    in_site = version is not None and "site-packages" in origin_dir
-    if in_site:
-        base = version.split("+")[0]
-        for line in SUPPORTED_VLLM_ASCEND:
-            if base == line or (line == "0.10.1rc1" and base.startswith("0.10.1")):
-                return line
-        raise UnsupportedVersion(
-            f"vllm-ascend {version} is not supported; npu_flashrl supports "
-            f"{' and '.join(SUPPORTED_VLLM_ASCEND)} (see npu_flashrl/pins.yaml)")
-    if has_quantizer:
-        return "0.10.1rc1"
-    if has_utils:
-        return "0.11.0"
-    raise UnsupportedVersion(f"cannot tell the vllm-ascend version of the tree at {origin_dir}; "
-                             f"supported: {' and '.join(SUPPORTED_VLLM_ASCEND)}")
+    if version is not None and "site-packages" in package_dir:
+        return dataclasses.replace(line_for_version(version), source=f"distribution {version}")
+    return dataclasses.replace(line_for_tree(package_dir), source=f"source tree {package_dir}")
+
+
+def vllm_ascend_line() -> str:
+    """The installed vllm-ascend's line name ('0.10.1rc1', '0.11.0' or '0.23.0')."""
+    return line().name
 
 
 def check_vllm_ascend() -> str:
-    return vllm_ascend_line()
+    """Raise UnsupportedVersion unless the installed vllm-ascend is a supported line."""
+    return line().name
+
+
+def _resolve(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def import_quantization():
+    """Import vllm-ascend's quantization config module (it registers the "ascend" method with
+    vLLM), the way vllm-ascend itself starts: the config module first (importing the W8A8 methods
+    first hits a circular import through vllm_ascend.ops on 0.11)."""
+    return importlib.import_module(line().quant_config.partition(":")[0])
+
+
+def quant_config_class():
+    import_quantization()
+    return _resolve(line().quant_config)
+
+
+def quant_method_classes() -> Tuple[type, type, type]:
+    """(AscendLinearMethod, W8A8 static scheme, W8A8_DYNAMIC scheme) of the installed line."""
+    import_quantization()
+    ln = line()
+    return _resolve(ln.linear_method), _resolve(ln.static_method), _resolve(ln.dynamic_method)
 
 
 def set_vllm_ascend_flags(is_310p: bool = False, enable_nz: bool = True) -> None:
-    """Flags vllm-ascend normally reads from its build info / env (absent without the build).
+    """Flags vllm-ascend normally reads from its build info / env, for an NPU-free process.
 
-    v0.10.1rc1 NZ-casts W8A8 weights unconditionally; 0.11.0 gates it by VLLM_ASCEND_ENABLE_NZ
-    (`utils._ENABLE_NZ`)."""
+    v0.10.1rc1 NZ-casts W8A8 weights unconditionally; 0.11.0 gates it by `utils._ENABLE_NZ`;
+    0.23 reads VLLM_ASCEND_ENABLE_NZ into `AscendConfig.weight_nz_mode` when its config is
+    initialised (`init_vllm_ascend_config`) and the device type from `_build_info`."""
     utils = importlib.import_module("vllm_ascend.utils")
+    nz = line().nz
+    if nz == "weight_nz_mode":
+        utils._ascend_device_type = utils.AscendDeviceType._310P if is_310p else utils.AscendDeviceType.A2
+        os.environ["VLLM_ASCEND_ENABLE_NZ"] = "1" if enable_nz else "0"
+        cfg = _ascend_config_or_none()
+        if cfg is not None:
+            cfg.weight_nz_mode = 1 if enable_nz else 0
+        return
     utils._IS_310P = is_310p
-    if hasattr(utils, "_ENABLE_NZ"):
+    if nz == "utils_flag":
         utils._ENABLE_NZ = enable_nz
 
 
+def _ascend_config_or_none():
+    ascend_config = importlib.import_module("vllm_ascend.ascend_config")
+    return getattr(ascend_config, "_ASCEND_CONFIG", None)
+
+
 def init_vllm_ascend_config(vllm_config) -> None:
-    """0.11.0's W8A8 `apply` reads the ascend config; initialise it when the line has one."""
+    """Initialise vllm-ascend's per-engine config, as its worker does before building a model.
+
+    0.11.0's W8A8 `apply` reads it; on 0.23 it also holds the NZ mode, and the static W8A8
+    method needs the weight-prefetch helper the model runner sets up from it."""
     try:
         ascend_config = importlib.import_module("vllm_ascend.ascend_config")
     except ImportError:
         return
     init = getattr(ascend_config, "init_ascend_config", None)
-    if init is not None:
-        init(vllm_config)
-
-
-def import_quantization():
-    """Import vllm-ascend's quantization package in the order vllm-ascend itself uses:
-    quant_config first (it registers the "ascend" method with vLLM; importing w8a8_dynamic
-    first hits a circular import through vllm_ascend.ops)."""
-    return importlib.import_module("vllm_ascend.quantization.quant_config")
-
-
-def quant_method_classes():
-    """(AscendLinearMethod, W8A8 static, W8A8 dynamic) classes; same module paths in both lines."""
-    qc = import_quantization()
-    w8a8 = importlib.import_module("vllm_ascend.quantization.w8a8")
-    dyn = importlib.import_module("vllm_ascend.quantization.w8a8_dynamic")
-    return qc.AscendLinearMethod, w8a8.AscendW8A8LinearMethod, dyn.AscendW8A8DynamicLinearMethod
+    if init is None:  # v0.10.1rc1 has no per-engine config the W8A8 path reads
+        return
+    cfg = init(vllm_config)
+    if line().nz == "weight_nz_mode":
+        importlib.import_module("vllm_ascend.utils").set_weight_prefetch_method(
+            cfg.weight_prefetch_config)
 
 
 def nz_flag_target():
-    """(module, attribute) that switches the NZ cast of W8A8 weights, for tests to monkeypatch:
-    0.11.0 gates it by `utils._ENABLE_NZ` (VLLM_ASCEND_ENABLE_NZ). None on v0.10.1rc1, which
-    casts unconditionally."""
-    utils = importlib.import_module("vllm_ascend.utils")
-    return (utils, "_ENABLE_NZ") if hasattr(utils, "_ENABLE_NZ") else None
+    """(object, attribute) that switches the NZ cast of W8A8 weights, for tests to monkeypatch
+    with a bool: 0.11.0's `utils._ENABLE_NZ`, 0.23's initialised `AscendConfig.weight_nz_mode`.
+    None on v0.10.1rc1, which casts unconditionally."""
+    nz = line().nz
+    if nz == "utils_flag":
+        return importlib.import_module("vllm_ascend.utils"), "_ENABLE_NZ"
+    if nz == "weight_nz_mode":
+        cfg = _ascend_config_or_none()
+        if cfg is None:
+            raise RuntimeError("vllm-ascend's config is not initialised yet "
+                               "(compat.init_vllm_ascend_config); NZ is read from it")
+        return cfg, "weight_nz_mode"
+    return None
 
 
 def nz_enabled() -> bool:
+    """Whether vllm-ascend NZ-casts int8 W8A8 weights in this process."""
+    nz = line().nz
+    if nz == "always":
+        return True
     utils = importlib.import_module("vllm_ascend.utils")
-    if hasattr(utils, "is_enable_nz"):
+    if nz == "utils_flag":
         try:
             return bool(utils.is_enable_nz())
         except ValueError:  # not initialised yet
             return bool(getattr(utils, "_ENABLE_NZ", False))
-    return True  # v0.10.1rc1: unconditional NZ cast
+    cfg = _ascend_config_or_none()
+    if cfg is not None:
+        return bool(cfg.weight_nz_mode)
+    return bool(int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1")))
 
 
 def compute_logits(model, hidden_states):
@@ -131,6 +261,22 @@ def compute_logits(model, hidden_states):
     return model.compute_logits(hidden_states)
 
 
-# Where vLLM's model loader looks things up (patched by adapters.vllm_ascend).
+def vllm_attention_class():
+    """vLLM's Attention layer (moved out of `vllm.attention.layer` by 0.23)."""
+    return _resolve(line().attention)
+
+
+def eager_compilation_config():
+    """vLLM's CompilationConfig for plain eager PyTorch with no custom ops (CPU harness):
+    0.23 takes `mode=CompilationMode.NONE` (`level` is gone), older lines `level=0`."""
+    from vllm import config as vcfg
+
+    if line().compile_mode:
+        return vcfg.CompilationConfig(mode=vcfg.CompilationMode.NONE, custom_ops=["none"])
+    return vcfg.CompilationConfig(level=0, custom_ops=["none"])
+
+
+# Where vLLM's model loader looks things up (patched by adapters.vllm_ascend); the same names on
+# every supported vLLM line.
 GET_QUANT_CONFIG_TARGET = "vllm.model_executor.model_loader.weight_utils:get_quant_config"
 INITIALIZE_MODEL_TARGET = "vllm.model_executor.model_loader.base_loader:initialize_model"

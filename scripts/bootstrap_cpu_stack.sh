@@ -105,7 +105,9 @@ for spec in "${sdists[@]}"; do
     continue
   fi
   tarball="$CACHE/$name-$version.tar.gz"
-  [[ -f "$tarball" ]] || run env -u VLLM_TARGET_DEVICE "${PIP[@]}" download --no-deps --no-build-isolation --no-binary "$name" -d "$CACHE" "$spec"
+  # VLLM_VERSION_OVERRIDE: without it vLLM 0.23's metadata says 0.23.0+cpu (0.23.0+empty with the
+  # empty target) and pip discards the sdist as inconsistent with the pin; older setup.py ignore it.
+  [[ -f "$tarball" ]] || run env -u VLLM_TARGET_DEVICE VLLM_VERSION_OVERRIDE="$version" "${PIP[@]}" download --no-deps --no-build-isolation --no-binary "$name" -d "$CACHE" "$spec"
   run env PATH="$no_cargo_path" VLLM_TARGET_DEVICE=empty "${PIP[@]}" install --no-deps --no-build-isolation "$tarball"
 done
 

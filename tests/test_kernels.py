@@ -34,6 +34,17 @@ def test_dynamic_quant_documented_example(dtype):
     assert scale.item() == pytest.approx(stored_max / 127, rel=1e-6)
 
 
+def test_dynamic_quant_dst_type_keyword():
+    # vllm-ascend 0.23 calls npu_dynamic_quant(x, dst_type=torch.int8): same result as the
+    # default; other output types (int4, fp8) are not emulated and say so.
+    x = _t([[0.7261, 0.3726, 0.9126]], torch.float16)
+    y, scale = ref.npu_dynamic_quant(x, dst_type=torch.int8)
+    y0, scale0 = ref.npu_dynamic_quant(x)
+    assert torch.equal(y, y0) and torch.equal(scale, scale0)
+    with pytest.raises(NotImplementedError, match="dst_type"):
+        ref.npu_dynamic_quant(x, dst_type=torch.quint4x2)
+
+
 def test_dynamic_quant_per_token_rows_and_leading_dims():
     # Two tokens in a [1, 2, 4] batch (values exact in bf16); each row has its own scale.
     x = _t([[[127.0, -63.5, 2.5, 0.5], [-8.0, 4.0, 1.0, -3.0]]], torch.bfloat16)

@@ -1,5 +1,9 @@
 """The REAL vllm-ascend W8A8 linear methods on a CPU layer, with emulated torch_npu.
 
+Runs on every stack line (v0.10.1rc1 / 0.11.0: `quantization/w8a8*.py`; 0.23: `methods/`, picked
+through the scheme registry). Stand-ins: torch_npu (reference kernels, npu_flashrl.kernels) and,
+on 0.23, a CPU kernel for vllm-ascend's NPU-only `vllm::quantize` op (the same reference body).
+
 `AscendLinearMethod` (which wraps `AscendW8A8LinearMethod` / `AscendW8A8DynamicLinearMethod`
 according to the quant description) runs create_weights -> (we load int8 weights and scales from
 a per-channel quantization of a random bf16 weight) -> process_weights_after_loading -> apply,
@@ -82,14 +86,16 @@ def _random_weight(dtype, seed):
 
 
 def _make_layer(ascend, quant_type, dtype):
-    AscendLinearMethod, _, _ = ascend
-    from vllm_ascend.quantization.quant_config import AscendQuantConfig
+    """A vLLM linear layer built through vllm-ascend's "ascend" quant config, as a model gets it:
+    the config picks the method for the description's quant type and creates its weights."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    method = AscendLinearMethod(AscendQuantConfig({"layer.weight": quant_type}), "layer", {})
-    layer = torch.nn.Module()
-    layer.params_dtype = dtype  # what vLLM's LinearBase sets and the static apply reads
-    method.create_weights(layer, IN, [OUT], IN, OUT, dtype)
-    return method, layer
+    AscendLinearMethod, _, _ = ascend
+    config = compat.quant_config_class()({"layer.weight": quant_type})
+    layer = ReplicatedLinear(IN, OUT, bias=False, params_dtype=dtype, quant_config=config,
+                             prefix="layer")
+    assert isinstance(layer.quant_method, AscendLinearMethod)
+    return layer.quant_method, layer
 
 
 def _load(layer, **tensors):

@@ -17,7 +17,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -34,6 +34,32 @@ _TORCH_NPU_OPS = {
     "npu_format_cast_": reference.npu_format_cast_,
     "get_npu_format": reference.get_npu_format,
 }
+
+
+def _vllm_quantize(in_tensor, input_scale, input_scale_reciprocal, input_offset):
+    # vllm-ascend's op body: npu_quantize(x, 1/scale, offset, qint8, -1, div_mode=False)
+    return reference.npu_quantize(in_tensor, input_scale_reciprocal, input_offset, torch.qint8, -1, False)
+
+
+# Custom ops vllm-ascend registers (vllm_ascend/ops/register_custom_ops.py, 0.23) with an NPU
+# (PrivateUse1) kernel only; on a CPU they get the reference body through `register_cpu_ops()`.
+_CUSTOM_OPS = {("vllm", "quantize"): _vllm_quantize}
+_cpu_libs: Dict[str, object] = {}
+
+
+def register_cpu_ops() -> List[str]:
+    """Give the NPU-only custom ops that exist in this process a CPU kernel (idempotent; call
+    after vllm-ascend registered them). Returns the qualified names registered now."""
+    done = []
+    for (ns, name), fn in _CUSTOM_OPS.items():
+        qual = f"{ns}::{name}"
+        if qual in _cpu_libs or not hasattr(getattr(torch.ops, ns), name):
+            continue
+        lib = torch.library.Library(ns, "IMPL")
+        lib.impl(name, fn, "CPU")
+        _cpu_libs[qual] = lib  # the registration lives as long as the Library object
+        done.append(qual)
+    return done
 
 
 class RealTorchNpuPresent(RuntimeError):

@@ -179,15 +179,22 @@ def npu_quantize(x: torch.Tensor, scales: torch.Tensor, zero_points: Optional[to
     return torch.round(y).clamp_(lo, hi).to(out_dtype)
 
 
-def npu_dynamic_quant(x: torch.Tensor, smooth_scales: Optional[torch.Tensor] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+def npu_dynamic_quant(x: torch.Tensor, smooth_scales: Optional[torch.Tensor] = None, *,
+                      group_index: Optional[torch.Tensor] = None,
+                      dst_type: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """torch_npu.npu_dynamic_quant: per-token symmetric int8.
 
     x (fp16/bf16, ndim >= 2) is optionally multiplied by smooth_scales [x.shape[-1]]; then
     scale = rowmax|x| / 127 (fp32, shape x.shape[:-1]) and y = round(x / scale) as int8.
     Documented example: [0.7261, 0.3726, 0.9126] -> [101, 52, 127].
+    `dst_type` (vllm-ascend 0.23 passes `dst_type=torch.int8`): only int8 (the default) is
+    emulated; the int4 / fp8 outputs and MoE `group_index` are refused.
     """
     op = "npu_dynamic_quant"
+    if dst_type not in (None, torch.int8):
+        raise NotImplementedError(f"{op}: dst_type={dst_type} is not emulated (only torch.int8)")
+    if group_index is not None:
+        raise NotImplementedError(f"{op}: group_index (MoE groups) is not emulated")
     _require(x.dtype in _FLOAT_IN, op, f"x dtype must be float16 or bfloat16, got {x.dtype}")
     _require(x.dim() >= 2, op, f"x must have ndim >= 2, got shape {tuple(x.shape)}")
     xf = x.float()

@@ -1,7 +1,8 @@
 """Run the REAL vLLM / vllm-ascend model code on a CPU (tests, rehearsal, users' NPU-free CI).
 
 What it does, following ../shared/docs/cpu-test-stack.md:
-- installs the torch_npu emulation (reference kernels) so vllm_ascend imports;
+- installs the torch_npu emulation (reference kernels) so vllm_ascend imports, and gives
+  vllm-ascend's NPU-only custom ops (0.23: `vllm::quantize`) a CPU kernel;
 - makes vLLM's current platform a CPU platform that, like the NPU platform, supports the
   "ascend" quantization method;
 - builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
@@ -34,7 +35,8 @@ def prepare_process(enable_nz: bool = True) -> None:
         platforms._current_platform = cls()
     from npu_flashrl import compat
 
-    compat.import_quantization()  # registers the "ascend" quantization method with vLLM
+    compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    emulation.register_cpu_ops()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
 
 
@@ -67,8 +69,9 @@ def free_port() -> int:
 def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                      quantization: Optional[str] = None, tp_size: int = 1,
                      load_format: str = "auto"):
-    from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
-                             ParallelConfig, VllmConfig)
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    from npu_flashrl import compat
 
     model_config = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True,
                                quantization=quantization, enforce_eager=True)
@@ -76,7 +79,7 @@ def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                       device_config=DeviceConfig(device="cpu"),
                       load_config=LoadConfig(load_format=load_format),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-                      compilation_config=CompilationConfig(level=0, custom_ops=["none"]))
+                      compilation_config=compat.eager_compilation_config())
 
 
 def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[str] = None) -> None:
@@ -169,8 +172,9 @@ def _plain_attention_forward(self, query, key, value, *args, **kwargs):
 
 def use_plain_attention() -> None:
     """Test-harness substitution (not a product patch): vLLM's attention backends need a device."""
-    from vllm.attention.layer import Attention
+    from npu_flashrl import compat
 
+    Attention = compat.vllm_attention_class()
     if getattr(Attention.forward, "__npu_flashrl_plain__", False):
         return
     _plain_attention_forward.__npu_flashrl_plain__ = True
