@@ -72,6 +72,12 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
         from npu_flashrl.adapters import verl as verl_adapter
 
         names += [verl_adapter.PATCH_DRIVER, verl_adapter.PATCH_ACTOR]
+        from npu_flashrl import compat
+
+        if _importable("vllm") and compat.verl_server_mode():
+            from npu_flashrl.adapters import verl_server
+
+            names += list(verl_server.PATCHES)  # the syncs arrive in verl's vLLM workers
         if lmhead_fp32_requested() and _importable("transformers"):
             from npu_flashrl.adapters import transformers as hf_adapter
 

@@ -1,9 +1,10 @@
 """One module per outside system: vllm_ascend (INT8 layers, reload), vllm_engine (engine config),
 vllm (FP32 lm-head), flashrl (coexistence), verl (TIS, metrics), transformers (trainer lm-head),
-megatron (MindSpeed / Megatron trainer side)."""
+megatron (MindSpeed / Megatron trainer side), verl_server (verl 0.7+ server-mode syncs)."""
 import importlib
 
-ADAPTERS = ("vllm_ascend", "vllm_engine", "vllm", "flashrl", "verl", "transformers", "megatron")
+ADAPTERS = ("vllm_ascend", "vllm_engine", "vllm", "flashrl", "verl", "transformers", "megatron",
+            "verl_server")
 
 
 def load_all():

@@ -670,24 +670,55 @@ def _apply_override():
     patches.replace(_OVERRIDE_TARGET, _override)
 
 
+def _online_choice(vllm_config):
+    """(fn, profile, required) for a model built under `vllm_config`. The engine's own choice
+    (additional_config, written where the engine args were built and pickled to every vLLM
+    process) wins over this process's `configure_online_quantization` (tests, rehearsal)."""
+    from npu_flashrl.adapters import vllm_engine
+
+    choice = vllm_engine.engine_choice(vllm_config)
+    if choice is None:
+        return _online["fn"], _online["profile"], False
+    if not choice.get("quantized"):
+        return None, None, False
+    profile = None
+    if choice.get("profile"):
+        from npu_flashrl.profile import load_profile
+
+        profile = load_profile(choice["profile"])
+    return choice.get("fn"), profile, True
+
+
 def _attach_on_init(original):
     def initialize_model(*args, **kwargs):
         model = original(*args, **kwargs)
         vllm_config = kwargs.get("vllm_config") or (args[0] if args else None)
         model_config = getattr(vllm_config, "model_config", None)
+        fn, profile, required = _online_choice(vllm_config)
         if getattr(model_config, "quantization", None) != "ascend":
-            if _online["fn"]:
+            if required:
+                raise RuntimeError(
+                    f"npu_flashrl: the engine was configured for INT8 ({fn}) but "
+                    f"{type(model).__name__} was built with quantization="
+                    f"{getattr(model_config, 'quantization', None)!r}: it would run unquantized. "
+                    "Something replaced the engine's quantization after npu_flashrl set it; "
+                    "unset FLASHRL_CONFIG or remove the other quantization setting")
+            if fn:
                 logger.warning("npu_flashrl: INT8 function %s is configured but the model was "
-                               "built with quantization=%r; it will run unquantized", _online["fn"],
+                               "built with quantization=%r; it will run unquantized", fn,
                                getattr(model_config, "quantization", None))
             return model
         # Every INT8 model gets the quantizing loader: a float tensor pushed into vllm-ascend's
         # int8 parameters would otherwise be truncated silently. Without a configured function,
         # reloads use fresh per-channel scales.
-        fn = _online["fn"] or PerChannelQuantizer.name
         dtype = getattr(model_config, "dtype", torch.bfloat16)
-        loader = attach(model, make_quantizer(fn, dtype, _online["profile"]))
+        loader = attach(model, make_quantizer(fn or PerChannelQuantizer.name, dtype, profile))
         if not loader.targets:
+            if required:
+                raise RuntimeError(
+                    f"npu_flashrl: FLASHRL_CONFIG asks for INT8 ({fn}) but {type(model).__name__} "
+                    "has no vllm-ascend W8A8 linear layers: the rollout would run unquantized. "
+                    "Check the checkpoint's quant description (every projection FLOAT?)")
             logger.warning("npu_flashrl: %s has no vllm-ascend W8A8 linear layers; nothing to "
                            "quantize", type(model).__name__)
         return model
