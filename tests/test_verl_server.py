@@ -93,10 +93,31 @@ class Sender:
 
 
 @pytest.fixture(scope="module")
-def rig():
+def int8_ready():
+    """This process on the CPU harness with npu_flashrl's vllm-ascend and verl server patches;
+    True when the INT8 W8A8_DYNAMIC path applies on this line."""
+    from npu_flashrl.testing import cpu_vllm, verl_transfer
+
+    cpu_vllm.prepare_process()
+    from npu_flashrl.adapters import verl_server, vllm_ascend
+
+    applied = patches.apply_patches(list(vllm_ascend.PATCHES))
+    assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
+    verl_transfer.use_cpu_device()
+    return applied.get("ascend_w8a8_dynamic_process_once", False)
+
+
+def _need_int8(ready):
+    if not ready:
+        pytest.skip("npu_flashrl's INT8 W8A8_DYNAMIC patches do not apply on this vllm-ascend "
+                    "line yet (current line: issue 10)")
+
+
+@pytest.fixture(scope="module")
+def rig(int8_ready):
     """Checkpoints w0..w3, their HF state dicts as the trainer sends them, the sender process,
     and this process set up as a vLLM worker with npu_flashrl's patches."""
-    from npu_flashrl.testing import cpu_vllm, verl_transfer
+    from npu_flashrl.testing import verl_transfer
     from npu_flashrl.testing.tiny_models import build_tiny_qwen2
 
     saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
@@ -113,14 +134,8 @@ def rig():
                                                 os.path.join(root, f"w{seed}.safetensors")))
     handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
     sender = Sender(handle, _env())
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import verl_server, vllm_ascend
-
-    int8 = patches.apply_patches(list(vllm_ascend.PATCHES))
-    assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
-    verl_transfer.use_cpu_device()
     rig = dict(root=root, dirs=dirs, files=files, hf=hf, sender=sender, handle=handle,
-               int8_ready=int8.get("ascend_w8a8_dynamic_process_once", False))
+               int8_ready=int8_ready)
     yield rig
     sender.close()
     for k, v in saved.items():
@@ -128,12 +143,6 @@ def rig():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def _need_int8(rig):
-    if not rig["int8_ready"]:
-        pytest.skip("npu_flashrl's INT8 W8A8_DYNAMIC patches do not apply on this vllm-ascend "
-                    "line yet (current line: issue 10)")
 
 
 def _choice(fn):
@@ -197,7 +206,7 @@ def _assert_state(model, want, ptrs):
 @pytest.mark.parametrize("fn", [None, "int8_profile_free"], ids=["bf16", "int8"])
 def test_three_syncs_equal_fresh_load(rig, fn):
     if fn:
-        _need_int8(rig)
+        _need_int8(rig["int8_ready"])
     with _build(rig, 0, fn) as v:
         worker, buckets = _worker(v)
         assert worker._get_zmq_handle() == rig["handle"]
@@ -225,7 +234,7 @@ def test_three_syncs_equal_fresh_load(rig, fn):
 
 
 def test_sync_missing_tensor_named(rig):
-    _need_int8(rig)
+    _need_int8(rig["int8_ready"])
     from npu_flashrl.adapters import vllm_ascend
 
     dropped = "model.layers.1.self_attn.k_proj.weight"
@@ -297,21 +306,42 @@ configs:
 """
 
 
-def test_engine_build_through_verl_server(tmp_path):
+SITECUSTOMIZE = """\
+# Stand-in for an installed torch_npu in every process vLLM starts (its model-inspection
+# subprocess imports vllm_ascend once npu_flashrl's plugin is active there).
+from npu_flashrl.kernels import emulation as _emulation
+_emulation.install()
+"""
+
+
+def test_engine_build_through_verl_server(tmp_path, int8_ready):
     """verl's real vLLMHttpServer in a fresh process with FLASHRL_CONFIG in its environment, as a
     Ray actor inherits it: npu_flashrl is reached through vLLM's plugin loading, the hybrid
-    config's entry is `replica_rank % 2`, the choice travels in the pickled VllmConfig, and
-    verl's own rollout.quantization next to FLASHRL_CONFIG is refused."""
+    config's entry is `replica_rank % 2`, the choice travels in the pickled VllmConfig to the
+    process that builds the model, and verl's own rollout.quantization next to FLASHRL_CONFIG is
+    refused. Stand-ins: see tests/verl_server_engine.py, plus emulated torch_npu in every process
+    (a sitecustomize on the subprocess's path)."""
+    from importlib.metadata import entry_points
+
     from npu_flashrl.testing.tiny_models import build_tiny_qwen2
 
+    if "npu_flashrl" not in entry_points(group="vllm.general_plugins").names:
+        pytest.skip("npu_flashrl is not installed here (pip install -e .): its vLLM plugin entry "
+                    "point is what reaches verl's vLLM processes")
     model_dir = str(tmp_path / "model")
     build_tiny_qwen2(model_dir)
     cfg = tmp_path / "flashrl.yaml"
     cfg.write_text(FLASHRL_YAML)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     scenarios = [{"name": "replica1", "replica_rank": 1},
                  {"name": "replica3_fp8", "replica_rank": 3, "quantization": "fp8"}]
+    if int8_ready:
+        scenarios.append({"name": "replica2", "replica_rank": 2})
     env = _env()
-    env.update(FLASHRL_CONFIG=str(cfg), VLLM_PLUGINS="npu_flashrl", NPU_FLASHRL_NO_AUTOACTIVATE="1")
+    env.update(FLASHRL_CONFIG=str(cfg), VLLM_PLUGINS="npu_flashrl", NPU_FLASHRL_NO_AUTOACTIVATE="1",
+               PYTHONPATH=os.pathsep.join((env["PYTHONPATH"], str(site))))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "verl_server_engine.py"),
                            model_dir, str(tmp_path), json.dumps(scenarios)], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -326,7 +356,8 @@ def test_engine_build_through_verl_server(tmp_path):
 
     r1 = results["replica1"]
     assert "error" not in r1, r1
-    assert "vllm_engine_flashrl_config" in r1["patches"]  # reached through the vLLM plugin
+    # reached through the vLLM plugin, with the server-mode sync patches
+    assert {"vllm_engine_flashrl_config", "verl_server_sync_end"} <= set(r1["patches"])
     assert r1["backend"] == "mp"
     assert r1["extension"] == "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
     assert r1["choice"] == {"fn": None, "quantized": False, "profile": None, "rank": 1}
@@ -335,3 +366,24 @@ def test_engine_build_through_verl_server(tmp_path):
     clash = results["replica3_fp8"]["error"]
     assert "quantization='fp8'" in clash and "actor_rollout_ref.rollout.quantization" in clash
     assert "Drop one" in clash
+
+    if not int8_ready:
+        return  # replica 2 -> the INT8 entry needs the INT8 path on this line (issue 10)
+    r2 = results["replica2"]
+    assert "error" not in r2, r2
+    assert r2["quantization"] == "ascend"
+    assert r2["choice"] == {"fn": "int8_profile_free", "quantized": True, "profile": None, "rank": 2}
+    # the model build, where vLLM's worker does it: from the pickled config, in a process whose
+    # own configure_online_quantization was never called
+    import pickle
+
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.testing import cpu_vllm
+
+    vllm_ascend.configure_online_quantization(None)
+    with open(tmp_path / "replica2.pkl", "rb") as f:
+        vllm_config = pickle.load(f)
+    vllm_config.device_config.device = torch.device("cpu")
+    with cpu_vllm.CpuVllm(model_dir, vllm_config=vllm_config) as v:
+        loader = v.model._npu_flashrl_loader
+        assert loader.quantizer.name == "int8_profile_free" and loader.targets

@@ -64,7 +64,8 @@ def main(model_dir: str, out_dir: str, scenarios: list) -> None:
     for sc in scenarios:
         captured.clear()
         rollout = RolloutConfig(name="vllm", mode="async", prompt_length=16, response_length=16,
-                                max_model_len=64, max_num_batched_tokens=64, enforce_eager=True,
+                                max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8,
+                                enforce_eager=True,
                                 enable_sleep_mode=False, quantization=sc.get("quantization"))
         out = {"name": sc["name"]}
         try:

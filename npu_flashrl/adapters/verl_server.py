@@ -18,6 +18,7 @@ through its vLLM general plugin (see docs/verl_server_mode.md for the process ma
 from __future__ import annotations
 
 import os
+import traceback
 from typing import Any, List, Mapping, Optional
 
 from npu_flashrl import patches
@@ -191,6 +192,16 @@ def _wrap_update(original):
     return update_weights_from_ipc
 
 
+def _without_frames(exc: BaseException) -> BaseException:
+    seen = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return exc
+
+
 def _wrap_receive(original):
     def receive_weights(self, on_bucket_received):
         failure = []
@@ -201,9 +212,12 @@ def _wrap_receive(original):
             try:
                 on_bucket_received(weights, is_last)
             except Exception as exc:  # noqa: BLE001 - re-raised after the last bucket
-                failure.append(exc)
-                logger.error("npu_flashrl: bucket failed (%s: %s); draining the rest of the sync "
-                             "so the trainer sees the error", type(exc).__name__, exc)
+                # Formatted here, never kept: the traceback's frames hold the bucket's tensors,
+                # views of the shared buffer, and a kept view makes verl's receiver fail to close
+                # it (BufferError). A log record with exc_info could be kept by a handler.
+                logger.error("npu_flashrl: bucket failed; draining the rest of the sync so the "
+                             "trainer sees the error:\n%s", "".join(traceback.format_exception(exc)))
+                failure.append(_without_frames(exc))
 
         original(self, guarded)
         if failure:
