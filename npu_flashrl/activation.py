@@ -72,12 +72,15 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
         from npu_flashrl.adapters import verl as verl_adapter
 
         names += [verl_adapter.PATCH_DRIVER, verl_adapter.PATCH_ACTOR]
-        from npu_flashrl import compat
+        if _importable("vllm"):
+            from npu_flashrl import compat
 
-        if _importable("vllm") and compat.verl_server_mode():
-            from npu_flashrl.adapters import verl_server
+            if compat.verl_server_mode():  # verl 0.7+: the syncs arrive in verl's vLLM workers
+                from npu_flashrl.adapters.verl import server_091
 
-            names += list(verl_server.PATCHES)  # the syncs arrive in verl's vLLM workers
+                names += list(server_091.PATCHES)
+            else:
+                names.append(verl_adapter.PATCH_SYNC_END)  # rollout workers: every sync ends checked
         if lmhead_fp32_requested() and _importable("transformers"):
             from npu_flashrl.adapters import transformers as hf_adapter
 
@@ -104,7 +107,9 @@ def worker_process_setup() -> None:
     engine starts, after the trainer's model exists (too late for the trainer-side FP32 lm-head)
     and after Megatron is imported (too late for the MindSpeed import-order guard).
 
-        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=npu_flashrl.activation.worker_process_setup
+        ++ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=npu_flashrl.activation.worker_process_setup
+
+    (the recipes in tests/verl_examples set it already; '++' also composes with theirs)
     """
     if _installed("megatron-core") or _importable("mindspeed"):
         from npu_flashrl.adapters import megatron as megatron_adapter

@@ -19,24 +19,17 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import CliError  # noqa: F401  (re-exported: npu_flashrl.cli.CliError)
 
 logger = get_logger("cli")
 
 PROG = "npu-flashrl"
 DEFAULT_CONFIG_OUTPUT = os.path.join("~", ".flashrl_config.yaml")  # FlashRL's default
-
-
-class CliError(Exception):
-    """An error to print as `npu-flashrl <cmd>: error: ...` with exit code `code`."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 def _out(msg: str = "") -> None:
@@ -136,6 +129,18 @@ def _check_model_dir(model: str, what: str = "model") -> None:
                        f"checkpoint is needed)")
 
 
+W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHatAI's, or a ModelSlim "
+            "W8A8 export); for a bf16 checkpoint use --fn int8_profile_free")
+
+
+def _check_w8a8(model: str) -> None:
+    from npu_flashrl.profile import check_w8a8_checkpoint
+
+    problems = check_w8a8_checkpoint(model)
+    if problems:
+        raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
+
+
 def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
                 check: bool = True):
     """The config entry `setup` writes, validated (profile vs model when check)."""
@@ -157,10 +162,15 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
         raise CliError(str(exc), code=2) from None
     if needs_profile(entry) and not entry.model:
         raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
+    if needs_profile(entry) and str(entry.load_format).lower() == "dummy":
+        raise CliError(f"load_format=dummy with --fn {entry.fn}: the W8A8 model would keep random "
+                       "weight_scale tensors that no weight sync replaces; drop it (setup writes "
+                       "load_format: auto)", code=2)
     if check:
         if entry.model:
             _check_model_dir(entry.model)
         if needs_profile(entry):
+            _check_w8a8(entry.model)
             path = entry.profile_path()
             try:
                 prof = load_profile(path)
@@ -473,6 +483,22 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
         if not needs_profile(entry):
             rows.append(_row(check, OK, f"model {entry.model or '(the rollout model)'}"))
             continue
+        fmt = str(entry.load_format).lower() if entry.load_format else None
+        if fmt == "dummy":
+            rows.append(_row(check, FAIL, f"load_format: {entry.load_format} with fn int8: random "
+                             "weight_scale tensors that no weight sync replaces", "load_format: auto"))
+            continue
+        if fmt is None:
+            rows.append(_row(check, WARN, "no load_format: the engine's own is used, and verl's sync "
+                             "rollout passes dummy, which is refused at engine build for fn int8",
+                             "load_format: auto"))
+        if entry.model:
+            from npu_flashrl.profile import check_w8a8_checkpoint
+
+            problems = check_w8a8_checkpoint(entry.model)
+            if problems:
+                rows.append(_row(check, FAIL, "; ".join(problems), W8A8_FIX.replace("-m", "`model`", 1)))
+                continue
         path = entry.profile_path()
         if path is None:
             rows.append(_row(check, WARN, "no `profile` and no `model`: profile resolved at run time "
@@ -531,7 +557,52 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
     return rows
 
 
-def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False) -> List[Dict[str, str]]:
+def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
+    """(Hydra overrides, environment assignments) of a verl command or an overrides file: one
+    override per line or a recipe's ``--dry-run`` output (backslash continuations, ``env K=V``)."""
+    import shlex
+
+    words = shlex.split(text.replace("\\\n", " "), comments=True)
+    env: Dict[str, str] = {}
+    entry = "verl.trainer.main_ppo"
+    if entry in words:
+        for w in words[:words.index(entry)]:
+            k, sep, v = w.partition("=")
+            if sep and k.isidentifier():
+                env[k] = v
+        words = words[words.index(entry) + 1:]
+    return [w for w in words if "=" in w and not w.startswith("-")], env
+
+
+def verl_rows(path: str) -> List[Dict[str, str]]:
+    """Check verl overrides (file, or '-' for stdin) the way verl 51d2104 would run them."""
+    from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
+                                           overrides_to_config)
+
+    label = f"verl overrides {path}"
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as exc:
+        return [_row(label, FAIL, f"cannot read: {exc}", "pass a file of Hydra overrides or '-' for stdin")]
+    overrides, env = read_overrides(text)
+    if not overrides:
+        return [_row(label, FAIL, "no Hydra overrides (key=value) found",
+                     "pass a recipe's --dry-run output or one override per line")]
+    cfg = overrides_to_config(overrides)
+    environ = dict(os.environ)
+    environ.update(env)
+    try:
+        warnings = check_rollout_mode(cfg, environ=environ)
+    except (RolloutModeError, TisConfigError) as exc:
+        msg, _, fix = str(exc).partition(" Fix: ")
+        return [_row(label, FAIL, msg, fix)]
+    if warnings:
+        return [_row(label, WARN, w) for w in warnings]
+    return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl 51d2104")]
+
+
+def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
+                verl_overrides: Optional[str] = None) -> List[Dict[str, str]]:
     rows: List[Dict[str, str]] = []
     try:
         pins = _load_pins()
@@ -541,6 +612,8 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False) 
     rows += package_rows(pins)
     rows.append(cann_row(pins))
     rows += config_rows(config_path)
+    if verl_overrides:
+        rows += verl_rows(verl_overrides)
     rows += patch_rows(apply_patches)
     return rows
 
@@ -567,11 +640,16 @@ def _add_verify(sub) -> None:
     p.add_argument("--strict", action="store_true", help="warnings (version drift, emulation) fail too")
     p.add_argument("--apply-patches", action="store_true",
                    help="apply every registered patch in this process before listing them")
+    p.add_argument("--verl-overrides", metavar="FILE",
+                   help="also check verl Hydra overrides: a file (one per line, or a recipe's --dry-run "
+                        "output) or '-' for stdin, e.g. `bash RECIPE --dry-run | npu-flashrl verify "
+                        "--verl-overrides -`; refuses rollout modes and TIS settings that silently do "
+                        "nothing at verl 51d2104")
     p.set_defaults(func=_run_verify)
 
 
 def _run_verify(args) -> int:
-    rows = verify_rows(args.config, args.apply_patches)
+    rows = verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
     failing = [r for r in rows if r["status"] == FAIL or (args.strict and r["status"] == WARN)]
     if args.json:
         _out(json.dumps({"ok": not failing, "strict": bool(args.strict), "rows": rows}, indent=2))

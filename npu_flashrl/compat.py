@@ -276,6 +276,24 @@ def eager_compilation_config():
     return vcfg.CompilationConfig(level=0, custom_ops=["none"])
 
 
+def compress_int8(qcfg, state: dict, names_to_scheme: dict) -> dict:
+    """compressed-tensors' int-quantized compressor on `state` (module.weight / weight_scale /
+    weight_zero_point by full name): 0.11 has an instance API over the whole state dict, 0.17 a
+    per-module classmethod on local names. Returns the compressed tensors by full name."""
+    import inspect
+
+    from compressed_tensors.compressors import IntQuantizationCompressor
+
+    if "names_to_scheme" in inspect.signature(IntQuantizationCompressor.compress).parameters:
+        return IntQuantizationCompressor(config=qcfg).compress(state, names_to_scheme=names_to_scheme)
+    out = {}
+    for module, scheme in names_to_scheme.items():
+        local = {k[len(module) + 1:]: v for k, v in state.items() if k.startswith(module + ".")}
+        out.update({f"{module}.{k}": v
+                    for k, v in IntQuantizationCompressor.compress(local, scheme).items()})
+    return out
+
+
 # Where vLLM's model loader looks things up (patched by adapters.vllm_ascend); the same names on
 # every supported vLLM line.
 GET_QUANT_CONFIG_TARGET = "vllm.model_executor.model_loader.weight_utils:get_quant_config"

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Callable, Dict, List, Optional
 
 from npu_flashrl._logging import get_logger
@@ -120,3 +123,48 @@ def replace(target: str, make_new: Callable[[object], object]) -> None:
 def original(obj):
     """The upstream object behind one of our replacements (or obj itself)."""
     return getattr(obj, ORIGINAL_ATTR, obj)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Run ``callback(module)`` right after ``name`` is imported (wraps the real loader once)."""
+
+    def __init__(self, name: str, callback):
+        self.name = name
+        self.callback = callback
+        self._busy = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader, callback, me = spec.loader, self.callback, self
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec_):
+                return loader.create_module(spec_)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                if me in sys.meta_path:
+                    sys.meta_path.remove(me)
+                callback(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def when_imported(name: str, callback: Callable[[object], None]) -> None:
+    """``callback(module)`` now if module ``name`` is imported, else right after its import: patch a
+    module that only some processes import (e.g. a verl worker module) without importing it here."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        callback(mod)
+        return
+    if not any(isinstance(f, _PostImport) and f.name == name and f.callback is callback for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImport(name, callback))

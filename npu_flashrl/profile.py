@@ -125,6 +125,10 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """safetensors' dtype string from the header ("I8", "BF16", ...), no data read."""
+        return str(self._handle(self.files[name]).get_slice(name).get_dtype())
+
     def dtype_str(self, name: str) -> str:
         return self._handle(self.files[name]).get_slice(name).get_dtype()
 
@@ -351,6 +355,41 @@ def expected_profile_names(model_dir: str) -> List[str]:
                 or any(b in n for b in (*INPUT_LINEAR_MAP, *OUTPUT_LINEAR_MAP))]
     finally:
         ckpt.close()
+
+
+_PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
+    """Why ``model_dir`` is not a W8A8 checkpoint (empty list: it is), from the safetensors headers.
+
+    ``fn: int8`` loads the rollout model from a W8A8 checkpoint and keeps its ``weight_scale`` for
+    every sync (the profile's scales assume them): its projections must be int8 with a
+    ``weight_scale`` each. Each line names the file and the tensor.
+    """
+    try:
+        ckpt = SafetensorsCheckpoint(model_dir)
+    except ProfileError as exc:
+        return [str(exc)]
+    problems: List[str] = []
+    try:
+        projections = sorted((n for n in ckpt.names() if _PROJECTION.search(n)), key=_order_key)
+        if not projections:
+            return [f"{model_dir}: no q/k/v/o/gate/up/down_proj weights in its safetensors"]
+        int8 = [n for n in projections if ckpt.dtype(n) == "I8"]
+        if not int8:
+            first = projections[0]
+            return [f"{ckpt.files[first]}: {first} is {ckpt.dtype(first)}, not int8, and "
+                    f"{first[:-len('weight')]}weight_scale is missing: not a W8A8 checkpoint"]
+        for name in int8:
+            scale = name[: -len("weight")] + "weight_scale"
+            if scale not in ckpt:
+                problems.append(f"{ckpt.files[name]}: {scale} is missing (int8 {name} without its scale)")
+                if len(problems) >= limit:
+                    break
+    finally:
+        ckpt.close()
+    return problems
 
 
 def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, limit: int = 5) -> List[str]:

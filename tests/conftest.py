@@ -37,7 +37,8 @@ import pytest  # noqa: E402  (after the environment is fixed)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The pinned line's upstream trees (no registry release); a user's clone has no ../shared.
-SHARED_UPSTREAM = os.path.join(os.path.dirname(ROOT), "shared", "upstream")
+# NPU_FLASHRL_UPSTREAM points elsewhere (e.g. from a git worktree, whose ../shared is not there).
+SHARED_UPSTREAM = os.environ.get("NPU_FLASHRL_UPSTREAM") or os.path.join(os.path.dirname(ROOT), "shared", "upstream")
 UPSTREAM_TREES = {
     "verl-51d2104": ("https://github.com/volcengine/verl", "51d2104ecb61563c41123a8f0bce2f06b18387dc"),
     "vllm-ascend-v0.10.1rc1": ("https://github.com/vllm-project/vllm-ascend",
@@ -61,6 +62,29 @@ def upstream_tree(name: str) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def verl_51d2104():
+    """verl 51d2104's own source tree first on sys.path (and PYTHONPATH, for subprocesses); returns
+    the tree. Skips when the tree is missing, or when another verl (e.g. the 0.11 line's 0.6.1) was
+    imported before: one process cannot hold both, run the module alone or on the pinned line."""
+    import sys
+
+    tree = os.path.realpath(upstream_tree("verl-51d2104"))
+    loaded = sys.modules.get("verl")
+    if loaded is not None and not os.path.realpath(getattr(loaded, "__file__", None) or "").startswith(tree + os.sep):
+        pytest.skip(f"verl {loaded.__file__} was imported first; verl 51d2104 runs on the pinned line "
+                    "or with this test module run on its own")
+    if tree not in sys.path:
+        sys.path.insert(0, tree)
+    pp = os.environ.get("PYTHONPATH", "")
+    if tree not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = tree + (os.pathsep + pp if pp else "")
+    import verl
+
+    assert os.path.realpath(verl.__file__).startswith(tree + os.sep), verl.__file__
+    return tree
+
+
 @pytest.fixture(scope="module")
 def va():
     """The vllm-ascend adapter with its patches applied on the CPU harness (emulated torch_npu);
@@ -74,3 +98,10 @@ def va():
     patches.apply_patches(list(vllm_ascend.PATCHES))
     yield vllm_ascend
     vllm_ascend.configure_online_quantization(None)
+
+
+@pytest.fixture(scope="session")
+def rehearsal_cache(tmp_path_factory):
+    """One `npu-flashrl rehearse --cache-dir` for the session: the tiny model is pre-trained by the
+    first rehearsal that runs (tests/test_rehearsal.py in file order) and reused by the others."""
+    return tmp_path_factory.mktemp("rehearsal-cache")

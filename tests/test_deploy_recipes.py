@@ -117,8 +117,9 @@ def test_fsdp_int8_dry_run_prepares_profile_config_and_prints_launch(inputs):
         "algorithm.rollout_correction.rollout_is": "sequence",
         "algorithm.rollout_correction.rollout_is_threshold": "2.0",
         "algorithm.rollout_correction.rollout_is_batch_normalize": "True",
-        "algorithm.rollout_correction.bypass_mode": "True",
-        "algorithm.rollout_correction.use_policy_gradient": "True",
+        # not the published recipe's True/True: that does no TIS at verl 51d2104 (test_verl_51d2104_tis.py)
+        "algorithm.rollout_correction.bypass_mode": "False",
+        "algorithm.rollout_correction.use_policy_gradient": "False",
         "trainer.n_gpus_per_node": "8",
         "trainer.nnodes": "1",
         "trainer.device": "npu",

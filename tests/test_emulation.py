@@ -100,13 +100,17 @@ def test_vllm_ascend_quant_modules_import(torch_npu):
     pytest.importorskip("vllm_ascend")
     from npu_flashrl.testing.cpu_vllm import prepare_process
 
+    from npu_flashrl import compat
+
     prepare_process()
-    qc = importlib.import_module("vllm_ascend.quantization.quant_config")
-    w8a8 = importlib.import_module("vllm_ascend.quantization.w8a8")
-    dyn = importlib.import_module("vllm_ascend.quantization.w8a8_dynamic")
-    assert hasattr(qc, "AscendQuantConfig") and hasattr(qc, "AscendLinearMethod")
-    assert hasattr(w8a8, "AscendW8A8LinearMethod")
-    assert hasattr(dyn, "AscendW8A8DynamicLinearMethod")
+    # the line's own modules (0.23: modelslim_config / method_adapters / methods.w8a8_*)
+    linear, static, dynamic = compat.quant_method_classes()
+    assert compat.quant_config_class().__name__ in ("AscendQuantConfig", "AscendModelSlimConfig")
+    assert linear.__name__ == "AscendLinearMethod"
+    w8a8 = importlib.import_module(static.__module__)
+    dyn = importlib.import_module(dynamic.__module__)
+    assert static.__name__ == "AscendW8A8LinearMethod"
+    assert dynamic.__name__ == "AscendW8A8DynamicLinearMethod"
     # they bound the emulated module, whose quant ops are the reference kernels
     assert w8a8.torch_npu is torch_npu
     assert dyn.torch_npu.npu_quant_matmul is reference.npu_quant_matmul

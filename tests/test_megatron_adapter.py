@@ -11,9 +11,15 @@
   through unchanged.
 * The converted stream goes through the real online INT8 reload (vLLM + vllm-ascend on CPU) and gives the
   same INT8 state as loading the HF weights directly.
-* Import-order guard with a stand-in MindSpeed (subprocesses); FP32 output_layer on a real
+* Import-order guard with a stand-in MindSpeed (subprocesses; ``STANDIN`` below is a stand-in for
+  ``mindspeed/megatron_adaptor.py``, which needs torch_npu/CANN); FP32 output_layer on a real
   ColumnParallelLinear.
+* Architectures the INT8 reload does not handle (DeepSeek-V3 / MLA shapes) get one "INT8 rollout does
+  not support <arch>" error, never a dense-formula shape error.
+
+verl 51d2104's own worker modules and Hydra config: tests/test_megatron_verl_pin.py.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,9 +32,15 @@ import torch
 
 from npu_flashrl import pins
 from npu_flashrl.adapters import megatron as M
+from npu_flashrl.adapters.megatron import stream as S
 from npu_flashrl.testing.tiny_models import build_tiny_qwen2
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
+# The current line (requirements/cpu-stack-current.txt) has no megatron-core yet: verl 0.9's
+# MindSpeed/Megatron core_r0.16 reads transformers 5 configs (no `rope_theta`), not done here.
+# Not imported here: importing megatron in this process is what some tests below check for.
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("megatron-core is not in this stack line", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -238,7 +250,7 @@ def test_verl_pipeline_stream_is_hf_and_passes_through(tiny, gpt_layout, monkeyp
         shards = tp_shards(name, t, tp, {**gpt_layout["dims"], "layer_norm_weight": None})
         probe = shards[0]
         if "layer_norm" not in name and "final_layernorm" not in name:
-            probe.tensor_model_parallel, probe.partition_dim = True, (1 if name.endswith(M._ROW_PARALLEL) else 0)
+            probe.tensor_model_parallel, probe.partition_dim = True, (1 if name.endswith(S._ROW_PARALLEL) else 0)
             merged = vmu.default_tp_concat_fn(mapping, name, probe, shards, hf.config, hf.config, True)
         else:
             merged = probe
@@ -263,6 +275,106 @@ def test_stream_errors_name_the_tensor(tiny):
         list(M.megatron_to_hf_stream([("model.layers.0.self_attn.q_proj.weight", [q, q])], hf.config))
     assert list(M.megatron_to_hf_stream([("decoder.layers.0.self_attention.core_attention._extra_state",
                                           torch.zeros(1))], hf.config)) == []
+
+
+def _deepseek_v3_config(**kw):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**kw)  # defaults are DeepSeek-V3's: hidden 7168, 128 heads, MLA (v_head_dim 128)
+
+
+# DeepSeek-V3 / MLA tensors (as verl's McoreToHFWeightConverterDpskv3 names them), meta tensors: shapes only
+MLA_STREAM = [
+    ("model.layers.0.self_attn.o_proj.weight", (7168, 16384)),       # 128 heads x v_head_dim 128
+    ("model.layers.0.self_attn.q_a_proj.weight", (1536, 7168)),
+    ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", (576, 7168)),
+    ("model.layers.0.mlp.gate_proj.weight", (18432, 7168)),
+]
+
+
+@pytest.mark.parametrize("archs", [["DeepseekV3ForCausalLM"], None], ids=["architectures", "model_type_only"])
+def test_unsupported_architecture_one_clear_error(archs):
+    cfg = _deepseek_v3_config(architectures=archs)
+    stream = [(n, torch.empty(*shape, device="meta")) for n, shape in MLA_STREAM]
+    with pytest.raises(M.UnsupportedArchitectureError) as exc:
+        list(M.megatron_to_hf_stream(iter(stream), cfg))
+    msg = str(exc.value)
+    want = "DeepseekV3ForCausalLM" if archs else "model_type=deepseek_v3"
+    assert msg.startswith(f"INT8 rollout does not support {want}:"), msg
+    assert "expected" not in msg and "(7168, 8192)" not in msg        # no dense-formula shape error
+    assert not M.is_dense_supported(cfg)
+
+
+def test_unsupported_architecture_in_verl_stream_patch(monkeypatch, tmp_path):
+    """The wrapped per_tensor_generator: INT8 rollout -> the one error; bf16-only FLASHRL_CONFIG ->
+    verl's stream untouched (same tensor objects)."""
+    cfg = _deepseek_v3_config(architectures=["DeepseekV3ForCausalLM"])
+    stream = [(n, torch.empty(*shape, device="meta")) for n, shape in MLA_STREAM]
+    gen = S._wrap_per_tensor_generator(lambda module, config, *a: iter(module))
+    monkeypatch.setenv("FLASHRL_CONFIG", "int8_profile_free")
+    with pytest.raises(M.UnsupportedArchitectureError, match="^INT8 rollout does not support DeepseekV3ForCausalLM"):
+        list(gen(stream, cfg, None, None, None))
+    monkeypatch.setenv("FLASHRL_CONFIG", "bf16")
+    out = list(gen(stream, cfg, None, None, None))
+    assert all(a is b for (_, a), (_, b) in zip(out, stream)) and len(out) == len(stream)
+
+
+def test_dense_architectures_still_validated(tiny):
+    """Qwen2/Qwen3/Llama keep the full-shape checks (what the INT8 reload consumes); names the
+    reload does not consume are not judged."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    _, hf, _ = tiny
+    assert M.is_dense_supported(hf.config)
+    for cls in (LlamaConfig, Qwen3Config):
+        cfg = cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                  num_hidden_layers=2, vocab_size=128, head_dim=16)
+        assert M.is_dense_supported(cfg)
+        with pytest.raises(M.WeightStreamError, match=r"o_proj.weight: expected full shape \(64, 64\)"):
+            list(M.megatron_to_hf_stream([("model.layers.0.self_attn.o_proj.weight", torch.zeros(64, 32))], cfg))
+        odd = [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(3))]
+        assert [n for n, _ in M.megatron_to_hf_stream(odd, cfg)] == [odd[0][0]]
+
+
+def test_fused_kernels_refused_with_fp32_lmhead():
+    from omegaconf import OmegaConf
+
+    on = {"FLASHRL_LMHEAD_FP32": "1"}
+    base = {"model": {"use_fused_kernels": False},
+            "actor": {"use_fused_kernels": "${oc.select:actor_rollout_ref.model.use_fused_kernels,false}"},
+            "ref": {"use_fused_kernels": False}}
+    cfg = OmegaConf.create(base)
+    M.check_fused_kernels(cfg, environ=on)                               # default: fine
+    cfg.model.use_fused_kernels = True
+    with pytest.raises(M.FusedKernelsConflict) as exc:
+        M.check_fused_kernels(cfg, environ=on)
+    msg = str(exc.value)
+    assert "actor_rollout_ref.model.use_fused_kernels=True" in msg
+    assert "model_forward_fused.py" in msg and "actor_rollout_ref.model.use_fused_kernels=False" in msg
+    M.check_fused_kernels(cfg, environ={"FLASHRL_LMHEAD_FP32": "0"})     # bf16 lm-head: nothing to bypass
+    ref_only = OmegaConf.create({**base, "ref": {"use_fused_kernels": True}})
+    with pytest.raises(M.FusedKernelsConflict, match="actor_rollout_ref.ref.use_fused_kernels=True"):
+        M.check_fused_kernels(ref_only, environ=on)
+
+
+def test_use_mbridge_warns_that_the_stream_check_is_bypassed():
+    import logging
+
+    from omegaconf import OmegaConf
+    from npu_flashrl.adapters.megatron import workers as W
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("npu_flashrl.adapters.megatron")
+    log.addHandler(handler)
+    try:
+        W._check_config(OmegaConf.create({"actor": {"megatron": {"use_mbridge": False}}, "model": {}}))
+        assert seen == []
+        W._check_config(OmegaConf.create({"actor": {"megatron": {"use_mbridge": True}}, "model": {}}))
+    finally:
+        log.removeHandler(handler)
+    assert len(seen) == 1 and "use_mbridge=True" in seen[0] and "bridge.export_weights" in seen[0]
 
 
 def test_pp_layer_offset():
@@ -384,7 +496,8 @@ def test_guard_megatron_imported_first_is_an_error(standin):
     assert "ERR megatron (megatron" in out and "is not" in out
     assert "ERR2 megatron was imported before mindspeed.megatron_adaptor" in out
     assert "Fix: import mindspeed.megatron_adaptor before anything imports megatron" in out
-    assert "worker_process_setup_hook=npu_flashrl.adapters.megatron.worker_process_setup" in out
+    # the recommended override composes with the recipes' own '+...worker_process_setup_hook' (Hydra)
+    assert M.RAY_HOOK_OVERRIDE in out and M.RAY_HOOK_OVERRIDE.startswith("++")
 
 
 def test_guard_mindspeed_absent(standin):
@@ -394,16 +507,57 @@ def test_guard_mindspeed_absent(standin):
         print(M.ensure_mindspeed_before_megatron("cuda"))   # GPU/CPU Megatron: no MindSpeed needed
         print(M.ensure_mindspeed_before_megatron(None))     # no torch_npu here
         M.install_import_guard("npu")
+        import megatron.core.tensor_parallel  # the guard never refuses Megatron (FSDP jobs import it too)
+        print(megatron.core.tensor_parallel.__name__)
         try:
-            import megatron.core
+            M.ensure_mindspeed_before_megatron("npu")  # where a Megatron model is built
         except M.MindSpeedMissingError as e:
             print("ERR", e)
         """, path_prefix=[standin[1]])
     lines = r.stdout.splitlines()
-    assert lines[:2] == ["None", "None"]
-    assert lines[2].startswith("ERR ") and commit in lines[2]
-    assert "gitee.com/ascend/MindSpeed" in lines[2] and "pip install -e ." in lines[2]
-    assert "strategy=megatron" in lines[2] and "strategy=fsdp" in lines[2]
+    assert lines[:3] == ["None", "None", "megatron.core.tensor_parallel"]
+    assert lines[3].startswith("ERR ") and commit in lines[3]
+    assert "gitee.com/ascend/MindSpeed" in lines[3] and "pip install -e ." in lines[3]
+    assert "strategy=megatron" in lines[3] and "strategy=fsdp" in lines[3]
+
+
+def test_guard_keeps_the_megatron_module_the_adaptor_loaded(standin):
+    """The guard's own path: the first `import megatron` makes the guard import the adaptor, which
+    imports megatron.core itself (as the real one does). The import that triggered the guard must get
+    that same `megatron` module back, not a fresh namespace package without `core`."""
+    r = run_py("""
+        import sys
+        from npu_flashrl.adapters import megatron as M
+        assert M.install_import_guard()
+        import megatron.core.tensor_parallel
+        import mindspeed.megatron_adaptor as a
+        m = sys.modules["megatron"]
+        print(a.MEGATRON_BEFORE, m is megatron, m.core is sys.modules["megatron.core"])
+        print(megatron.core.tensor_parallel.ColumnParallelLinear.__name__)
+        print(m.__spec__.loader.__class__.__name__, list(m.__path__) == list(m.__spec__.submodule_search_locations))
+        print(M.ensure_mindspeed_before_megatron("npu"))
+        """, path_prefix=[standin[0]])
+    lines = r.stdout.splitlines()
+    assert lines[0] == "[] True True"
+    assert lines[1] == "ColumnParallelLinear"
+    assert lines[2].split()[0] != "_AlreadyLoaded" and lines[2].split()[1] == "True"   # the real spec is kept
+    assert lines[3] == "already"
+
+
+def test_guard_with_broken_mindspeed_warns_then_worker_refuses(standin, tmp_path):
+    (tmp_path / "ms" / "mindspeed" / "megatron_adaptor.py").write_text("import no_such_dependency_xyz\n")
+    r = run_py("""
+        from npu_flashrl.adapters import megatron as M
+        M.install_import_guard()
+        import megatron.core.tensor_parallel        # an FSDP job's import: not refused
+        print("imported")
+        try:
+            M.ensure_mindspeed_before_megatron("npu")   # a Megatron worker: the remembered error
+        except ImportError as e:
+            print("ERR", e.name)
+        """, path_prefix=[standin[0]])
+    assert r.stdout.splitlines() == ["imported", "ERR no_such_dependency_xyz"]
+    assert "mindspeed.megatron_adaptor failed to import (ModuleNotFoundError" in r.stderr
 
 
 def test_broken_mindspeed_is_not_swallowed(standin, tmp_path):
@@ -426,7 +580,8 @@ def test_worker_process_setup_hooks_verl_megatron_worker(standin):
         import sys, torch
         from npu_flashrl import patches
         from npu_flashrl.adapters import megatron as M
-        M.WORKER_MODULE = "fake_megatron_workers"
+        from npu_flashrl.adapters.megatron import _common
+        _common.WORKER_MODULE = "fake_megatron_workers"
         M.worker_process_setup()
         assert "fake_megatron_workers" not in sys.modules and "megatron" not in sys.modules
         import fake_megatron_workers as w
@@ -452,13 +607,14 @@ def test_worker_process_setup_hooks_verl_megatron_worker(standin):
 def test_worker_init_refuses_npu_without_mindspeed(standin):
     r = run_py("""
         from npu_flashrl.adapters import megatron as M
-        M._worker_device = lambda: "npu"            # verl.utils.device.is_npu_available on an NPU node
-        init = M._wrap_worker_init(lambda self, config: print("built"))
+        from npu_flashrl.adapters.megatron import workers as W
+        W._worker_device = lambda: "npu"            # verl.utils.device.is_npu_available on an NPU node
+        init = W._wrap_worker_init(lambda self, config: print("built"))
         try:
             init(object(), {})
         except M.MindSpeedMissingError as e:
             print("ERR", str(e)[:60])
-        M._worker_device = lambda: "cpu"
+        W._worker_device = lambda: "cpu"
         init(object(), {})
         """, path_prefix=[standin[1]])
     assert r.stdout.splitlines() == ["ERR verl's Megatron backend (actor_rollout_ref.actor.strategy=me", "built"]

@@ -3,9 +3,11 @@ emulated torch_npu).
 
 The rehearsal runs in subprocesses: it applies npu_flashrl's patches (the FP32 lm-head ones too),
 installs the torch_npu emulation and initialises vLLM's process group, all process-global.
-Run 1 pre-trains the tiny model into a fresh cache (profile-free mode, 3 variants, 2 steps); run 2
-uses the same cache in profile mode with an impossible --max-error, so it must not retrain, must
-exercise `npu-flashrl profile` + the w8a8 checkpoint, and must exit 1 with only that check failing.
+Run 1 pre-trains the tiny model into the session's cache (profile-free mode, 3 variants, 2 steps;
+unless another rehearsal test ran first and trained it); run 2 uses the same cache in profile mode
+with an impossible --max-error, so it must not retrain, must exercise `npu-flashrl profile` + the
+w8a8 checkpoint, and must exit 1 with only that check failing (the INT8 state checks pass in profile
+mode too). The faults each state check catches: tests/test_rehearsal_checks.py.
 Bad --model directories are checked in-process (they fail before anything process-global happens).
 """
 import json
@@ -42,9 +44,9 @@ def _rehearse(*argv, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, rehearsal_cache):
     root = tmp_path_factory.mktemp("rehearsal")
-    cache = root / "cache"
+    cache = rehearsal_cache
     out1, out2 = root / "out1", root / "out2"
     p1 = _rehearse("--steps", "2", "--buckets", "3", "--cache-dir", str(cache), "--output-dir", str(out1))
     assert p1.returncode == 0, f"run 1 failed ({p1.returncode}):\n{p1.stdout[-4000:]}\n{p1.stderr[-6000:]}"
@@ -74,6 +76,32 @@ def test_report_has_finite_metrics_for_every_step_and_variant(runs):
         assert row["metrics"]["valid_tokens"] == r1["eval"]["scored_tokens"] > 0
         assert row["reload_s"] > 0 and row["buckets"] == 3
     assert all(c["ok"] for c in r1["checks"]), r1["checks"]
+    assert r1["fault_injected"] is None
+
+
+def test_int8_state_and_layer_error_checked_after_every_sync(runs):
+    """The INT8 state of every quantized layer after each sync equals the independent reference
+    quantization of the pushed weights, and each layer's output error is the ~1% of INT8."""
+    r1, p1 = runs["r1"], runs["p1"]
+    names = {c["check"] for c in r1["checks"]}
+    for variant in ("int8", "int8+fp32head"):
+        for title in ("state: int8 values equal the reference quantization", "state: weight scales match the reference",
+                      "per-layer output error <= --max-layer-error"):
+            assert f"{variant} {title}" in names, names
+        st = r1["int8_state"][variant]
+        assert set(st["by_type"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+        assert len(st["layers"]) == 8 * 2  # 8 layers x 2 syncs
+        for t in st["by_type"].values():
+            assert t["layers"] == 2 and t["syncs"] == 2 and t["int8_elements"] > 0
+            assert t["int8_mismatches"] == 0 and t["scale_max_rel_diff"] == 0.0
+            # really quantized (not bf16 passed through), and well under the 5% bound
+            assert 0.003 < t["output_rel_error_max"] < 0.03, t
+        assert [s["ok"] for s in st["per_sync"]] == [True, True]
+    rows = [r for r in r1["steps"] if r["variant"] == "bf16"]
+    assert all(r["int8_state"] is None for r in rows)
+    out = p1.stdout
+    assert "int8_state" in out and "layer_err_max" in out and "out err max" in out
+    assert "[OK] int8 state: int8 values equal the reference quantization: 8 layers x 2 syncs: 0/" in out
 
 
 def test_baseline_near_one_and_int8_above_it(runs):
@@ -124,12 +152,13 @@ def test_real_activation_path_and_patch_summary(runs):
 def test_first_run_trains_and_caches(runs):
     r1 = runs["r1"]
     m = r1["model"]
-    assert m["source"] == "tiny" and m["trained_this_run"] is True and m["cache_hit"] is False
+    # trained by this run unless another rehearsal test of the session trained the shared cache first
+    assert m["source"] == "tiny" and m["trained_this_run"] is (not m["cache_hit"])
     assert os.path.dirname(m["cache_dir"]) == str(runs["cache"])
     pre = m["pretrain"]
     # peaked distributions: the loss came down from ln(512) ~ 6.2 to near the task entropy (0.86)
     assert pre["final_loss"] < 1.2 and pre["entropy"] == pytest.approx(0.863, abs=1e-3)
-    assert r1["timings"]["pretrain_s"] > 0
+    assert (r1["timings"]["pretrain_s"] > 0) is m["trained_this_run"]
     assert r1["timings"]["total_s"] < 120
 
 
@@ -159,6 +188,8 @@ def test_second_run_reuses_cache_profile_mode_and_fails_the_max_error_check(runs
     failed = [c["check"] for c in r2["checks"] if not c["ok"]]
     assert failed == ["int8 error <= --max-error"], r2["checks"]
     assert "[FAIL] int8 error <= --max-error" in p2.stdout and "rehearsal FAILED" in p2.stdout
+    # profile mode: int8 values from the profile's scales, the checkpoint's scales kept
+    assert r2["int8_state"]["int8"]["by_type"]["qkv_proj"]["int8_mismatches"] == 0
     assert {r["variant"] for r in r2["steps"]} == {"bf16", "int8"}
 
 
@@ -215,6 +246,16 @@ def test_bad_model_already_quantized(tmp_path, capsys):
     assert "already quantized" in err
 
 
+@pytest.mark.parametrize("value", ["nan", "0", "-1", "inf"])
+def test_bad_max_layer_error_is_refused_before_anything_starts(tmp_path, capsys, value):
+    from npu_flashrl import cli
+
+    code = cli.main(["rehearse", "--max-layer-error", value, "--output-dir", str(tmp_path / "out")])
+    assert code == 1
+    assert f"--max-layer-error must be a finite number > 0, got {float(value)}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_help_names_the_options_and_the_hardware_caveat(capsys):
     from npu_flashrl import cli
 
@@ -223,7 +264,7 @@ def test_help_names_the_options_and_the_hardware_caveat(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--model", "--mode", "--steps", "--buckets", "--device", "--cache-dir", "--output-dir",
-                 "--max-error", "--no-fp32-head"):
+                 "--max-error", "--max-layer-error", "--no-fp32-head"):
         assert flag in out
     assert "NOT VERIFIED ON HARDWARE" in " ".join(out.split()).upper()
 

@@ -280,6 +280,8 @@ def test_tis_overrides_make_a_clean_config():
     ov = ad.tis_overrides()
     assert ov == ["algorithm.rollout_correction.rollout_is=token",
                   "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                  "algorithm.rollout_correction.bypass_mode=False",
+                  "algorithm.rollout_correction.use_policy_gradient=False",
                   "actor_rollout_ref.rollout.calculate_log_probs=True",
                   "actor_rollout_ref.rollout.mode=sync"]
     cfg = _trainer_cfg(*ov)
@@ -290,7 +292,7 @@ def test_tis_overrides_keys_exist_in_verl_config_and_validate():
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.utils.config import omega_conf_to_dataclass
 
-    ov = ad.tis_overrides("sequence", 3.0, bypass_mode=True, use_policy_gradient=True, batch_normalize=True,
+    ov = ad.tis_overrides("sequence", 3.0, batch_normalize=True,
                           rs="geometric", rs_threshold=1.001, rs_threshold_lower=0.999,
                           token_veto_threshold=1e-4)
     base = OmegaConf.load(GEN_YAML)
@@ -299,7 +301,7 @@ def test_tis_overrides_keys_exist_in_verl_config_and_validate():
         assert OmegaConf.select(base, key, default="__missing__") != "__missing__", key
     cfg = _trainer_cfg(*ov)
     rc = omega_conf_to_dataclass(cfg.algorithm.rollout_correction, RolloutCorrectionConfig)
-    assert (rc.rollout_is, rc.rollout_is_threshold, rc.bypass_mode, rc.use_policy_gradient) == ("sequence", 3.0, True, True)
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.bypass_mode, rc.use_policy_gradient) == ("sequence", 3.0, False, False)
     assert rc.rollout_is_batch_normalize is True and rc.rollout_rs == "geometric"
     assert rc.rollout_rs_threshold == 1.001 and rc.rollout_token_veto_threshold == 1e-4
     assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True

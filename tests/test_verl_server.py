@@ -99,7 +99,8 @@ def int8_ready():
     from npu_flashrl.testing import cpu_vllm, verl_transfer
 
     cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import verl_server, vllm_ascend
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.adapters.verl import server_091 as verl_server
 
     applied = patches.apply_patches(list(vllm_ascend.PATCHES))
     assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
@@ -251,7 +252,7 @@ def test_sync_missing_tensor_named(rig):
 
 
 def test_sync_into_model_without_loader_refused_and_drained(rig):
-    from npu_flashrl.adapters import verl_server
+    from npu_flashrl.adapters.verl import server_091 as verl_server
 
     with _build(rig, 0, None, choice=False) as v:
         # an engine configured for INT8 whose model has no npu_flashrl loader
@@ -267,7 +268,7 @@ def test_sync_into_model_without_loader_refused_and_drained(rig):
 
 
 def test_sync_into_engine_built_without_npu_flashrl_refused(rig, monkeypatch):
-    from npu_flashrl.adapters import verl_server
+    from npu_flashrl.adapters.verl import server_091 as verl_server
 
     monkeypatch.setenv("FLASHRL_CONFIG", os.path.join(rig["root"], "flashrl.yaml"))
     with _build(rig, 0, None, choice=False) as v:

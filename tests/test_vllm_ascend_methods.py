@@ -92,6 +92,7 @@ def _make_layer(ascend, quant_type, dtype):
 
     AscendLinearMethod, _, _ = ascend
     config = compat.quant_config_class()({"layer.weight": quant_type})
+    config.packed_modules_mapping = {}  # what vLLM's configure_quant_config sets for a model
     layer = ReplicatedLinear(IN, OUT, bias=False, params_dtype=dtype, quant_config=config,
                              prefix="layer")
     assert isinstance(layer.quant_method, AscendLinearMethod)

@@ -52,9 +52,27 @@ def _record_choice(engine_args, entry, rank: int) -> None:
     engine_args.additional_config = extra
 
 
+def _refuse_dummy_int8(engine_args, entry) -> None:
+    """fn int8 keeps the W8A8 checkpoint's weight_scale through every sync (the profile's scales
+    are relative to them): dummy weights would leave random scales in use for the whole run."""
+    fmt = getattr(engine_args, "load_format", None)
+    fmt = str(getattr(fmt, "value", fmt) or "").lower()
+    if not flashrl_config.needs_profile(entry) or fmt != "dummy":
+        return
+    where = ("the config entry sets load_format: dummy" if entry.load_format
+             else "the config entry has no load_format, so the engine's own (verl's default: dummy) is used")
+    raise flashrl_config.ConfigError(
+        f"npu_flashrl: FLASHRL_CONFIG={os.environ.get('FLASHRL_CONFIG')!r}: fn int8 with "
+        f"load_format=dummy ({where}): the W8A8 model would be built with random weight_scale "
+        "tensors that no weight sync replaces (the int8 profile keeps the checkpoint's scales), so "
+        "every rollout would be garbage. Fix: set `load_format: auto` in that entry "
+        f"(npu-flashrl setup --fn int8 -m W8A8 ... writes it), model {engine_args.model}")
+
+
 def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
     """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says."""
-    from npu_flashrl.adapters import vllm_ascend, verl_server
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.adapters.verl import server_091 as verl_server
 
     server = verl_server.is_server_engine(engine_args)
     if server:
@@ -68,7 +86,7 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
     entry = flashrl_config.select_entry(cfg, dp_rank)
     backend = getattr(engine_args, "distributed_executor_backend", None)
     # FlashRL-style syncs reach the model only in external_launcher (SPMD) engines, or through
-    # verl's update_weights_from_ipc (wrapped by verl_server) in a verl server engine; an entry
+    # verl's update_weights_from_ipc (wrapped by adapters.verl.server_091) in a verl server engine; an entry
     # without the key still needs one, or the INT8 path would be bypassed silently.
     required = entry.distributed_executor_backend or flashrl_config.EXTERNAL_LAUNCHER
     if not server and backend != required:
@@ -84,6 +102,7 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
         engine_args.model = entry.model
     if entry.load_format:
         engine_args.load_format = entry.load_format
+    _refuse_dummy_int8(engine_args, entry)
     profile = None
     if flashrl_config.is_quantized(entry):
         engine_args.quantization = "ascend"

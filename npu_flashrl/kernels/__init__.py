@@ -33,3 +33,23 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
 
         return npu.quantize_weight_per_channel(weight, compute_dtype, transposed)
     return reference.quantize_weight_per_channel(weight, compute_dtype, transposed)
+
+
+def storage_format(t: torch.Tensor) -> int:
+    """The acl storage format of `t` (ACL_FORMAT_ND for any CPU tensor not NZ-cast by the emulation)."""
+    if backend_for(t) == "npu":
+        from npu_flashrl.kernels import npu
+
+        return npu.storage_format(t)
+    return reference.get_npu_format(t)
+
+
+def to_host_nd(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t` with its logical (ND) values, whatever its device storage format: an NZ
+    weight on the NPU is cast to ND on the device first. On the CPU the emulated NZ cast never
+    changed the bytes, so this is a plain copy."""
+    if backend_for(t) == "npu":
+        from npu_flashrl.kernels import npu
+
+        return npu.to_host_nd(t)
+    return t.detach().clone()

@@ -25,3 +25,22 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
     if transposed:  # same values, [in, out] memory (the processed W8A8 layout)
         q = q.t().contiguous().t()
     return q, scale
+
+
+def storage_format(t: torch.Tensor) -> int:
+    import torch_npu  # noqa: F401
+
+    return int(torch_npu.get_npu_format(t))
+
+
+def to_host_nd(t: torch.Tensor) -> torch.Tensor:
+    """NZ (FRACTAL_NZ, vllm-ascend's processed W8A8 weights) -> ND on the device, then to the host:
+    npu_format_cast returns a new ND tensor, the live NZ storage is not touched."""
+    import torch_npu  # noqa: F401
+
+    from npu_flashrl.kernels.reference import ACL_FORMAT_ND
+
+    t = t.detach()
+    if int(torch_npu.get_npu_format(t)) != ACL_FORMAT_ND:
+        t = torch_npu.npu_format_cast(t, ACL_FORMAT_ND)
+    return t.cpu()

@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from npu_flashrl import compat
+
 PROJECTIONS = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -113,14 +115,12 @@ def _smooth_layer(t: Dict[str, torch.Tensor], prefix: str, alpha: float) -> None
 
 def _quantize_layer(t: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
     """int8 per-channel symmetric weights + weight_scale via compressed-tensors' compressor."""
-    from compressed_tensors.compressors import IntQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     qcfg = QuantizationConfig.model_validate(w8a8_quantization_config())
     scheme: QuantizationScheme = qcfg.config_groups["group_0"]
     wargs: QuantizationArgs = scheme.weights
-    compressor = IntQuantizationCompressor(config=qcfg)
 
     state, names_to_scheme = {}, {}
     for proj in PROJECTIONS:
@@ -135,7 +135,7 @@ def _quantize_layer(t: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.
         state[f"{prefix}.{proj}.weight_scale"] = scale.to(weight.dtype)  # [out, 1], model dtype
         state[f"{prefix}.{proj}.weight_zero_point"] = zero_point
         names_to_scheme[f"{prefix}.{proj}"] = scheme
-    compressed = compressor.compress(state, names_to_scheme=names_to_scheme)
+    compressed = compat.compress_int8(qcfg, state, names_to_scheme)
     out = {k: v for k, v in t.items() if k not in state}
     out.update(compressed)
     return out

@@ -68,7 +68,7 @@ def free_port() -> int:
 
 def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                      quantization: Optional[str] = None, tp_size: int = 1,
-                     load_format: str = "auto"):
+                     load_format: str = "auto", use_tqdm_on_load: bool = True):
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
     from npu_flashrl import compat
@@ -77,12 +77,15 @@ def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                                quantization=quantization, enforce_eager=True)
     return VllmConfig(model_config=model_config,
                       device_config=DeviceConfig(device="cpu"),
-                      load_config=LoadConfig(load_format=load_format),
+                      load_config=LoadConfig(load_format=load_format, use_tqdm_on_load=use_tqdm_on_load),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
                       compilation_config=compat.eager_compilation_config())
 
 
-def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[str] = None) -> None:
+def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[str] = None,
+                       backend: str = "gloo") -> None:
+    """vLLM's process group and model-parallel groups, once per process (gloo on the CPU; the
+    rehearsal's NPU path passes hccl)."""
     from vllm.distributed import parallel_state as ps
 
     if _dist_state["initialized"]:
@@ -92,7 +95,7 @@ def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[st
         return
     ps.init_distributed_environment(
         world_size=tp_size, rank=rank, local_rank=rank,
-        distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+        distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}", backend=backend)
     ps.initialize_model_parallel(tp_size, 1)
     _dist_state.update(initialized=True, world_size=tp_size)
 
@@ -106,7 +109,7 @@ class CpuVllm:
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.bfloat16,
                  quantization: Optional[str] = None, tp_size: int = 1, rank: int = 0,
                  load_format: str = "auto", init_method: Optional[str] = None,
-                 enable_nz: bool = True, vllm_config=None):
+                 enable_nz: bool = True, use_tqdm_on_load: bool = True, vllm_config=None):
         self.model_dir = model_dir
         self.dtype = dtype
         self.quantization = quantization
@@ -114,6 +117,7 @@ class CpuVllm:
         self.load_format = load_format
         self.init_method = init_method
         self.enable_nz = enable_nz
+        self.use_tqdm_on_load = use_tqdm_on_load
         self._stack = contextlib.ExitStack()
         self.vllm_config = vllm_config  # given: one vLLM built itself (e.g. verl's engine args)
         self.model = None
@@ -124,7 +128,8 @@ class CpuVllm:
 
         if self.vllm_config is None:
             self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
-                                                self.tp_size, self.load_format)
+                                                self.tp_size, self.load_format,
+                                                self.use_tqdm_on_load)
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)

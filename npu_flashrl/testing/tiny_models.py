@@ -1,8 +1,9 @@
-"""Tiny Qwen2-architecture checkpoints built offline from a config (nothing is downloaded).
+"""Tiny Qwen2 / Qwen3 checkpoints built offline from a config (nothing is downloaded).
 
-The default shape exercises what real Qwen2 models have and what the INT8 path must get right:
-q/k/v bias, grouped-query attention (4 heads, 2 KV heads), non-square projections
-(intermediate != hidden), several decoder layers, untied lm_head.
+The default Qwen2 shape exercises what real Qwen2 models have and what the INT8 path must get
+right: q/k/v bias, grouped-query attention (4 heads, 2 KV heads), non-square projections
+(intermediate != hidden), several decoder layers, untied lm_head. The Qwen3 one is the dense
+Qwen3 layout: no q/k/v bias, per-head q_norm / k_norm, head_dim set apart from hidden / heads.
 """
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def tiny_qwen2_config(**overrides):
     return Qwen2Config(**kwargs)
 
 
+TINY_QWEN3 = dict(TINY_QWEN2, head_dim=48)  # q: 4*48 = 192 != hidden 128
+
+
+def tiny_qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    kwargs = dict(TINY_QWEN3)
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
 def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                      config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Qwen2 causal LM in `out_dir` (safetensors) and return the HF model.
@@ -44,10 +56,23 @@ def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: in
     """
     from transformers import Qwen2ForCausalLM
 
+    return _build(Qwen2ForCausalLM, tiny_qwen2_config(**(config_overrides or {})), out_dir,
+                  dtype, seed, tokenizer)
+
+
+def build_tiny_qwen3(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny dense Qwen3 causal LM in `out_dir` (see build_tiny_qwen2)."""
+    from transformers import Qwen3ForCausalLM
+
+    return _build(Qwen3ForCausalLM, tiny_qwen3_config(**(config_overrides or {})), out_dir,
+                  dtype, seed, tokenizer)
+
+
+def _build(model_cls, config, out_dir, dtype, seed, tokenizer):
     torch.manual_seed(seed)
-    config = tiny_qwen2_config(**(config_overrides or {}))
     config.torch_dtype = dtype
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:

@@ -184,8 +184,11 @@ grpo_defaults() {
   TIS_LEVEL="${TIS_LEVEL:-sequence}"
   TIS_THRESHOLD="${TIS_THRESHOLD:-2.0}"
   TIS_BATCH_NORMALIZE="${TIS_BATCH_NORMALIZE:-True}"
-  TIS_BYPASS_MODE="${TIS_BYPASS_MODE:-True}"
-  TIS_USE_POLICY_GRADIENT="${TIS_USE_POLICY_GRADIENT:-True}"
+  # Decoupled mode: at verl 51d2104 the only combination whose truncated IS weights reach the loss
+  # (bypass mode computes none; the policy-gradient switch never reaches the Ray workers). Kept as
+  # variables so that the published recipe's True/True is refused with the reason (tis_preflight).
+  TIS_BYPASS_MODE="${TIS_BYPASS_MODE:-False}"
+  TIS_USE_POLICY_GRADIENT="${TIS_USE_POLICY_GRADIENT:-False}"
 
   TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
   SAVE_FREQ="${SAVE_FREQ:--1}"
@@ -207,6 +210,28 @@ grpo_defaults() {
   HCCL_NPU_SOCKET_PORT_RANGE="${HCCL_NPU_SOCKET_PORT_RANGE:-61000-61050}"
 }
 
+# tis_preflight: refuse the algorithm.rollout_correction combinations that do no TIS at verl 51d2104
+# (same rule as npu_flashrl.adapters.verl.check_tis). Extra Hydra overrides count, last one wins.
+tis_preflight() {
+  local level="$TIS_LEVEL" bypass="$TIS_BYPASS_MODE" pg="$TIS_USE_POLICY_GRADIENT" a
+  for a in "${EXTRA_ARGS[@]}"; do
+    case "$a" in
+      algorithm.rollout_correction.rollout_is=*|+algorithm.rollout_correction.rollout_is=*) level="${a#*=}" ;;
+      algorithm.rollout_correction.bypass_mode=*|+algorithm.rollout_correction.bypass_mode=*) bypass="${a#*=}" ;;
+      algorithm.rollout_correction.use_policy_gradient=*|+algorithm.rollout_correction.use_policy_gradient=*) pg="${a#*=}" ;;
+    esac
+  done
+  case "${bypass,,}" in true|false) ;; *) recipe_die "TIS_BYPASS_MODE (algorithm.rollout_correction.bypass_mode) must be True or False, got '$bypass'" ;; esac
+  case "${pg,,}" in true|false) ;; *) recipe_die "TIS_USE_POLICY_GRADIENT (algorithm.rollout_correction.use_policy_gradient) must be True or False, got '$pg'" ;; esac
+  local fix="fix: TIS_BYPASS_MODE=False TIS_USE_POLICY_GRADIENT=False (decoupled mode: verl multiplies the truncated IS weights into the PPO loss)"
+  if [[ "${pg,,}" == true ]]; then
+    recipe_die "algorithm.rollout_correction.use_policy_gradient=$pg: at verl 51d2104 the policy-gradient loss switch is made on the driver's config copy only and never reaches the Ray workers, which keep PPO-clip without IS weights (verl issue #4912); $fix"
+  fi
+  if [[ "${bypass,,}" == true && "$level" != null ]]; then
+    recipe_die "algorithm.rollout_correction.bypass_mode=$bypass with rollout_is=$level: at verl 51d2104 bypass mode computes no IS weights (ray_trainer.py skips compute_rollout_correction_and_add_to_batch), so TIS would do nothing; $fix"
+  fi
+}
+
 # Cheap checks, before Ray or anything else starts.
 grpo_preflight() {
   case "$ROLLOUT_PRECISION" in
@@ -217,6 +242,7 @@ grpo_preflight() {
     null|token|sequence) ;;
     *) recipe_die "TIS_LEVEL must be null, token or sequence (algorithm.rollout_correction.rollout_is), got '$TIS_LEVEL'" ;;
   esac
+  tis_preflight
   require_dir MODEL_PATH "$MODEL_PATH"
   require_file MODEL_PATH/config.json "$MODEL_PATH/config.json"
   require_file TRAIN_FILE "$TRAIN_FILE"

@@ -10,7 +10,7 @@ Rules:
   * ``key=value``: ``key`` must exist in the schema (a misspelled key is an error);
   * ``+key=value``: ``key`` must NOT exist (Hydra refuses to add an existing key) and its nearest
     existing ancestor must be a mapping (e.g. ``override_transformer_config``, ``ray_kwargs.ray_init``);
-  * a few values are checked: rollout mode, TIS level, calculate_log_probs.
+  * a few values are checked: rollout mode, TIS level, calculate_log_probs, use_policy_gradient.
 
 Usage: bash recipe.sh --dry-run 2>/dev/null | python lint_overrides.py [--verl-dir DIR]
 Exit status 0 when clean, 1 with one line per problem otherwise.
@@ -32,6 +32,8 @@ VALUE_RULES = {
     "actor_rollout_ref.rollout.mode": {"sync"},
     "algorithm.rollout_correction.rollout_is": {"null", "token", "sequence"},
     "actor_rollout_ref.rollout.calculate_log_probs": {"True", "true"},
+    # True never reaches the Ray workers at verl 51d2104 (npu_flashrl.adapters.verl.check_tis)
+    "algorithm.rollout_correction.use_policy_gradient": {"False", "false"},
 }
 
 

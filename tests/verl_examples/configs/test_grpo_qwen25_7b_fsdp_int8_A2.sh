@@ -3,8 +3,9 @@
 # on one Atlas 800T A2 node (8x 910B). Settings follow the published Ascend INT8 recipe (MindSpeed-RL):
 # prompt 2048 / response 10240, batch 16, mini-batch 8, n 4, dynamic batch (12288 tokens), lr 5e-8,
 # KL loss 0.001 low_var_kl, rollout TP 4, gpu_memory_utilization 0.3, truncated importance sampling
-# through verl's algorithm.rollout_correction.* (sequence level, threshold 2.0, batch-normalized,
-# bypass mode, policy gradient), FP32 lm-head, DEBUG logs for the patch lines, HCCL settings.
+# through verl's algorithm.rollout_correction.* (sequence level, threshold 2.0, batch-normalized, in
+# decoupled mode: the published recipe's bypass mode + policy gradient does no TIS at verl 51d2104 and
+# is refused), FP32 lm-head, DEBUG logs for the patch lines, HCCL settings.
 #
 # Normally started by ../flash_rl/grpo_qwen25_7b_fsdp_int8_A2.sh, which prepares FLASHRL_CONFIG.
 #
@@ -21,8 +22,8 @@
 #   ROLLOUT_N [4] USE_DYNAMIC_BSZ [True] PPO_MAX_TOKEN_LEN [prompt+response = 12288] LR [5e-8]
 #   KL_LOSS_COEF [0.001] KL_LOSS_TYPE [low_var_kl] ROLLOUT_TP [4] GPU_MEMORY_UTILIZATION [0.3]
 #   MICRO_BATCH_PER_NPU [1] ENFORCE_EAGER [False] REF_PARAM_OFFLOAD [True] ACTOR_PARAM_OFFLOAD [False]
-#   TIS_LEVEL [sequence] TIS_THRESHOLD [2.0] TIS_BATCH_NORMALIZE [True] TIS_BYPASS_MODE [True]
-#   TIS_USE_POLICY_GRADIENT [True]
+#   TIS_LEVEL [sequence] TIS_THRESHOLD [2.0] TIS_BATCH_NORMALIZE [True] TIS_BYPASS_MODE [False]
+#   TIS_USE_POLICY_GRADIENT [False] (True, or bypass with TIS on, is refused: no TIS at verl 51d2104)
 #   TOTAL_EPOCHS [5] SAVE_FREQ [-1] TEST_FREQ [5] LOGGER [console] PROJECT_NAME [npu_flashrl_grpo]
 #   EXPERIMENT_NAME [qwen25_7b_fsdp_${ROLLOUT_PRECISION}_A2] CKPT_DIR [$HOME/npu_flashrl_runs/ckpts/...]
 #   FLASHRL_LMHEAD_FP32 [1] FLASHRL_LOGGING_LEVEL [DEBUG] FLASHRL_LOGGING_FILE [empty]

@@ -4,8 +4,9 @@
 # as test_grpo_qwen25_7b_fsdp_int8_A2.sh (shared through ../common.sh); only the trainer side differs:
 # actor_rollout_ref.actor.strategy=megatron with verl's ppo_megatron_trainer config, Megatron
 # parallelism, full recompute and MindSpeed's flash attention through override_transformer_config.
-# verl imports mindspeed.megatron_adaptor in its Megatron workers; MindSpeed must be installed
-# (scripts/install_pinned.sh does it).
+# verl imports mindspeed.megatron_adaptor before Megatron in every worker (verl/workers/engine/__init__.py)
+# and at the top of its Megatron workers; MindSpeed must be installed (scripts/install_pinned.sh does it):
+# with npu_flashrl active a Megatron worker without it refuses to start (docs/megatron.md).
 #
 # Normally started by ../flash_rl/grpo_qwen25_7b_megatron_int8_A2.sh, which prepares FLASHRL_CONFIG.
 #

@@ -24,7 +24,7 @@ from typing import Any, List, Mapping, Optional
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("adapters.verl_server")
+logger = get_logger("adapters.verl.server")
 
 _UTILS = "verl.workers.rollout.vllm_rollout.utils"
 _TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"

@@ -1,4 +1,6 @@
-"""verl integration: mismatch metrics in verl's metrics, rollout-mode check, TIS override strings.
+"""verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
+strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104` (verl 0.7+ server
+mode: :mod:`.server_091`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
 the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions.
@@ -19,9 +21,9 @@ import ...`` inside the function body), so replacing the module attributes is en
 * ``verl_actor_rollout_corr_metrics`` wraps ``compute_rollout_corr_metrics_from_logprobs`` (called by
   ``dp_actor``/``megatron_actor`` ``update_policy`` per micro-batch with the *current* policy's
   log-probs) and ``compute_rollout_correction_and_rejection_mask`` when it is called from the policy
-  loss (``bypass_mode=true, use_policy_gradient=true``, the published Ascend INT8 recipe). In bypass
-  mode no separate trainer forward exists before the update, so this is the only place trainer
-  log-probs meet the rollout's. These keys are ``npu_flashrl/actor/*`` (means over micro-batches, as
+  loss (``bypass_mode=true, use_policy_gradient=true``, the published Ascend INT8 recipe, which at
+  51d2104 does no TIS: :func:`check_tis` refuses it). In bypass mode no separate trainer forward
+  exists before the update, so this is the only place trainer log-probs meet the rollout's. These keys are ``npu_flashrl/actor/*`` (means over micro-batches, as
   verl reduces them); the first micro-batch of an on-policy step equals the pure mismatch.
   These patches must be applied inside the Ray worker processes (``install_verl_hooks()`` from the
   worker-side activation, e.g. the vLLM general plugin), not only in the driver.
@@ -45,6 +47,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.metrics import mismatch_metrics
 from npu_flashrl.patches import PatchNotApplicable, register
+from npu_flashrl.adapters.verl.sync_51d2104 import PATCH_SYNC_END  # noqa: F401  (declares the patch)
 
 logger = get_logger("adapters.verl")
 
@@ -61,6 +64,9 @@ PATCH_ACTOR = "verl_actor_rollout_corr_metrics"
 
 __all__ = [
     "RolloutModeError",
+    "TisConfigError",
+    "check_tis",
+    "overrides_to_config",
     "add_mismatch_metrics",
     "check_rollout_mode",
     "tis_overrides",
@@ -68,11 +74,16 @@ __all__ = [
     "warn_threshold",
     "PATCH_DRIVER",
     "PATCH_ACTOR",
+    "PATCH_SYNC_END",
 ]
 
 
 class RolloutModeError(ValueError):
     """The verl config cannot work with a FlashRL/npu_flashrl INT8 rollout."""
+
+
+class TisConfigError(ValueError):
+    """An ``algorithm.rollout_correction`` combination that silently does no TIS at verl 51d2104."""
 
 
 # ----------------------------------------------------------------------------------------- warnings
@@ -286,6 +297,7 @@ def install_verl_hooks(driver: bool = True, actor: bool = True) -> Dict[str, boo
 # --------------------------------------------------------------------------------- config checking
 
 _MISSING = object()
+_KEY_RC = "algorithm.rollout_correction."
 
 
 def _select(config: Any, dotted: str, default: Any = _MISSING) -> Any:
@@ -313,6 +325,86 @@ def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
     return bool((environ.get("FLASHRL_CONFIG") or "").strip())
 
 
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).strip().lower() == "true"
+
+
+def _tis_level(config: Any) -> Optional[str]:
+    level = _select(config, "algorithm.rollout_correction.rollout_is", None)
+    if level is None or str(level).strip().lower() in ("", "null", "none"):
+        return None
+    return str(level)
+
+
+def check_tis(config: Any) -> None:
+    """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS at verl 51d2104.
+
+    Read from verl 51d2104's source (``ray_trainer.py``, ``rollout_corr_helper.py``,
+    ``dp_actor.py``/``megatron_actor.py``, ``core_algos.py``):
+
+    * ``bypass_mode=True`` with ``rollout_is`` set: the trainer only sets ``old_log_probs =
+      rollout_log_probs`` (``apply_rollout_correction``) and skips
+      ``compute_rollout_correction_and_add_to_batch``, so no ``rollout_is_weights`` reach the loss.
+    * ``use_policy_gradient=True``: the switch to the ``rollout_correction`` loss is written into the
+      DRIVER's copy of ``actor.policy_loss`` (and only in bypass mode); the Ray workers built their
+      actor config at init, so they keep the PPO-clip loss without IS weights (verl #4912, PR #4930).
+
+    What does work: decoupled mode (``bypass_mode=False``, ``use_policy_gradient=False``,
+    ``rollout_is=token|sequence``): the driver computes truncated ``rollout_is_weights`` and both
+    actors' policy loss (``core_algos.compute_policy_loss_vanilla`` through ``get_policy_loss_fn``)
+    multiply them in. Raises :class:`TisConfigError` naming the key and the fix.
+    """
+    level = _tis_level(config)
+    bypass = _truthy(_select(config, _KEY_RC + "bypass_mode", False))
+    pg = _truthy(_select(config, _KEY_RC + "use_policy_gradient", False))
+    problems = []
+    if pg:
+        problems.append(
+            f"{_KEY_RC}use_policy_gradient=True: at verl 51d2104 the switch to the policy-gradient loss "
+            "is made on the driver's copy of actor.policy_loss only and never reaches the Ray workers, "
+            "which keep PPO-clip without IS weights (verl issue #4912)")
+    if bypass and level is not None:
+        problems.append(
+            f"{_KEY_RC}bypass_mode=True with rollout_is={level}: at verl 51d2104 bypass mode computes no "
+            "IS weights (ray_trainer.py skips compute_rollout_correction_and_add_to_batch), so the TIS "
+            "threshold, level and batch normalisation do nothing")
+    if problems:
+        raise TisConfigError(
+            "; ".join(problems) + f". Fix: {_KEY_RC}bypass_mode=False {_KEY_RC}use_policy_gradient=False "
+            "(decoupled mode: truncated IS weights multiplied into the PPO loss; "
+            "npu_flashrl.adapters.verl.tis_overrides writes them)")
+
+
+def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
+    """A nested dict from Hydra override strings (``a.b=v``, ``+a.b=v``; ``~a.b`` deletes), values read
+    as YAML (``True``, ``null``, ``2.0``). Later overrides win, as in Hydra."""
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for ov in overrides:
+        key, sep, raw = ov.partition("=")
+        delete = key.startswith("~")
+        key = key.lstrip("+~")
+        if not key or (not sep and not delete):
+            continue
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if delete:
+            node.pop(parts[-1], None)
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node[parts[-1]] = value
+    return out
+
+
 def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
                        environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """Check a verl config (OmegaConf or dict) for an INT8 (FlashRL-style) rollout.
@@ -325,6 +417,8 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       ``algorithm.rollout_correction.rollout_is`` null -> WARNING: TIS is off.
     * quantized rollout and ``actor_rollout_ref.rollout.calculate_log_probs`` not true -> WARNING: verl
       has no rollout log-probs, so TIS/metrics silently do nothing.
+    * any config: a rollout-correction combination that does no TIS at verl 51d2104 ->
+      :class:`TisConfigError` (see :func:`check_tis`).
 
     Returns the warning messages (also logged). ``environ`` defaults to ``os.environ``.
     """
@@ -340,6 +434,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
                 f"FLASHRL_CONFIG is set but actor_rollout_ref.rollout.mode is {shown}: verl's async "
                 "rollout never builds vllm.LLM, so the INT8 rollout (and its weight reload) would silently "
                 "not be used. Fix: add the override actor_rollout_ref.rollout.mode=sync")
+    check_tis(config)
     warnings: List[str] = []
     if quantized:
         rollout_is = _select(config, "algorithm.rollout_correction.rollout_is", None)
@@ -363,8 +458,6 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
 
 # ------------------------------------------------------------------------------ override strings
 
-_KEY_RC = "algorithm.rollout_correction."
-
 
 def _hydra_value(v: Any) -> str:
     if v is None:
@@ -376,16 +469,22 @@ def _hydra_value(v: Any) -> str:
 
 def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
                   calculate_log_probs: bool = True, sync_mode: bool = True,
-                  bypass_mode: Optional[bool] = None, use_policy_gradient: Optional[bool] = None,
                   batch_normalize: Optional[bool] = None, rs: Optional[str] = None,
                   rs_threshold: Optional[float] = None, rs_threshold_lower: Optional[float] = None,
-                  token_veto_threshold: Optional[float] = None) -> List[str]:
+                  token_veto_threshold: Optional[float] = None,
+                  bypass_mode: bool = False, use_policy_gradient: bool = False) -> List[str]:
     """Hydra overrides (verl 51d2104 / 0.6.1 key names) turning on truncated IS for an INT8 rollout.
+
+    Always decoupled mode: ``bypass_mode=False`` and ``use_policy_gradient=False`` are written out,
+    the only combination that multiplies the truncated IS weights into the loss at verl 51d2104 (see
+    :func:`check_tis`; asking for another one raises :class:`TisConfigError`). The recipes'
+    ``algorithm.rollout_correction.*`` overrides are these (tests/test_verl_51d2104_tis.py checks it).
 
     ``level``: "token" | "sequence" | None (None writes ``rollout_is=null``, TIS off). Options left at
     None are not written (verl's default stays). ``sync_mode`` adds ``actor_rollout_ref.rollout.mode=sync``
     (required with FLASHRL_CONFIG). Example: ``tis_overrides()`` ->
     ``['algorithm.rollout_correction.rollout_is=token', 'algorithm.rollout_correction.rollout_is_threshold=2.0',
+    'algorithm.rollout_correction.bypass_mode=False', 'algorithm.rollout_correction.use_policy_gradient=False',
     'actor_rollout_ref.rollout.calculate_log_probs=True', 'actor_rollout_ref.rollout.mode=sync']``.
     """
     if level not in ("token", "sequence", None):
@@ -394,10 +493,13 @@ def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
         raise ValueError(f"threshold must be a positive number, got {threshold!r}")
     if rs not in (None, "token", "sequence", "geometric"):
         raise ValueError(f"rs must be None, 'token', 'sequence' or 'geometric', got {rs!r}")
+    check_tis({"algorithm": {"rollout_correction": {
+        "rollout_is": level, "bypass_mode": bool(bypass_mode), "use_policy_gradient": bool(use_policy_gradient)}}})
     out = [f"{_KEY_RC}rollout_is={_hydra_value(level)}",
-           f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}"]
-    optional = (("bypass_mode", bypass_mode), ("use_policy_gradient", use_policy_gradient),
-                ("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
+           f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}",
+           f"{_KEY_RC}bypass_mode={_hydra_value(bool(bypass_mode))}",
+           f"{_KEY_RC}use_policy_gradient={_hydra_value(bool(use_policy_gradient))}"]
+    optional = (("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
                 ("rollout_rs_threshold", None if rs_threshold is None else float(rs_threshold)),
                 ("rollout_rs_threshold_lower", None if rs_threshold_lower is None else float(rs_threshold_lower)),
                 ("rollout_token_veto_threshold",

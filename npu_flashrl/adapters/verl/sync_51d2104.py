@@ -1,0 +1,73 @@
+"""verl 51d2104's weight sync into the rollout: every sync ends with the INT8 loader's check.
+
+In sync (SPMD) mode the FSDP worker (``fsdp_workers.py`` ``rollout_mode``) and the Megatron worker
+stream the trainer's full tensors into ``vLLMRollout.update_weights``
+(``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py``), which calls
+``model.load_weights(weights)`` on the vLLM model and then vLLM's ``process_weights_after_loading``
+(a no-op on already processed INT8 layers, see the vllm_ascend adapter). Nothing in verl says where
+a sync ends, so a layer whose shard never arrived would stay staged and stale, unreported, and a
+later sync could commit it with an earlier sync's shards. The wrapper below ends the sync once
+verl's ``update_weights`` returns: ``end_weight_sync`` raises naming the missing tensors (their
+layers keep their previous weights) and the next sync starts clean.
+
+Applied lazily (``patches.when_imported``): only rollout workers import verl's vLLM rollout module,
+and importing it elsewhere would pull vLLM, Ray and ZeroMQ into the trainer.
+"""
+from __future__ import annotations
+
+import functools
+
+from npu_flashrl import patches
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("adapters.verl.sync")
+
+ROLLOUT_MODULE = "verl.workers.rollout.vllm_rollout.vllm_rollout_spmd"
+TARGET = f"{ROLLOUT_MODULE}:vLLMRollout.update_weights"
+PATCH_SYNC_END = "verl_rollout_sync_end"
+
+
+def rollout_model(rollout):
+    """The vLLM model verl 51d2104's ``vLLMRollout.update_weights`` loads into (same attribute path)."""
+    return rollout.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def _base_weights_sync(kwargs) -> bool:
+    # verl's LoRA path (peft_config and base_sync_done) adds an adapter: the base weights are untouched
+    return not (kwargs.get("peft_config", None) and kwargs.get("base_sync_done", False))
+
+
+def _wrap_update_weights(original):
+    @functools.wraps(original)
+    async def update_weights(self, weights, **kwargs):
+        await original(self, weights, **kwargs)
+        if not _base_weights_sync(kwargs):
+            return
+        model = rollout_model(self)
+        if getattr(model, "_npu_flashrl_loader", None) is None:
+            return  # not an INT8 rollout model: vLLM's own loader, nothing staged
+        from npu_flashrl.adapters import vllm_ascend
+
+        vllm_ascend.end_weight_sync(model)
+
+    return update_weights
+
+
+def _patch_module(module) -> None:
+    cls = getattr(module, "vLLMRollout", None)
+    current = getattr(cls, "update_weights", None) if cls is not None else None
+    if current is None:
+        logger.warning("npu_flashrl: %s has no vLLMRollout.update_weights; weight syncs end unchecked "
+                       "(a layer whose shard never arrives stays stale, unreported)", ROLLOUT_MODULE)
+        return
+    try:
+        patches.replace(TARGET, _wrap_update_weights)
+    except patches.PatchNotApplicable as exc:  # runs inside verl's import: never break it
+        logger.warning("npu_flashrl: cannot patch %s -> %s: %s", PATCH_SYNC_END, TARGET, exc)
+
+
+@patches.register(PATCH_SYNC_END, TARGET, "verl 51d2104 / 0.6.1",
+                  doc="every verl weight sync into the vLLM rollout ends with end_weight_sync: a layer "
+                      "whose shard never arrived fails the sync, naming it")
+def _apply_sync_end() -> None:
+    patches.when_imported(ROLLOUT_MODULE, _patch_module)

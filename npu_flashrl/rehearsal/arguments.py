@@ -1,0 +1,76 @@
+"""The `npu-flashrl rehearse` options, and their checks before anything starts (one place)."""
+from __future__ import annotations
+
+import os
+
+from npu_flashrl.rehearsal.common import DEFAULT_MAX_LAYER_ERROR, DEFAULT_OUTPUT_DIR, TINY_TRAIN, RehearsalError
+
+HELP = ("rehearse the INT8 rollout end to end (default: a tiny Qwen2 trained for a few seconds; "
+        "CPU with emulated torch_npu, or --device npu [not verified on hardware]) and report the "
+        "rollout-vs-trainer mismatch per simulated training step, the INT8 state after every sync and "
+        "each quantized layer's output error; non-zero exit when a check fails")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", metavar="DIR",
+                   help="a local bf16/fp16 HF safetensors checkpoint of a dense Qwen2/Llama-style decoder "
+                        "(default: the built-in tiny Qwen2, pre-trained on a synthetic task and cached)")
+    p.add_argument("--mode", choices=("profile-free", "profile"), default="profile-free",
+                   help="profile-free: fn=int8_profile_free (fresh per-channel scales every sync); "
+                        "profile: fn=int8 with a FlashRL profile (a w8a8 checkpoint is written from the "
+                        "bf16 one unless --w8a8 is given, then `npu-flashrl profile`). Default profile-free")
+    p.add_argument("--w8a8", metavar="DIR", help="--mode profile: an existing compressed-tensors w8a8 "
+                   "checkpoint of --model (else one is written)")
+    p.add_argument("--device", choices=("auto", "cpu", "npu"), default="auto",
+                   help="npu: real torch_npu/CANN, no emulation (NOT VERIFIED ON HARDWARE); cpu: emulated "
+                        "torch_npu kernels; auto (default): npu when torch_npu works, else cpu")
+    p.add_argument("--steps", type=int, default=4, help="simulated training steps (weight syncs); default 4")
+    p.add_argument("--buckets", type=int, default=4,
+                   help="each sync is pushed as this many shuffled load_weights calls; default 4")
+    p.add_argument("--inner-iters", type=int, default=2,
+                   help="AdamW iterations on the synthetic task per simulated step; default 2")
+    p.add_argument("--step-lr", type=float, default=None,
+                   help="AdamW learning rate of the simulated steps (default 5e-4 for the tiny model, "
+                        "1e-5 for --model)")
+    p.add_argument("--num-seqs", type=int, default=16, help="evaluation sequences; default 16")
+    p.add_argument("--seq-len", type=int, default=48, help="tokens per evaluation sequence; default 48")
+    p.add_argument("--train-iters", type=int, default=TINY_TRAIN["iters"],
+                   help=f"pre-training iterations of the tiny model; default {TINY_TRAIN['iters']}")
+    p.add_argument("--no-fp32-head", action="store_true",
+                   help="skip the INT8 + FP32 lm-head variant")
+    p.add_argument("--max-error", type=float, default=1.05,
+                   help="fail when an INT8 token_mult_prob_error exceeds this; default 1.05")
+    p.add_argument("--max-layer-error", type=float, default=DEFAULT_MAX_LAYER_ERROR,
+                   help="fail when a quantized linear's output on fixed random activations differs from its "
+                        "bf16 counterpart by more than this (relative Frobenius norm); default "
+                        f"{DEFAULT_MAX_LAYER_ERROR} (INT8 per-channel/per-token is ~1%%, a broken layer 10-100%%)")
+    p.add_argument("--baseline-tol", type=float, default=0.01,
+                   help="fail when the bf16 baseline's token_mult_prob_error exceeds 1 + this; default 0.01 "
+                        "(bf16 vLLM and bf16 transformers differ only by kernel rounding)")
+    p.add_argument("--seed", type=int, default=0, help="seed of pre-training, steps and data; default 0")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default 1 on CPU: these tiny ops are latency-bound and "
+                        "several threads spin against each other on a busy machine)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the pre-trained tiny model is cached (default $XDG_CACHE_HOME or "
+                        "~/.cache, /npu_flashrl/rehearsal)")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                   help=f"report.json, mismatch.png and the work files; default ./{DEFAULT_OUTPUT_DIR}")
+    p.add_argument("--no-plot", action="store_true", help="do not write mismatch.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--verbose", action="store_true", help="keep npu_flashrl/vLLM INFO logging")
+
+
+def check_arguments(args) -> None:
+    """Refuse option combinations and values before anything process-global happens."""
+    if args.mode != "profile" and args.w8a8:
+        raise RehearsalError("--w8a8 is only used with --mode profile")
+    if args.w8a8 and not os.path.isdir(args.w8a8):
+        raise RehearsalError(f"--w8a8 {args.w8a8}: no such directory")
+    for flag, value, lo in (("--steps", args.steps, 1), ("--buckets", args.buckets, 1),
+                            ("--num-seqs", args.num_seqs, 1), ("--seq-len", args.seq_len, 2),
+                            ("--inner-iters", args.inner_iters, 1), ("--train-iters", args.train_iters, 1)):
+        if value < lo:
+            raise RehearsalError(f"{flag} must be >= {lo}, got {value}")
+    if not (args.max_layer_error > 0 and args.max_layer_error < float("inf")):
+        raise RehearsalError(f"--max-layer-error must be a finite number > 0, got {args.max_layer_error}")

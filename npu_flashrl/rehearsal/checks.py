@@ -1,0 +1,126 @@
+"""The verdict: the mismatch metric, the INT8 state after every sync and each layer's output error.
+
+Every failing check names the layer(s) and the number. Which fault each check catches (proven by
+tests/test_rehearsal_checks.py, faults from `faults.py`):
+
+* int8 weights equal the reference quantization: one layer's int8 transposed, a shard left stale
+  after a sync, truncation instead of rounding (off by one);
+* weight scales match the reference: scale x0.5, scale x1.1 (and a stale shard's scale rows);
+* derived copies consistent: weight_scale_fp32 left stale;
+* written in place: a weight re-allocated instead of written into the cold-load storage;
+* per-layer output error: scale x0.5, scale x1.1, a transposed layer (not the ~1-2% of a stale
+  shard or of truncation: those only the exact state check sees);
+* the metric (token_mult_prob_error): none of them reliably (scale x0.5 gave 1.047 < 1.05).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from npu_flashrl.rehearsal.common import VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_FP32HEAD, VARIANT_ORDER, finite
+from npu_flashrl.rehearsal.state import NPU_MAX_TIE_FRACTION, by_type
+
+STATE_CHECKS = {  # category (state.CATEGORIES) -> check name after the variant
+    "int8": "state: int8 values equal the reference quantization",
+    "scale": "state: weight scales match the reference",
+    "derived": "state: derived copies consistent (weight_scale_fp32, weight_offset, static deq_scale/quant_bias)",
+    "in_place": "state: written in place (data pointers unchanged since the cold load)",
+    "output": "per-layer output error <= --max-layer-error",
+}
+
+
+def summaries(rows) -> Dict[str, Dict[str, float]]:
+    out: Dict[str, Dict[str, float]] = {}
+    for variant in sorted({r["variant"] for r in rows}, key=lambda v: VARIANT_ORDER.get(v, 9)):
+        rs = [r for r in rows if r["variant"] == variant]
+        tm = [r["metrics"]["token_mult_prob_error"] for r in rs]
+        out[variant] = {
+            "token_mult_prob_error_mean": sum(tm) / len(tm),
+            "token_mult_prob_error_max": max(tm),
+            "kl_k3_mean": sum(r["metrics"]["kl_k3"] for r in rs) / len(rs),
+            "reload_s_mean": sum(r["reload_s"] for r in rs) / len(rs),
+        }
+    return out
+
+
+def _first(failures: List[str], limit: int = 3) -> str:
+    more = f"; (+{len(failures) - limit} more)" if len(failures) > limit else ""
+    return "; ".join(failures[:limit]) + more
+
+
+def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_layer_error: float
+                 ) -> List[Dict[str, Any]]:
+    """The five INT8 state checks of one variant over all its syncs."""
+    out = []
+    layers = len({r["layer"] for r in results})
+    syncs = len({r["step"] for r in results})
+    scope = f"{layers} layers x {syncs} syncs"
+    for cat, title in STATE_CHECKS.items():
+        if cat == "output":
+            bad = [r for r in results if not r["output_rel_error"] <= max_layer_error]
+            for r in bad:
+                r["problems"]["output"] = (f"output error {r['output_rel_error']:.4f} > {max_layer_error} "
+                                           "vs the bf16 counterpart")
+        else:
+            bad = [r for r in results if r["problems"][cat]]
+        fails = [f"step {r['step']} {r['layer']}: {r['problems'][cat]}" for r in bad]
+        if bad:
+            detail = _first(fails)
+        elif cat == "int8":
+            n = sum(r["int8_elements"] for r in results)
+            m = sum(r["int8_mismatches"] for r in results)
+            rule = ("none allowed on the CPU reference" if device != "npu" else
+                    f"NPU: one step at .5 ties, <= {NPU_MAX_TIE_FRACTION:g} of a layer")
+            detail = f"{scope}: {m}/{n} int8 values differ ({rule})"
+        elif cat == "scale":
+            detail = f"{scope}: max relative difference {max(r['scale_max_rel_diff'] for r in results):.3g}"
+        elif cat == "output":
+            types = by_type(results)
+            detail = (f"{scope}: max {max(r['output_rel_error'] for r in results):.4f} (limit {max_layer_error}); "
+                      + ", ".join(f"{t} {v['output_rel_error_max']:.4f}" for t, v in types.items()))
+        else:
+            detail = f"{scope}: consistent" if cat == "derived" else f"{scope}: unchanged"
+        out.append({"check": f"{variant} {title}", "ok": not bad, "detail": detail, "category": cat,
+                    "failing_layers": sorted({r["layer"] for r in bad})})
+    return out
+
+
+def evaluate_checks(rows, infos, args, layer_results=None, device: str = "cpu") -> List[Dict[str, Any]]:
+    checks = []
+    layer_results = layer_results or {}
+
+    def add(name, ok, detail):
+        checks.append({"check": name, "ok": bool(ok), "detail": detail})
+
+    bad = [(r["step"], r["variant"], k) for r in rows for k, v in r["metrics"].items() if not finite(v)]
+    add("finite metrics", not bad, "all finite" if not bad else f"non-finite: {bad[:5]}")
+    summ = summaries(rows)
+    base = summ.get(VARIANT_BF16)
+    if base is not None:
+        limit = 1.0 + args.baseline_tol
+        add("bf16 baseline ~ 1.0", base["token_mult_prob_error_max"] <= limit,
+            f"max token_mult_prob_error {base['token_mult_prob_error_max']:.5f} (limit {limit:.4f})")
+    for variant in (VARIANT_INT8, VARIANT_INT8_FP32HEAD):
+        s = summ.get(variant)
+        if s is None:
+            continue
+        add(f"{variant} error <= --max-error", s["token_mult_prob_error_max"] <= args.max_error,
+            f"max token_mult_prob_error {s['token_mult_prob_error_max']:.5f} (limit {args.max_error})")
+        if base is not None:
+            add(f"{variant} above baseline (quantization in the path)",
+                s["token_mult_prob_error_mean"] > base["token_mult_prob_error_mean"],
+                f"mean {s['token_mult_prob_error_mean']:.5f} vs bf16 {base['token_mult_prob_error_mean']:.5f}")
+        info = infos.get(variant, {})
+        add(f"{variant} rollout model is INT8", info.get("quantized_layers", 0) > 0
+            and info.get("layer0_qkv_weight_dtype") == "torch.int8",
+            f"{info.get('quantized_layers', 0)} vllm-ascend W8A8 layers, qkv weight "
+            f"{info.get('layer0_qkv_weight_dtype')}, online quantizer {info.get('online_quantizer')}")
+        results = layer_results.get(variant) or []
+        if not results:
+            add(f"{variant} INT8 state checked after every sync", False, "no quantized layer was checked")
+        else:
+            checks.extend(state_checks(variant, results, device, args.max_layer_error))
+    fp = infos.get(VARIANT_INT8_FP32HEAD)
+    if fp is not None:
+        add("int8+fp32head lm_head is fp32", fp.get("lm_head_dtype") == "torch.float32",
+            f"lm_head weight {fp.get('lm_head_dtype')}")
+    return checks

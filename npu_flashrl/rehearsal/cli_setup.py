@@ -1,0 +1,68 @@
+"""Setup as a user does it: `npu-flashrl profile` / `setup` in-process, then activation on real EngineArgs."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+from typing import Any, Dict, Sequence
+
+from npu_flashrl.rehearsal.common import RehearsalError
+
+
+def run_cli(argv: Sequence[str]) -> str:
+    """Run `npu-flashrl <argv>` in-process (the user's code path); its output is returned, a failure raises."""
+    from npu_flashrl import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    if code != 0:
+        raise RehearsalError(f"`npu-flashrl {' '.join(argv)}` failed ({code}): {err.getvalue().strip()}")
+    return out.getvalue()
+
+
+def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, Any]:
+    """profile (profile mode) and setup, as a user runs them; returns paths and timings."""
+    out: Dict[str, Any] = {"mode": args.mode}
+    config_path = os.path.join(work, "flashrl_config.yaml")
+    t0 = time.perf_counter()
+    if args.mode == "profile":
+        w8a8 = args.w8a8
+        if w8a8 is None:
+            from npu_flashrl.testing.checkpoints import write_w8a8_compressed_tensors
+
+            w8a8 = os.path.join(work, "w8a8")
+            import shutil
+
+            shutil.rmtree(w8a8, ignore_errors=True)
+            write_w8a8_compressed_tensors(bf16_dir, w8a8)
+            out["w8a8_written"] = True
+        profile = os.path.join(work, "profile.pt")
+        argv = ["profile", "-m", bf16_dir, "-q", w8a8, "-o", profile]
+        if not progress:
+            argv.append("--no-progress")
+        run_cli(argv)
+        run_cli(["setup", "-m", w8a8, "-p", profile, "--fn", "int8", "-o", config_path])
+        out.update(w8a8_dir=w8a8, profile=profile, fn="int8")
+    else:
+        run_cli(["setup", "-m", bf16_dir, "--fn", "int8_profile_free", "-o", config_path])
+        out["fn"] = "int8_profile_free"
+    out["config"] = config_path
+    out["setup_s"] = time.perf_counter() - t0
+    return out
+
+
+def activate_entry(config_path: str, bf16_dir: str):
+    """npu_flashrl.activate(config) + the engine adapter applying the entry to real EngineArgs."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import npu_flashrl
+    from npu_flashrl.adapters import vllm_engine
+    from npu_flashrl.config import EXTERNAL_LAUNCHER, load_config
+
+    applied = npu_flashrl.activate(config_path)
+    failed = [n for n, ok in (applied or {}).items() if not ok]
+    engine_args = EngineArgs(model=bf16_dir, distributed_executor_backend=EXTERNAL_LAUNCHER)
+    entry = vllm_engine.apply_entry(engine_args, load_config(config_path))
+    return engine_args, entry, applied, failed

@@ -1,0 +1,96 @@
+"""Constants and small helpers shared by the rehearsal's modules (stdlib only)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Optional
+
+from npu_flashrl.errors import CliError
+
+RECIPE_VERSION = 1  # bump when the tiny model / task / pre-training recipe changes (cache key)
+DEFAULT_OUTPUT_DIR = "rehearsal_out"
+VARIANT_BF16 = "bf16"
+VARIANT_INT8 = "int8"
+VARIANT_INT8_FP32HEAD = "int8+fp32head"
+VARIANT_ORDER = {VARIANT_BF16: 0, VARIANT_INT8: 1, VARIANT_INT8_FP32HEAD: 2}
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+
+# Per-layer output error: fixed random activations of this many tokens per layer; the default bound
+# is ~4x the INT8 error measured on the tiny model (1.0-1.3%); broken layers are 10-100%.
+LAYER_ERROR_TOKENS = 32
+DEFAULT_MAX_LAYER_ERROR = 0.05
+
+# Pre-training of the default tiny model (about 250 x 40 ms on one CPU core).
+TINY_TRAIN = dict(iters=250, lr=1e-2, batch=16, length=32)
+
+
+class RehearsalError(CliError):
+    """A setup problem (bad --model, missing package): message printed, exit code 1."""
+
+
+def progress_bar(total: Optional[int], desc: str, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a vLLM dependency; stay usable without it
+        class _NoBar:
+            def __init__(self, *a, **k): pass
+            def update(self, n=1): pass
+            def set_postfix_str(self, s): pass
+            def close(self): pass
+            def __enter__(self): return self
+            def __exit__(self, *exc): return False
+        return _NoBar()
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=True,
+                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}")
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def json_safe(obj: Any) -> Any:
+    """Non-finite floats become None (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def versions() -> Dict[str, Optional[str]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import npu_flashrl
+
+    out: Dict[str, Optional[str]] = {"python": sys.version.split()[0], "npu_flashrl": npu_flashrl.__version__}
+    for dist in ("torch", "transformers", "vllm", "vllm-ascend", "compressed-tensors", "torch_npu"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    if out["vllm-ascend"] is None:  # a source tree on the path has no distribution metadata
+        try:
+            from npu_flashrl import compat
+
+            out["vllm-ascend"] = f"{compat.vllm_ascend_line()} (source tree)"
+        except Exception:  # noqa: BLE001 - not installed at all: stays None
+            pass
+    return out
+
+
+def process_seconds() -> Optional[float]:
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil is a vLLM dependency, but optional here
+        return None
+
+
+def default_cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "npu_flashrl", "rehearsal")

@@ -1,0 +1,103 @@
+"""TEST SEAM: faults injected into the rehearsal's rollout path, to prove each check can fail.
+
+Used only by tests (tests/test_rehearsal_checks.py): `NPU_FLASHRL_REHEARSAL_FAULT=<name>` in the
+environment of `npu-flashrl rehearse`. Nothing in npu_flashrl or upstream is edited: after the cold
+load, the INT8 rollout model's quantizer is wrapped through the adapter's public `attach` (which
+swaps the loader's quantizer), or the model is tampered with after `end_weight_sync`. A run with a
+fault says so on stdout and in report.json (`fault_injected`), so it cannot pass for a clean run.
+
+Faults (profile-free mode; the quantizer faults need the quantizer to return scales):
+
+=================  ==================================================================  ==========
+name               what goes wrong                                                     first sync
+=================  ==================================================================  ==========
+scale_x0.5         every weight_scale written at half its value                          1
+scale_x1.1         every weight_scale written 10% too large                              1
+int8_transposed    one square layer's int8 values transposed (first o_proj)              1
+stale_shard        one shard (layer 0's k_proj) keeps the tensor of the first sync       2
+round_trunc        off-by-one rounding: truncation toward zero instead of rounding       1
+moved_weight       one layer's weight re-allocated after the sync (not in place)         1
+stale_fp32_scale   one layer's weight_scale_fp32 left at its cold-load value             1
+=================  ==================================================================  ==========
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
+QUANTIZER_FAULTS = ("scale_x0.5", "scale_x1.1", "int8_transposed", "stale_shard", "round_trunc")
+AFTER_SYNC_FAULTS = ("moved_weight", "stale_fp32_scale")
+FAULTS = QUANTIZER_FAULTS + AFTER_SYNC_FAULTS
+
+
+def active() -> Optional[str]:
+    """The fault named in the environment, or None; an unknown name is refused."""
+    name = os.environ.get(FAULT_ENV) or None
+    if name is not None and name not in FAULTS:
+        from npu_flashrl.rehearsal.common import RehearsalError
+
+        raise RehearsalError(f"{FAULT_ENV}={name}: unknown fault; known: {', '.join(FAULTS)}")
+    return name
+
+
+class _FaultyQuantizer:
+    """Delegates to the real online quantizer; `quantize` goes wrong as the fault says."""
+
+    def __init__(self, inner, fault: str, square_name: Optional[str]):
+        self._inner, self._fault, self._square = inner, fault, square_name
+        self._first = {}
+
+    def __getattr__(self, item):
+        return getattr(self._inner, item)
+
+    def quantize(self, name, weight, transposed=False):
+        f = self._fault
+        if f == "stale_shard" and name.endswith("layers.0.self_attn.k_proj.weight"):
+            weight = self._first.setdefault(name, weight.detach().clone())
+        q, scale = self._inner.quantize(name, weight, transposed=transposed)
+        if f == "scale_x0.5" and scale is not None:
+            scale = scale * 0.5
+        elif f == "scale_x1.1" and scale is not None:
+            scale = scale * 1.1
+        elif f == "int8_transposed" and name == self._square:
+            q = q.t().clone()  # the values transposed (the loader copies values, any memory layout)
+        elif f == "round_trunc" and scale is not None:
+            w = weight.to(self._inner.compute_dtype).float()
+            q = torch.trunc(w / scale[:, None]).to(torch.int8)
+            q = q.t().contiguous().t() if transposed else q
+        return q, scale
+
+
+class Fault:
+    def __init__(self, name: str, model, loader):
+        self.name, self.model = name, model
+        self._layer = None
+        targets = loader.targets
+        if name in QUANTIZER_FAULTS:
+            from npu_flashrl.adapters import vllm_ascend
+
+            square = next((n for n, t in targets.items() if n.endswith("o_proj.weight")
+                           and t.layer.weight.shape[0] == t.layer.weight.shape[1]), None)
+            vllm_ascend.attach(model, _FaultyQuantizer(loader.quantizer, name, square))
+        else:
+            t = next(iter(targets.values()))
+            self._layer = t.layer
+            self._cold_fp32 = t.layer.weight_scale_fp32.detach().clone()
+            self.layer_path = t.path
+
+    @torch.no_grad()
+    def after_sync(self) -> None:
+        if self.name == "moved_weight":
+            self._layer.weight.data = self._layer.weight.data.clone()
+        elif self.name == "stale_fp32_scale":
+            self._layer.weight_scale_fp32.copy_(self._cold_fp32)
+
+
+def install(model, loader) -> Optional[Fault]:
+    """Called by the rollout loop right after the INT8 model's cold load (`loader`: the model's INT8
+    loader, as `vllm_ascend.attach` returns it); None without a fault."""
+    name = active()
+    return None if name is None else Fault(name, model, loader)

@@ -1,0 +1,104 @@
+"""The rehearsal's model: the built-in tiny Qwen2 (pre-trained once, cached) or a local --model."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict
+
+from npu_flashrl.rehearsal.common import RECIPE_VERSION, SUPPORTED_ARCHITECTURES, TINY_TRAIN, RehearsalError, progress_bar
+
+
+def check_model_dir(path: str) -> Dict[str, Any]:
+    """A usable local checkpoint for the rehearsal, or RehearsalError naming the dir and the problem."""
+    if not os.path.isdir(path):
+        raise RehearsalError(f"--model {path}: no such directory")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise RehearsalError(f"--model {path}: no config.json (expected a Hugging Face checkpoint dir)")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RehearsalError(f"--model {path}: config.json is not readable JSON ({exc})") from None
+    if not any(n.endswith(".safetensors") for n in os.listdir(path)):
+        raise RehearsalError(f"--model {path}: no *.safetensors files (a safetensors checkpoint is needed)")
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise RehearsalError(f"--model {path}: architectures {archs or '(none)'} is not a Qwen2-like dense "
+                             f"decoder; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise RehearsalError(f"--model {path}: a mixture-of-experts model; the rehearsal supports dense "
+                             "decoders only")
+    if cfg.get("quantization_config") or cfg.get("compression_config"):
+        raise RehearsalError(f"--model {path}: already quantized (quantization_config in config.json); "
+                             "pass the bf16 checkpoint (and --w8a8 DIR for --mode profile)")
+    return cfg
+
+
+def tiny_settings(args, task) -> Dict[str, Any]:
+    from npu_flashrl.testing.tiny_models import TINY_QWEN2
+
+    return {"recipe": RECIPE_VERSION, "model": dict(TINY_QWEN2), "task": task.to_dict(),
+            "train": dict(TINY_TRAIN, iters=args.train_iters, seed=args.seed)}
+
+
+def settings_hash(settings: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ensure_tiny_model(cache_root: str, settings: Dict[str, Any], task, progress: bool) -> Dict[str, Any]:
+    """The pre-trained tiny model in `cache_root/<hash>` ({bf16,master}/ + meta.json); trains on a miss."""
+    import shutil
+
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from npu_flashrl.testing import synthetic_task
+    from npu_flashrl.testing.tiny_models import save_tiny_tokenizer, tiny_qwen2_config
+
+    key = settings_hash(settings)
+    final = os.path.join(cache_root, key)
+    meta_path = os.path.join(final, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        return {"dir": final, "bf16_dir": os.path.join(final, "bf16"), "master_dir": os.path.join(final, "master"),
+                "cache_hit": True, "key": key, "train": meta.get("train_result"), "train_s": 0.0}
+
+    os.makedirs(cache_root, exist_ok=True)
+    tmp = os.path.join(cache_root, f".{key}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    train = settings["train"]
+    torch.manual_seed(train["seed"])
+    model = Qwen2ForCausalLM(tiny_qwen2_config(**settings["model"])).float()
+    bar = progress_bar(train["iters"], "pre-train tiny Qwen2", progress)
+
+    def cb(i, loss):
+        bar.update(1)
+        if i % 10 == 0:
+            bar.set_postfix_str(f"loss {loss:.3f} (entropy {task.entropy:.3f})")
+
+    try:
+        result = synthetic_task.train(model, task, iters=train["iters"], lr=train["lr"], batch=train["batch"],
+                                      length=train["length"], seed=train["seed"], callback=cb)
+    finally:
+        bar.close()
+    model.config.torch_dtype = torch.float32
+    model.save_pretrained(os.path.join(tmp, "master"), safe_serialization=True)
+    bf16 = model.to(torch.bfloat16)
+    bf16.config.torch_dtype = torch.bfloat16
+    bf16.save_pretrained(os.path.join(tmp, "bf16"), safe_serialization=True)
+    save_tiny_tokenizer(os.path.join(tmp, "bf16"), bf16.config.vocab_size)
+    from npu_flashrl.config import atomic_write
+
+    atomic_write(os.path.join(tmp, "meta.json"),
+                 lambda f: json.dump({"settings": settings, "train_result": result}, f, indent=2))
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished first: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(meta_path):
+            raise
+    return {"dir": final, "bf16_dir": os.path.join(final, "bf16"), "master_dir": os.path.join(final, "master"),
+            "cache_hit": False, "key": key, "train": result, "train_s": result["seconds"]}

@@ -1,0 +1,161 @@
+"""Rollout side: the vLLM rollout model (CPU harness or NPU), weight syncs, rollout log-probs."""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from npu_flashrl.rehearsal.common import RehearsalError, progress_bar
+from npu_flashrl.rehearsal.trainer import target_logp
+
+
+class _NpuVllm:
+    """The rollout model built by vLLM's loader on a real Ascend NPU (vllm-ascend's own platform,
+    real torch_npu kernels, hccl). NOT VERIFIED ON HARDWARE: written to mirror CpuVllm."""
+
+    def __init__(self, model_dir: str, dtype, quantization: Optional[str] = None, load_format: str = "auto"):
+        self.model_dir, self.dtype, self.quantization, self.load_format = model_dir, dtype, quantization, load_format
+        self._stack = contextlib.ExitStack()
+        self.model = None
+
+    def __enter__(self):
+        import torch
+        import torch_npu  # noqa: F401
+        from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
+                                 VllmConfig, set_current_vllm_config)
+        from vllm.model_executor.model_loader import get_model
+
+        from npu_flashrl import compat
+        from npu_flashrl.testing import cpu_vllm
+
+        torch.npu.set_device(0)
+        mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
+                         quantization=self.quantization, enforce_eager=True)
+        self.vllm_config = VllmConfig(model_config=mc, device_config=DeviceConfig(device="npu"),
+                                      load_config=LoadConfig(load_format=self.load_format,
+                                                             use_tqdm_on_load=False),
+                                      parallel_config=ParallelConfig(tensor_parallel_size=1),
+                                      compilation_config=CompilationConfig(level=0))
+        self._stack.enter_context(set_current_vllm_config(self.vllm_config))
+        cpu_vllm.ensure_distributed(1, backend="hccl")
+        compat.init_vllm_ascend_config(self.vllm_config)
+        cpu_vllm.use_plain_attention()
+        self.model = get_model(vllm_config=self.vllm_config)
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+
+def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_format: str = "auto"):
+    import torch
+
+    if device == "npu":
+        return _NpuVllm(model_dir, torch.bfloat16, quantization, load_format)
+    from npu_flashrl.testing import cpu_vllm
+
+    # no vLLM "Loading safetensors checkpoint shards" bar: the rehearsal has its own per-variant bars
+    return cpu_vllm.CpuVllm(model_dir, dtype=torch.bfloat16, quantization=quantization, load_format=load_format,
+                            use_tqdm_on_load=False)
+
+
+def rollout_logp(model, eval_ids, vocab_size: int, device: str):
+    """Teacher-forced rollout log-probs [B, T-1]: the vLLM model's own layers, one sequence at a time."""
+    import torch
+
+    from npu_flashrl import compat
+
+    rows = []
+    with torch.no_grad():
+        for seq in eval_ids:
+            seq = seq.to(device)
+            positions = torch.arange(seq.shape[0], device=device)
+            hidden = model.model(seq, positions)
+            logits = compat.compute_logits(model, hidden).float()[:, :vocab_size]
+            rows.append(target_logp(logits[None], seq[None]))
+    return torch.cat(rows)
+
+
+def _buckets(weights: List[Tuple[str, Any]], n: int, rng: random.Random) -> List[List[Tuple[str, Any]]]:
+    items = list(weights)
+    rng.shuffle(items)
+    n = max(1, min(n, len(items)))
+    size = math.ceil(len(items) / n)
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: str, args, vocab_size: int,
+                device: str, int8: bool, progress: bool, profile: Optional[Dict[str, dict]] = None
+                ) -> Tuple[List[Dict[str, Any]], Dict[str, Any], List[Dict[str, Any]]]:
+    """Build one rollout model, push every step's weights through its reload path, measure; for INT8,
+    check the INT8 state and every quantized layer's output error after each sync (`state.py`).
+    Returns (rows, info, per-layer state results)."""
+    import torch
+
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.metrics import mismatch_metrics
+    from npu_flashrl.rehearsal import faults
+    from npu_flashrl.rehearsal.state import Int8StateCheck, summarize_step
+
+    rows: List[Dict[str, Any]] = []
+    layer_results: List[Dict[str, Any]] = []
+    info: Dict[str, Any] = {"name": name}
+    with progress_bar(len(snapshots) + 1, f"rollout {name}", progress) as bar:
+        t0 = time.perf_counter()
+        ctx = build()
+        with ctx as v:
+            info["build_s"] = time.perf_counter() - t0
+            model = v.model
+            info["model_dir"] = getattr(v, "model_dir", None)
+            info["quantization"] = getattr(v, "quantization", None)
+            loader = getattr(model, "_npu_flashrl_loader", None)
+            info["int8_loader"] = loader is not None
+            info["quantized_layers"] = len({t.path for t in loader.targets.values()}) if loader else 0
+            info["online_quantizer"] = getattr(getattr(loader, "quantizer", None), "name", None)
+            info["layer0_qkv_weight_dtype"] = str(model.model.layers[0].self_attn.qkv_proj.weight.dtype)
+            head = getattr(model, "lm_head", None)
+            info["lm_head_dtype"] = str(head.weight.dtype) if head is not None else None
+            if int8 and (loader is None or not loader.targets):
+                raise RehearsalError(f"rollout {name}: the vLLM model has no npu_flashrl INT8 loader / no "
+                                     "vllm-ascend W8A8 layers: npu_flashrl was not active when it was built")
+            checker = fault = None
+            if int8:
+                # right after the cold load: pointers, formats and cold scales are the reference
+                checker = Int8StateCheck(model, loader.targets, device, profile=profile, seed=args.seed)
+                fault = faults.install(model, loader)
+                info["fault_injected"] = fault.name if fault else None
+            bar.update(1)
+            rng = random.Random(args.seed + 7)
+            for step, snap in enumerate(snapshots, start=1):
+                buckets = _buckets(snap, args.buckets, rng)
+                if device == "npu":
+                    torch.npu.synchronize()
+                t = time.perf_counter()
+                for bucket in buckets:
+                    model.load_weights(iter(bucket))
+                if int8:
+                    vllm_ascend.end_weight_sync(model)
+                if device == "npu":
+                    torch.npu.synchronize()
+                reload_s = time.perf_counter() - t
+                state = None
+                if checker is not None:
+                    if fault is not None:
+                        fault.after_sync()
+                    results = checker.check(dict(snap), step)
+                    for r in results:
+                        r["variant"] = name
+                    layer_results += results
+                    state = summarize_step(results)
+                logp_r = rollout_logp(model, eval_ids, vocab_size, device)
+                logp_t = train_logps[step - 1][logp_key]
+                mask = torch.ones_like(logp_t, dtype=torch.bool)
+                m = mismatch_metrics(logp_t, logp_r, mask, tis_threshold=2.0, prefix="")
+                rows.append({"step": step, "variant": name, "reload_s": reload_s, "buckets": len(buckets),
+                             "metrics": m, "int8_state": state})
+                bar.set_postfix_str(f"tmpe {m['token_mult_prob_error']:.4f}")
+                bar.update(1)
+        del model
+    return rows, info, layer_results
