@@ -7,7 +7,9 @@
 
 Prints seconds and peak extra heap memory of each (glibc mallinfo2, sampled), the ratios
 b/a, c/a, c/b, and the quantization kernel's throughput next to this machine's plain copy
-bandwidth measured in the same run.
+bandwidth measured in the same run. Then the peak extra memory of one full streamed sync of fp32
+masters (embedding and lm_head included) next to its target: one fused layer's bf16 weights plus
+the largest single non-projection tensor.
 
     .venv/bin/python benchmarks/reload.py --layers 4 --repeats 2
 """
@@ -138,6 +140,42 @@ def flashrl_style_reload(model, weights):
             module.register_parameter(pname, old)
 
 
+def streamed_fp32_sync(cfg, weights, args):
+    """One full sync streamed as fp32 masters (a generator, as verl's FSDP worker yields them):
+    the decoder layers of `weights` plus an embedding and lm_head of vocab `--fp32-vocab`.
+    Returns the peak extra heap bytes and the target (largest fused layer in bf16 + the largest
+    single non-projection tensor, fp32)."""
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.testing import cpu_vllm
+
+    cfg32 = dict(cfg, vocab_size=args.fp32_vocab)
+    model_dir = tempfile.mkdtemp(prefix="npu_flashrl_bench_fp32_")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg32, f)
+    g = torch.Generator().manual_seed(1)
+    h = cfg["hidden_size"]
+    emb = (torch.randn(args.fp32_vocab, h, generator=g) * 0.02).to(torch.bfloat16)
+    head = (torch.randn(args.fp32_vocab, h, generator=g) * 0.02).to(torch.bfloat16)
+    # make_weights order: embedding first, lm_head last; the decoder layers are shared
+    bf16 = [("model.embed_tokens.weight", emb)] + weights[1:-1] + [("lm_head.weight", head)]
+    vllm_ascend.configure_online_quantization("int8_profile_free")
+    with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy") as v:
+        m = v.model
+        targets = m._npu_flashrl_loader.targets
+        floats = [t.numel() * 4 for n, t in bf16 if n not in targets]
+
+        def stream():
+            for n, t in bf16:
+                yield n, t.float()  # fresh fp32 master per item; the generator keeps none
+
+        with PeakMemory() as mem:
+            m.load_weights(stream())
+            vllm_ascend.end_weight_sync(m)
+    layer_bf16 = 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"]
+    return {"peak": mem.extra, "target": layer_bf16 + max(floats), "largest": max(floats),
+            "all_float": sum(floats), "vocab": args.fp32_vocab}
+
+
 def timed(fn, repeats):
     best, peak = float("inf"), 0
     for _ in range(repeats):
@@ -179,6 +217,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's); with other load on the machine, 1 avoids "
                          "OpenMP oversubscription stalls that swamp the comparison")
+    ap.add_argument("--fp32-vocab", type=int, default=32768,
+                    help="vocab of the streamed fp32 sync (fp32 masters incl. embedding and lm_head); "
+                         "Qwen2.5-7B has 152064 (~4.4 GB of fp32 embedding + lm_head); 0 skips it")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -219,6 +260,8 @@ def main(argv=None):
         results["c"] = timed(lambda: flashrl_style_reload(m, iter(weights)), args.repeats)
         same = all(torch.equal(p, state_b[n]) for n, p in m.named_parameters())
         kept = all(p.data_ptr() == ptrs[n] for n, p in m.named_parameters())
+    del m, v
+    fp32 = streamed_fp32_sync(cfg, weights, args) if args.fp32_vocab else None
     vllm_ascend.configure_online_quantization(None)
 
     labels = {"a": "bf16 load_weights (floor)", "b": "npu_flashrl INT8 in-place reload",
@@ -234,6 +277,13 @@ def main(argv=None):
     print(f"peak extra memory: b = {results['b'][1] / 2**20:.0f} MB vs one fused layer's bf16 weights "
           f"(gate_up) = {layer_bf16 / 2**20:.0f} MB; c = {results['c'][1] / 2**20:.0f} MB")
     print(f"(b) and (c) give the same INT8 state: {same}; (c) keeps data pointers: {kept}")
+    if fp32 is not None:
+        print(f"\nstreamed fp32 sync (fp32 masters, vocab {args.fp32_vocab}, embedding and lm_head "
+              f"included): peak extra {fp32['peak'] / 2**20:.0f} MB vs target {fp32['target'] / 2**20:.0f} MB "
+              f"(one fused layer's bf16 weights {layer_bf16 / 2**20:.0f} MB + largest non-projection "
+              f"tensor {fp32['largest'] / 2**20:.0f} MB); all non-projection tensors of the stream "
+              f"(held to the end before) = {fp32['all_float'] / 2**20:.0f} MB; "
+              f"within target: {fp32['peak'] <= fp32['target']}")
     tp = kernel_throughput(cfg, args.repeats)
     print("\nthroughput on a gate_up-sized bf16 tensor (GB/s of bf16 input):")
     for name, gbs in tp.items():
@@ -243,7 +293,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"seconds": {k: v[0] for k, v in results.items()},
                        "peak_extra_bytes": {k: v[1] for k, v in results.items()},
-                       "ratios": {"b/a": ra, "c/a": rc, "c/b": cb}, "throughput_GBps": tp}, f, indent=1)
+                       "ratios": {"b/a": ra, "c/a": rc, "c/b": cb}, "throughput_GBps": tp,
+                       "streamed_fp32_sync": fp32}, f, indent=1)
     return 0
 
 

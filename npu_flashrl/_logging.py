@@ -37,11 +37,20 @@ def _configure() -> None:
     logger.setLevel(level)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_file = os.environ.get("FLASHRL_LOGGING_FILE")
+    problem = None
+    handler: logging.Handler
     if log_file:
-        handler: logging.Handler = logging.FileHandler(log_file)
+        try:
+            handler = logging.FileHandler(log_file)
+        except OSError as exc:
+            # a bad log path must not break every command (nor activation at import): stderr instead
+            problem = f"FLASHRL_LOGGING_FILE={log_file!r}: cannot open it ({exc.strerror or exc}); logging to stderr"
+            handler = logging.StreamHandler()
     else:
         handler = logging.StreamHandler()
     handler.setFormatter(fmt)
     logger.addHandler(handler)
+    if problem:
+        logger.warning("%s", problem)
     # Our handler prints; do not print twice through whatever the host configured on root.
     logger.propagate = False

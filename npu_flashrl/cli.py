@@ -61,10 +61,28 @@ def _run_profile(args) -> int:
                        "matmul; use --fn int8", code=2)
     if not args.model:
         raise CliError("--fn int8 needs the original bf16 checkpoint: -m BF16_DIR", code=2)
+    _refuse_overwriting_a_checkpoint_file(args.output, (args.model, args.quantized))
     profile = make_profile(args.model, args.quantized, args.output, fn=args.fn,
                            progress=not args.no_progress)
     _out(f"int8 profile with {len(profile)} entries written to {args.output}")
     return 0
+
+
+def _refuse_overwriting_a_checkpoint_file(output: str, dirs) -> None:
+    """-o must not replace a file of -m / -q (a shard, config.json) by a profile; a previous profile there
+    (FlashRL's default place is <w8a8>/profile.pt) may be replaced."""
+    from npu_flashrl.profile import ProfileError, load_profile
+
+    if not os.path.isfile(output):
+        return
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(output)))
+    if parent not in {os.path.realpath(d) for d in dirs if d}:
+        return
+    try:
+        load_profile(output)
+    except ProfileError:
+        raise CliError(f"-o {output}: is a file of the checkpoint dir {os.path.dirname(output) or '.'} and not a "
+                       f"profile; not replaced (choose another -o, e.g. {os.path.join(parent, 'profile.pt')})") from None
 
 
 # ============================================================================ setup
@@ -115,6 +133,9 @@ def _add_setup(sub) -> None:
     p.add_argument("-a", "--append", action="store_true", help="append an entry to an existing config")
     p.add_argument("--no-check", action="store_true",
                    help="do not check the model dir and the profile (e.g. a model that is not local)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an -o file that is not a FlashRL config, and keep entry keys that "
+                        "neither npu_flashrl nor FlashRL reads")
     p.add_argument("columns", nargs=argparse.REMAINDER, metavar="key=value",
                    help="extra entry keys, values as Python/YAML literals, e.g. "
                         "load_format=auto module_attribute_to_preserve='[\"workspace\"]'")
@@ -124,7 +145,11 @@ def _add_setup(sub) -> None:
 def _check_model_dir(model: str, what: str = "model") -> None:
     if not os.path.isdir(model):
         raise CliError(f"-m {model}: {what} dir not found (pass --no-check for a model that is not local)")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model)):
+    try:
+        names = os.listdir(model)
+    except OSError as exc:
+        raise CliError(f"-m {model}: cannot list the {what} dir: {exc.strerror or exc}") from None
+    if not any(f.endswith(".safetensors") for f in names):
         raise CliError(f"-m {model}: no *.safetensors files in the {what} dir (a safetensors HF "
                        f"checkpoint is needed)")
 
@@ -142,9 +167,9 @@ def _check_w8a8(model: str) -> None:
 
 
 def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
-                check: bool = True):
+                check: bool = True, allow_unknown_keys: bool = False):
     """The config entry `setup` writes, validated (profile vs model when check)."""
-    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile
+    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile, unknown_key_problems
     from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
 
     try:
@@ -160,6 +185,11 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
         entry = RolloutConfig.from_dict(data, "new entry")
     except ConfigError as exc:
         raise CliError(str(exc), code=2) from None
+    unknown = unknown_key_problems(entry, "key=value")
+    if unknown and not allow_unknown_keys:
+        raise CliError("\n  ".join(unknown) + "\n(--force keeps such keys)", code=2)
+    if profile is not None and not needs_profile(entry):
+        raise CliError(f"-p {profile}: only --fn int8 uses a profile (--fn {entry.fn} would ignore it)", code=2)
     if needs_profile(entry) and not entry.model:
         raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
     if needs_profile(entry) and str(entry.load_format).lower() == "dummy":
@@ -186,22 +216,46 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
 
 
 def _run_setup(args) -> int:
-    from npu_flashrl.config import ConfigError, FlashRLConfig, load_config, write_config
+    from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
+                                    output_path_problem, write_config)
 
     output = os.path.expanduser(args.config_output or DEFAULT_CONFIG_OUTPUT)
     if args.config_output is None:
         _out(f"No -o given; writing {output} (FlashRL's default)")
-    entry = build_entry(args.fn, args.model, args.profile, parse_columns(args.columns),
-                        check=not args.no_check)
-    if args.append and os.path.exists(output):
+    # everything about -o first: the profile check below reads the whole model
+    problem = output_path_problem(output)
+    if problem:
+        raise CliError(f"-o {problem}")
+    if args.append and not os.path.exists(output):
+        raise CliError(f"-a: {output} does not exist, nothing to append to (drop -a to create it)")
+    if args.append:  # read again under the lock below; this finds a bad file before any work
         try:
-            cfg = load_config(output)
+            load_config(output)
         except ConfigError as exc:
             raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
-        cfg.entries.append(entry)
-    else:
-        cfg = FlashRLConfig(entries=[entry], path=output)
-    write_config(cfg, output)
+    elif os.path.exists(output) and not args.force:
+        try:
+            load_config(output)
+        except ConfigError as exc:
+            raise CliError(f"-o {output}: exists and is not a FlashRL config, not replaced ({exc}); "
+                           f"pass --force to replace it") from None
+    columns = parse_columns(args.columns)
+    entry = build_entry(args.fn, args.model, args.profile, columns, check=not args.no_check,
+                        allow_unknown_keys=args.force)
+    try:
+        if args.append:
+            with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
+                try:
+                    cfg = load_config(output)
+                except ConfigError as exc:
+                    raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
+                cfg.entries.append(entry)
+                write_config(cfg, output)
+        else:
+            cfg = FlashRLConfig(entries=[entry], path=output)
+            write_config(cfg, output)
+    except OSError as exc:
+        raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
     _out(f"FlashRL config with {len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'} "
          f"written to {output}")
     _out(f"Enable it with: export FLASHRL_CONFIG={output}")
@@ -381,12 +435,38 @@ def _torch_npu_row(version: Optional[str], want: Optional[str]) -> Dict[str, str
     except ImportError:
         real = importlib.util.find_spec("torch_npu") is not None
     if real:
+        broken = _torch_npu_import_error()
+        if broken:
+            return _row("package torch_npu", FAIL, f"{version or 'installed'} but `import torch_npu` fails: {broken}",
+                        f"reinstall torch_npu=={want} for this torch and source CANN's set_env.sh "
+                        f"(scripts/install_pinned.sh --only torch_npu)")
         detail = f"{version or 'installed'}" + (f" (pinned {want})" if want else "")
         status = OK if not want or (version or "").split("+")[0] == str(want) else WARN
         return _row("package torch_npu", status, detail,
                     "" if status == OK else f"install torch_npu=={want}")
     return _row("package torch_npu", WARN, "emulated (no torch_npu: CPU reference kernels, no NPU)",
                 f"on an Ascend machine install torch_npu=={want} (scripts/install_pinned.sh)")
+
+
+_TORCH_NPU_ERROR: List[Optional[str]] = []
+
+
+def _torch_npu_import_error() -> Optional[str]:
+    """Why a present torch_npu cannot be imported (None: imports, or absent, or ours emulated)."""
+    if not _TORCH_NPU_ERROR:
+        error = None
+        try:
+            from npu_flashrl.kernels import emulation
+            real = emulation.real_torch_npu_importable()
+        except ImportError:
+            real = importlib.util.find_spec("torch_npu") is not None
+        if real:
+            try:
+                importlib.import_module("torch_npu")
+            except Exception as exc:  # noqa: BLE001 - a broken install raises anything
+                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        _TORCH_NPU_ERROR.append(error)
+    return _TORCH_NPU_ERROR[0]
 
 
 def cann_roots() -> List[str]:
@@ -454,8 +534,29 @@ def cann_row(pins: dict) -> Dict[str, str]:
                 f"on an Ascend machine install CANN {want} and source its set_env.sh")
 
 
+def activation_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
+    """Did `import npu_flashrl` activate from FLASHRL_CONFIG in this process (it runs before verify)?"""
+    import npu_flashrl
+    from npu_flashrl.config import ENV_CONFIG, ConfigError, lmhead_fp32_requested
+
+    rows = []
+    try:
+        lmhead_fp32_requested()
+    except ConfigError as exc:
+        rows.append(_row("FLASHRL_LMHEAD_FP32", FAIL, str(exc), "export FLASHRL_LMHEAD_FP32=1 (or 0)"))
+    error = getattr(npu_flashrl, "activation_error", None)
+    if error:
+        rows.append(_row("activation", FAIL, f"activation from {ENV_CONFIG} failed at import: {error}",
+                         "fix the cause above; a rollout with this environment runs without npu_flashrl"))
+    elif os.environ.get(ENV_CONFIG, "").strip() and not config_path \
+            and os.environ.get("NPU_FLASHRL_NO_AUTOACTIVATE") != "1":
+        rows.append(_row("activation", OK, f"activated from {ENV_CONFIG} at import"))
+    return rows
+
+
 def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
-    from npu_flashrl.config import ENV_CONFIG, ConfigError, load_config, needs_profile
+    from npu_flashrl.config import (ENV_CONFIG, ConfigError, load_config, needs_profile,
+                                    unknown_key_problems)
     from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
 
     source = config_path if config_path else os.environ.get(ENV_CONFIG)
@@ -471,6 +572,8 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                  + ", ".join(e.fn for e in cfg.entries))]
     for i, entry in enumerate(cfg.entries):
         check = f"configs[{i}] ({entry.fn})"
+        for problem in unknown_key_problems(entry, f"configs[{i}]"):
+            rows.append(_row(check, FAIL, problem, "fix the key's spelling, or remove it"))
         if entry.model:
             if not os.path.isdir(entry.model):
                 rows.append(_row(check, FAIL, f"model {entry.model}: no such dir",
@@ -513,7 +616,11 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
             rows.append(_row(check, WARN, f"profile {path} readable ({len(prof)} entries); no `model` "
                              "to check it against", "set `model` in the entry"))
             continue
-        offenders = check_profile_against_model(prof, entry.model)
+        try:
+            offenders = check_profile_against_model(prof, entry.model)
+        except ProfileError as exc:
+            rows.append(_row(check, FAIL, str(exc), "re-download or re-convert the checkpoint"))
+            continue
         if offenders:
             rows.append(_row(check, FAIL, f"profile {path} does not match model {entry.model}: "
                              + "; ".join(offenders),
@@ -536,15 +643,24 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
                 importlib.import_module(mod)
             except ImportError:
                 pass
+    crashed: Dict[str, str] = {}
     if apply:
-        names = [p["name"] for p in patches.status()]
-        if names:
-            patches.apply_patches(names)
+        for name in [p["name"] for p in patches.status()]:
+            try:
+                patches.apply_patch(name)
+            except Exception as exc:  # noqa: BLE001 - a missing or broken torch_npu, say: one failed row
+                crashed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     rows = []
     for p in patches.status():
         check = f"patch {p['name']}"
         detail = f"{p['target']} [{p['versions']}]"
-        if p["applied"]:
+        if p["name"] in crashed:
+            error = crashed[p["name"]]
+            fix = ("install the pinned torch_npu (scripts/install_pinned.sh --only torch_npu) and source "
+                   "CANN's set_env.sh" if "torch_npu" in error or _torch_npu_import_error() else
+                   "install the pinned version of the target (npu_flashrl/pins.yaml)")
+            rows.append(_row(check, FAIL, f"applying it failed: {error} ({detail})", fix))
+        elif p["applied"]:
             rows.append(_row(check, OK, f"applied in this process: {detail}"))
         elif p["error"]:
             rows.append(_row(check, WARN, f"not applied: {p['error']} ({detail})",
@@ -611,6 +727,7 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
         rows.append(_row("pins.yaml", FAIL, str(exc), "reinstall npu_flashrl"))
     rows += package_rows(pins)
     rows.append(cann_row(pins))
+    rows += activation_rows(config_path)
     rows += config_rows(config_path)
     if verl_overrides:
         rows += verl_rows(verl_overrides)

@@ -215,6 +215,17 @@ def init_vllm_ascend_config(vllm_config) -> None:
             cfg.weight_prefetch_config)
 
 
+def ascend_quant_method_map():
+    """The table vllm-ascend picks W8A8 scheme classes from (torchair graph mode rewrites it via
+    `vllm_ascend.torchair.utils.torchair_quant_method_register`): v0.10.1rc1 keeps quantizer
+    classes in `quantizer.SUPPORT_ASCEND_QUANTIZER_TYPE`, 0.11.0 method classes in
+    `utils.ASCEND_QUANTIZATION_METHOD_MAP`. For tests that must restore it."""
+    import_quantization()
+    if vllm_ascend_line() == "0.10.1rc1":
+        return importlib.import_module("vllm_ascend.quantization.quantizer").SUPPORT_ASCEND_QUANTIZER_TYPE
+    return importlib.import_module("vllm_ascend.quantization.utils").ASCEND_QUANTIZATION_METHOD_MAP
+
+
 def nz_flag_target():
     """(object, attribute) that switches the NZ cast of W8A8 weights, for tests to monkeypatch
     with a bool: 0.11.0's `utils._ENABLE_NZ`, 0.23's initialised `AscendConfig.weight_nz_mode`.

@@ -27,14 +27,16 @@ int8 consumer; needs the whole state dict in one call) and the fp8 family are re
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 import yaml
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.quant.registry import names as _quantizer_names
 
 logger = get_logger("config")
 
@@ -42,15 +44,31 @@ ENV_CONFIG = "FLASHRL_CONFIG"
 EXTERNAL_LAUNCHER = "external_launcher"
 
 
+ENV_LMHEAD_FP32 = "FLASHRL_LMHEAD_FP32"
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f", "")
+
+
 def lmhead_fp32_requested(environ=None) -> bool:
-    """FLASHRL_LMHEAD_FP32 == '1' (FlashRL's switch and meaning); the one parser every side uses."""
+    """FLASHRL_LMHEAD_FP32 (FlashRL's switch and meaning: '1' is on); the one parser every side uses.
+
+    The usual true/false spellings are accepted (FlashRL only knows '1': `yes` there is silently
+    off); anything else raises ConfigError naming the variable, never a silent off.
+    """
     env = os.environ if environ is None else environ
-    return str(env.get("FLASHRL_LMHEAD_FP32", "0")).strip() == "1"
+    value = str(env.get(ENV_LMHEAD_FP32, "0"))
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{ENV_LMHEAD_FP32}={value!r}: expected 1 or 0 (also true/false, yes/no, on/off)")
 
 FN_INT8 = "int8"
 FN_INT8_PROFILE_FREE = "int8_profile_free"
 FN_BF16 = "bf16"
-SUPPORTED_FNS = (FN_INT8, FN_INT8_PROFILE_FREE, FN_BF16)
+# The online INT8 functions are the quantizer registry's names; bf16 is "no quantizer".
+SUPPORTED_FNS = _quantizer_names() + (FN_BF16,)
 
 # FlashRL 1.0.3 names that mean one of ours.
 FN_ALIASES = {
@@ -78,6 +96,24 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
 SHORTCUTS = (FN_BF16, FN_INT8_PROFILE_FREE)
 
 _KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend")
+# Keys FlashRL 1.0.3 reads besides ours: kept in `extra` and written back untouched.
+FLASHRL_EXTRA_KEYS = ("module_attribute_to_preserve",)
+
+
+def unknown_key_problems(entry: "RolloutConfig", where: str = "entry") -> List[str]:
+    """One line per key of `entry` that neither we nor FlashRL read (a typo is otherwise kept and
+    silently ignored at run time), with the closest known key."""
+    import difflib
+
+    known = _KNOWN_KEYS + FLASHRL_EXTRA_KEYS
+    out = []
+    for key in entry.extra:
+        if key in FLASHRL_EXTRA_KEYS:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        out.append(f"{where}: unknown key {key!r} (ignored at run time; {hint})")
+    return out
 
 
 class ConfigError(ValueError):
@@ -207,7 +243,15 @@ def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> Flash
     if value in SHORTCUTS:
         logger.info("Using the profile-free default config for %s", value)
         return FlashRLConfig(entries=[RolloutConfig.default(value)], path=None)
-    if not os.path.exists(value):
+    try:
+        os.stat(value)
+        exists = True
+    except PermissionError as exc:  # a dir on the way is not searchable: not "no such file"
+        raise ConfigError(f"{origin}: cannot access: {exc.strerror} (check the permissions of its "
+                          f"directories)") from exc
+    except OSError:
+        exists = False
+    if not exists:
         if value in REFUSED_FNS:
             normalize_fn(value, origin)
         if value in (FN_INT8, *FN_ALIASES):
@@ -224,14 +268,20 @@ def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> Flash
     try:
         with open(value, "r") as f:
             data = yaml.safe_load(f)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{value}: not a text (UTF-8) YAML file ({exc.reason} at byte {exc.start})") from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{value}:{where} malformed YAML: {getattr(exc, 'problem', None) or exc}") from exc
     except OSError as exc:
-        raise ConfigError(f"{value}: cannot read: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{value}: cannot read: {exc.strerror or exc} (the file exists; check its "
+                          f"permissions)") from exc
     cfg = parse_config(data, value)
     cfg.path = value
+    for i, entry in enumerate(cfg.entries):
+        for problem in unknown_key_problems(entry, f"{value}: configs[{i}]"):
+            logger.warning("%s", problem)
     return cfg
 
 
@@ -259,6 +309,54 @@ def dp_rank_from_env(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
     if mp <= 0:
         raise ValueError(f"tp*pp must be positive; got {mp}")
     return rank // mp
+
+
+def output_path_problem(path: Union[str, os.PathLike]) -> Optional[str]:
+    """Why `path` cannot be written by atomic_write (None when it can), found before any expensive
+    work: a directory, a parent that is not a directory, or a directory we cannot create files in."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return f"{path}: is a directory; expected a file path"
+    if os.path.exists(path) and not os.path.isfile(path):
+        return f"{path}: exists and is not a regular file"
+    probe = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(probe):  # atomic_write creates missing parents
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{path}: {probe} is not a directory"
+    try:  # a real probe: os.access is wrong on read-only mounts and some network filesystems
+        fd, tmp = tempfile.mkstemp(prefix=".npu_flashrl_probe.", dir=probe)
+    except OSError as exc:
+        return f"{path}: cannot write in {probe}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
+@contextlib.contextmanager
+def locked_file(path: Union[str, os.PathLike]) -> Iterator[None]:
+    """Exclusive fcntl lock on the existing file `path` for a read-modify-write that ends in
+    atomic_write (concurrent `setup -a` must not lose entries). The lock sits on the inode that
+    atomic_write replaces, so once it is held, check that `path` still names that inode; else
+    retry on the new file."""
+    import fcntl
+
+    path = os.fspath(path)
+    while True:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            now, held = os.stat(path), os.fstat(fd)
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def atomic_write(path: Union[str, os.PathLike], write: Callable[[Any], None], binary: bool = False) -> None:

@@ -15,8 +15,10 @@ HF parameter name, each value `{'input_scale', 'output_scale', 'type'}`; online 
 * ``mlp.down_proj.weight``: input_scale = 1 / beta of the layer's up_proj as [1, intermediate].
 
 Differences from FlashRL's own profiler, on purpose: it loads both whole models with transformers;
-this reads one decoder layer's tensors at a time with `safetensors.safe_open` (and only the bf16 and
-int8 weights of up_proj, which the least squares needs). Numbers are the same (same fp32 ops in the
+this reads one decoder layer's tensors at a time with `safetensors.safe_open`, and it checks the pair
+(FlashRL does not): every bf16 projection quantized with its new entry must land on the W8A8
+checkpoint's int8 weight within rounding, so `-m base -q Instruct-W8A8` is refused naming the
+tensor. Numbers are the same (same fp32 ops in the
 same order). `type` of the layernorm entries is the w8a8 checkpoint's dtype (bf16 for RedHatAI
 checkpoints); FlashRL reports whatever dtype transformers loaded the quantized model in (float16 on
 transformers 4.57 when no dtype is given), which only decides an intermediate cast. Tensors carry no
@@ -83,14 +85,26 @@ class SafetensorsCheckpoint:
             try:
                 with open(index_path) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise ProfileError(f"{index_path}: unreadable safetensors index ({exc})") from exc
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise ValueError("weight_map must map tensor names to shard file names")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ProfileError(f"{index_path}: unreadable safetensors index ({_first_line(exc)})") from exc
             out = {k: os.path.join(self.dir, v) for k, v in weight_map.items()}
             missing = sorted({p for p in out.values() if not os.path.exists(p)})
             if missing:
                 raise ProfileError(f"{index_path}: lists missing shard(s) {missing[:3]}")
+            for path in sorted(set(out.values())):  # headers only: a bad shard named up front
+                try:
+                    with safe_open(path, framework="pt"):
+                        pass
+                except Exception as exc:
+                    raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
+                                       f"truncated or corrupt shard?") from exc
             return out
-        files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
+        try:
+            files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
+        except OSError as exc:
+            raise ProfileError(f"{self.dir}: cannot list the checkpoint dir: {exc.strerror or exc}") from exc
         if not files:
             raise ProfileError(f"{self.dir}: no *.safetensors files (a safetensors HF checkpoint is needed)")
         out = {}
@@ -101,7 +115,8 @@ class SafetensorsCheckpoint:
                     for k in f.keys():
                         out[k] = path
             except Exception as exc:  # safetensors raises its own error types
-                raise ProfileError(f"{path}: unreadable safetensors file ({exc})") from exc
+                raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
+                                   f"truncated or corrupt shard?") from exc
         return out
 
     def __contains__(self, name: str) -> bool:
@@ -114,23 +129,36 @@ class SafetensorsCheckpoint:
         from safetensors import safe_open
 
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            except Exception as exc:  # safetensors raises its own error types; name the shard
+                raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
+                                   f"truncated or corrupt shard?") from exc
         return self._handles[path]
+
+    def _read(self, name: str, what):
+        path = self.files[name]
+        handle = self._handle(path)
+        try:
+            return what(handle)
+        except Exception as exc:  # a shard truncated after its header, a bad dtype, ...
+            raise ProfileError(f"{path}: cannot read tensor {name!r} ({_first_line(exc)}); "
+                               f"truncated or corrupt shard?") from exc
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise ProfileError(f"{self.dir}: tensor {name!r} not found")
-        return self._handle(self.files[name]).get_tensor(name)
+        return self._read(name, lambda h: h.get_tensor(name))
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+        return tuple(self._read(name, lambda h: h.get_slice(name).get_shape()))
 
     def dtype(self, name: str) -> str:
         """safetensors' dtype string from the header ("I8", "BF16", ...), no data read."""
         return str(self._handle(self.files[name]).get_slice(name).get_dtype())
 
     def dtype_str(self, name: str) -> str:
-        return self._handle(self.files[name]).get_slice(name).get_dtype()
+        return self._read(name, lambda h: h.get_slice(name).get_dtype())
 
     def close(self) -> None:
         self._stack.close()
@@ -141,6 +169,11 @@ class SafetensorsCheckpoint:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _order_key(name: str) -> Tuple:
@@ -165,6 +198,34 @@ def _layer_groups(names: Iterable[str]) -> List[List[str]]:
 def _least_square(from_p: torch.Tensor, to_p: torch.Tensor, dim: int = -1) -> torch.Tensor:
     to_p = to_p.float()
     return (to_p * from_p).sum(dim=dim, keepdim=True) / (from_p ** 2).sum(dim=dim, keepdim=True)
+
+
+# The bf16 weight through its profile entry must land on the W8A8 checkpoint's int8 grid: a true
+# pair misses by int8 rounding plus the bf16 rounding of the smoothed weights (relative RMS below
+# 1%, no value off by more than 2); another model of the same shape misses by ~100%.
+PAIR_MAX_REL_RMS = 0.05
+PAIR_MAX_OFF2_FRACTION = 1e-3
+
+
+def pair_problem(name: str, weight: torch.Tensor, int8_weight: torch.Tensor, entry: Mapping[str, Any]) -> Optional[str]:
+    """Why `entry` does not map the bf16 `weight` onto the checkpoint's `int8_weight` (None: it does)."""
+    for field in ("input_scale", "output_scale"):
+        value = entry[field]
+        bad = (value <= 0).any() if isinstance(value, torch.Tensor) else value <= 0
+        if bool(bad):
+            return f"{name}: {field} has non-positive values (scales of a true bf16/W8A8 pair are > 0)"
+    ref = int8_weight.float()
+    if ref.shape != weight.shape:
+        return f"{name}: shape {tuple(ref.shape)} in the W8A8 checkpoint, {tuple(weight.shape)} in the bf16 one"
+    online = torch.round(weight.float() * entry["output_scale"] * entry["input_scale"]).clamp(-128, 127)
+    off = (online - ref).abs()
+    rel_rms = float(off.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp(min=1e-12))
+    off2 = float((off > 2).float().mean())
+    if rel_rms > PAIR_MAX_REL_RMS or off2 > PAIR_MAX_OFF2_FRACTION:
+        return (f"{name}: the bf16 weight quantized with this profile misses the W8A8 checkpoint's int8 "
+                f"weight (relative RMS error {rel_rms:.3g}, int8 rounding gives < {PAIR_MAX_REL_RMS}; "
+                f"{100 * off2:.3g}% of the values off by more than 2)")
+    return None
 
 
 def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) -> Dict[str, dict]:
@@ -252,6 +313,16 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
                                       "output_scale": 1.0 / original_output_scale.float(),
                                       "type": torch.int8}
                     break
+            for k in group:  # pass 4: -m and -q must be one model (base vs Instruct gives garbage)
+                entry = lin_entries.get(k) or out_entries.get(k)
+                if entry is None:
+                    continue
+                for field in ("input_scale", "output_scale"):
+                    _check_scale(entry[field], f"{k} {field}")
+                problem = pair_problem(k, bf16.get(k), qget(k, "int8 weight"), entry)
+                if problem:
+                    raise ProfileError(f"-m {bf16_dir} and -q {w8a8_dir} are not a bf16 model and its "
+                                       f"W8A8 checkpoint; first offending tensor {problem}")
     finally:
         bf16.close()
         quant.close()
@@ -281,6 +352,11 @@ def make_profile(bf16_dir: str, w8a8_dir: str, output: str, fn: str = "int8",
     if fn != "int8":
         raise ProfileError(f"--fn {fn}: only int8 has a profile (FlashRL's fp8 profile is refused: "
                            f"Ascend 910B has no FP8 matmul; int8_profile_free needs none)")
+    from npu_flashrl.config import output_path_problem
+
+    problem = output_path_problem(output)  # before reading two whole checkpoints
+    if problem:
+        raise ProfileError(f"-o {problem}")
     profile = compute_int8_profile(bf16_dir, w8a8_dir, progress=progress)
     save_profile(profile, output)
     logger.info("int8 profile with %d entries written to %s", len(profile), output)
@@ -291,6 +367,8 @@ def _check_scale(value: Any, where: str) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise ProfileError(f"{where}: not finite ({value})")
+        if value <= 0:
+            raise ProfileError(f"{where}: {value} is not positive (scales of a bf16/W8A8 pair are > 0)")
         return
     if not isinstance(value, torch.Tensor):
         raise ProfileError(f"{where}: expected a float or a tensor; got {type(value).__name__}")
@@ -300,6 +378,10 @@ def _check_scale(value: Any, where: str) -> None:
         bad = int((~torch.isfinite(value)).sum())
         raise ProfileError(f"{where}: {bad} non-finite value(s) (a zero layernorm weight or "
                            f"weight_scale in the checkpoints?)")
+    if bool((value <= 0).any()):
+        bad = int((value <= 0).sum())
+        raise ProfileError(f"{where}: {bad} non-positive value(s) (scales of a bf16 model and its own "
+                           f"W8A8 checkpoint are > 0: was the profile made from two different models?)")
 
 
 def validate_profile(profile: Any, source: str = "<profile>") -> Dict[str, dict]:
@@ -332,10 +414,23 @@ def validate_profile(profile: Any, source: str = "<profile>") -> Dict[str, dict]
 def load_profile(path: str) -> Dict[str, dict]:
     """Load and validate a FlashRL int8 profile: {param name: {input_scale, output_scale, type}}."""
     path = os.fspath(path)
+    try:
+        os.stat(path)
+    except PermissionError as exc:  # not "not found": a directory on the way is not searchable
+        raise ProfileError(f"{path}: cannot access: {exc.strerror} (check the permissions of its "
+                           f"directories)") from exc
+    except OSError:
+        pass
     if not os.path.exists(path):
         raise ProfileError(f"{path}: profile not found (make one with `npu-flashrl profile -m BF16 -q W8A8 -o {path}`)")
     if os.path.isdir(path):
         raise ProfileError(f"{path}: is a directory; expected a profile file (.pt)")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror or exc} (the file exists; check its "
+                           f"permissions)") from exc
     try:
         profile = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -419,6 +514,17 @@ def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, lim
                 elif isinstance(outs, torch.Tensor) and outs.shape[0] != shape[0]:
                     offenders.append(f"{name}: profile output_scale {list(outs.shape)} vs model weight "
                                      f"{list(shape)} (out_features {shape[0]})")
+                elif (isinstance(outs, torch.Tensor) and name + "_scale" in ckpt
+                      and not any(e in name for e in EXTRA_OUTPUT)):
+                    # output_scale is 1 / weight_scale of the W8A8 checkpoint it was made from
+                    # (up_proj folds in beta): another model of the same shape differs here
+                    ws = ckpt.get(name + "_scale").float().view(-1, 1)
+                    if ws.shape == outs.shape and not torch.allclose(outs.float() * ws, torch.ones_like(ws),
+                                                                      rtol=0, atol=1e-2):
+                        worst = float((outs.float() * ws - 1).abs().max())
+                        offenders.append(f"{name}: profile output_scale is not 1 / weight_scale of "
+                                         f"{model_dir} (off by up to {worst:.3g}): the profile was made "
+                                         f"from another W8A8 checkpoint")
             elif isinstance(ins, torch.Tensor) and tuple(ins.shape) != tuple(shape):
                 offenders.append(f"{name}: profile input_scale {list(ins.shape)} vs model {list(shape)}")
         if len(offenders) < limit:

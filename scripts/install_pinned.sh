@@ -8,6 +8,8 @@
 #
 # Usage: scripts/install_pinned.sh [--dry-run] [--workdir DIR] [--log FILE] [--only NAME[,NAME..]]
 #                                  [--skip-checks] [--allow-mismatch] [--no-verify] [--help]
+#   --only names: torch torch_npu vllm vllm_ascend mindspeed megatron_core verl transformers
+#                 flash_llm_rl npu_flashrl (anything else is refused)
 #
 # Environment (all optional):
 #   NPU_FLASHRL_PINS      pins file                       (default: npu_flashrl/pins.yaml of this checkout)
@@ -63,10 +65,48 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 
+COMPONENTS=(torch torch_npu vllm vllm_ascend mindspeed megatron_core verl transformers flash_llm_rl npu_flashrl)
+if [[ -n "$ONLY" ]]; then
+  IFS=, read -r -a only_names <<<"$ONLY"
+  for name in "${only_names[@]}"; do
+    if [[ ! " ${COMPONENTS[*]} " == *" $name "* ]]; then
+      echo "install_pinned.sh: unknown component '$name' in --only (known: ${COMPONENTS[*]})" >&2
+      exit 2
+    fi
+  done
+fi
+
+# cannot_write PATH: why PATH (a file or dir, created with its parents when missing) cannot be
+# written; nothing printed when it can. Looks only, creates nothing (a dry run changes nothing).
+cannot_write() {
+  local path="$1" probe
+  if [[ -e "$path" ]]; then
+    [[ -w "$path" ]] || echo "$path is not writable"
+    return 0
+  fi
+  probe="$(dirname "$path")"
+  while [[ ! -e "$probe" ]]; do probe="$(dirname "$probe")"; done
+  if [[ ! -d "$probe" ]]; then echo "$probe is not a directory"
+  elif [[ ! -w "$probe" || ! -x "$probe" ]]; then echo "cannot create $path: $probe is not writable"
+  fi
+}
+# Checked before anything else (also by a dry run): a log nobody can write would lose the record
+# of a long install, and a WORKDIR nobody can write would fail halfway.
+for target in "WORKDIR=$WORKDIR" "LOG_FILE=${LOG_FILE:-$WORKDIR/install_pinned.log}"; do
+  problem="$(cannot_write "${target#*=}")"
+  if [[ -n "$problem" ]]; then
+    echo "install_pinned.sh: ERROR: ${target%%=*}: $problem (set --workdir / --log elsewhere)" >&2
+    exit 1
+  fi
+done
+
 # A real run logs to a file; a dry run only when --log/LOG_FILE is given (it must not create WORKDIR).
 if [[ -z "$LOG_FILE" && "$DRY_RUN" == 0 ]]; then LOG_FILE="$WORKDIR/install_pinned.log"; fi
 if [[ -n "$LOG_FILE" ]]; then
-  mkdir -p "$(dirname "$LOG_FILE")"
+  if ! { mkdir -p "$(dirname "$LOG_FILE")" && : >> "$LOG_FILE"; } 2>/dev/null; then
+    echo "install_pinned.sh: ERROR: LOG_FILE=$LOG_FILE cannot be written (set --log elsewhere)" >&2
+    exit 1
+  fi
   exec > >(tee -a "$LOG_FILE") 2>&1
 fi
 

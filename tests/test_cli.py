@@ -109,7 +109,8 @@ def test_setup_values_are_literals_never_eval(tmp_path):
     cfg_path = str(tmp_path / "c.yaml")
     marker = tmp_path / "pwned"
     payload = f"__import__('pathlib').Path({str(marker)!r}).touch()"
-    assert cli.main(["setup", "--fn", "bf16", "-o", cfg_path, f"evil={payload}", "n=3", "flag=True",
+    # --force: these test keys are not entry keys npu_flashrl or FlashRL read (refused without it)
+    assert cli.main(["setup", "--fn", "bf16", "-o", cfg_path, "--force", f"evil={payload}", "n=3", "flag=True",
                      "words=plain text", "lst=[1, 'a']", "yml={a: 1}", "none=None", "null=null"]) == 0
     entry = C.load_config(cfg_path).entries[0]
     assert not marker.exists()

@@ -129,7 +129,10 @@ def test_reads_one_layer_at_a_time(ckpts, monkeypatch):
     monkeypatch.setattr(P.SafetensorsCheckpoint, "get", spy)
     P.compute_int8_profile(bf16, w8a8, progress=False)
     bf16_weights = {n for d, n in loaded if d == bf16 and n.endswith("proj.weight")}
-    assert bf16_weights == {f"model.layers.{i}.mlp.up_proj.weight" for i in range(2)}
+    # every projection: up_proj for the least squares, all of them for the pair check
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert bf16_weights == {f"model.layers.{i}.{p}.weight" for i in range(2) for p in projections}
     assert not any("embed_tokens" in n or "lm_head" in n for _, n in loaded)
     layers = [int(n.split(".")[2]) for _, n in loaded if ".layers." in n]
     assert layers == sorted(layers)  # layer by layer, never revisiting

@@ -250,9 +250,11 @@ def test_bad_model_already_quantized(tmp_path, capsys):
 def test_bad_max_layer_error_is_refused_before_anything_starts(tmp_path, capsys, value):
     from npu_flashrl import cli
 
-    code = cli.main(["rehearse", "--max-layer-error", value, "--output-dir", str(tmp_path / "out")])
-    assert code == 1
-    assert f"--max-layer-error must be a finite number > 0, got {float(value)}" in capsys.readouterr().err
+    # a usage error: argparse refuses it (exit 2, as every bad option value; see tests/test_bad_input.py)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["rehearse", "--max-layer-error", value, "--output-dir", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert f"argument --max-layer-error: {value!r}: expected a finite number > 0.0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -5,7 +5,7 @@ tensors that live on an Ascend NPU. Callers use the functions exported here.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -16,8 +16,9 @@ from npu_flashrl.kernels.reference import (  # noqa: F401  (re-exported semantic
     INT8_MAX,
     INT8_MIN,
     MAX_MATMUL_DIM,
+    all_finite,
     dequantize_weight,
-    quantize_weight_with_scales,
+    require_same_device,
 )
 
 
@@ -33,6 +34,16 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
 
         return npu.quantize_weight_per_channel(weight, compute_dtype, transposed)
     return reference.quantize_weight_per_channel(weight, compute_dtype, transposed)
+
+
+def quantize_weight_with_scales(weight: torch.Tensor, output_scale: Union[torch.Tensor, float],
+                                input_scale: Union[torch.Tensor, float] = 1.0,
+                                transposed: bool = False) -> torch.Tensor:
+    """FlashRL's fixed-scale INT8 (see `reference.quantize_weight_with_scales`). Pure torch ops,
+    so the reference runs on the NPU too; operands on different devices are refused first."""
+    require_same_device("quantize_weight_with_scales", weight=weight, output_scale=output_scale,
+                        input_scale=input_scale)
+    return reference.quantize_weight_with_scales(weight, output_scale, input_scale, transposed)
 
 
 def storage_format(t: torch.Tensor) -> int:

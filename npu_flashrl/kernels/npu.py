@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from npu_flashrl.kernels import reference
+
 
 def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None,
                                 transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -18,6 +20,10 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
         weight = weight.to(compute_dtype)
     if weight.dtype == torch.float32:
         weight = weight.to(torch.bfloat16)
+    # The reference's refusal, in one reduction pass: a NaN/Inf row would otherwise give a
+    # non-finite scale (or, on hardware, a saturated int8 row) and poison the rollout silently.
+    if not reference.all_finite(weight):
+        raise ValueError("quantize_weight_per_channel: weight contains NaN or Inf")
     # Per-row symmetric int8 with scale = rowmax/127 is exactly npu_dynamic_quant on the rows.
     q, scale = torch_npu.npu_dynamic_quant(weight)
     # An all-zero row: the reference defines scale 1.0 (q is 0 either way).

@@ -31,6 +31,25 @@ def _require(cond: bool, op: str, msg: str) -> None:
         raise ValueError(f"{op}: {msg}")
 
 
+def require_same_device(op: str, **operands) -> None:
+    """Refuse tensor operands on different devices, naming each operand and its device (a CPU
+    scale times an NPU weight would otherwise fail deep inside torch, naming neither)."""
+    devices = {n: t.device for n, t in operands.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"{op}: operands are on different devices ({listing}); move them to "
+                         "one device first")
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """One reduction pass over `t`, no temporary of its size (NaN propagates through min/max).
+    A `meta` tensor has no values: nothing to refuse."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def _saturate_int8(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x).clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
 
@@ -98,7 +117,7 @@ def quantize_weight_per_channel(weight: torch.Tensor,
         weight = weight.to(compute_dtype)
     # max/min reduce without a temporary |w| tensor; NaN propagates, Inf shows as Inf.
     absmax = torch.maximum(weight.amax(dim=1), weight.amin(dim=1).neg()).float()
-    _require(bool(torch.isfinite(absmax).all()), op, "weight contains NaN or Inf")
+    _require(all_finite(absmax), op, "weight contains NaN or Inf")
     scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
     def block(r0, r1, c0, c1, buf):
         return torch.div(weight[r0:r1, c0:c1], scale[r0:r1, None], out=buf).round_()
@@ -125,8 +144,8 @@ def quantize_weight_with_scales(weight: torch.Tensor,
             _require(tuple(s.shape) in ok_shapes, op,
                      f"{name} shape {tuple(s.shape)} does not fit weight {tuple(weight.shape)}; "
                      f"expected one of {ok_shapes}")
-    lo, hi = torch.aminmax(weight)
-    _require(bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)), op, "weight contains NaN or Inf")
+    require_same_device(op, weight=weight, output_scale=output_scale, input_scale=input_scale)
+    _require(all_finite(weight), op, "weight contains NaN or Inf")
     os_rows = isinstance(output_scale, torch.Tensor) and output_scale.dim() == 2
     is_cols = isinstance(input_scale, torch.Tensor) and input_scale.dim() == 2
 

@@ -11,6 +11,24 @@ HELP = ("rehearse the INT8 rollout end to end (default: a tiny Qwen2 trained for
         "each quantized layer's output error; non-zero exit when a check fails")
 
 
+def _number(kind, lo, lo_ok=True):
+    """argparse type: a finite `kind` >= lo (> lo when not lo_ok); bad values are usage errors
+    (exit 2) before anything runs, not a failure at the end of a long run (`--max-error nan`)."""
+    import argparse
+    import math
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < lo or (value == lo and not lo_ok):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number {'>=' if lo_ok else '>'} {lo}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", metavar="DIR",
                    help="a local bf16/fp16 HF safetensors checkpoint of a dense Qwen2/Llama-style decoder "
@@ -24,31 +42,31 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "npu"), default="auto",
                    help="npu: real torch_npu/CANN, no emulation (NOT VERIFIED ON HARDWARE); cpu: emulated "
                         "torch_npu kernels; auto (default): npu when torch_npu works, else cpu")
-    p.add_argument("--steps", type=int, default=4, help="simulated training steps (weight syncs); default 4")
-    p.add_argument("--buckets", type=int, default=4,
+    p.add_argument("--steps", type=_number(int, 1), default=4, help="simulated training steps (weight syncs); default 4")
+    p.add_argument("--buckets", type=_number(int, 1), default=4,
                    help="each sync is pushed as this many shuffled load_weights calls; default 4")
-    p.add_argument("--inner-iters", type=int, default=2,
+    p.add_argument("--inner-iters", type=_number(int, 1), default=2,
                    help="AdamW iterations on the synthetic task per simulated step; default 2")
-    p.add_argument("--step-lr", type=float, default=None,
+    p.add_argument("--step-lr", type=_number(float, 0, lo_ok=False), default=None,
                    help="AdamW learning rate of the simulated steps (default 5e-4 for the tiny model, "
                         "1e-5 for --model)")
-    p.add_argument("--num-seqs", type=int, default=16, help="evaluation sequences; default 16")
-    p.add_argument("--seq-len", type=int, default=48, help="tokens per evaluation sequence; default 48")
-    p.add_argument("--train-iters", type=int, default=TINY_TRAIN["iters"],
+    p.add_argument("--num-seqs", type=_number(int, 1), default=16, help="evaluation sequences; default 16")
+    p.add_argument("--seq-len", type=_number(int, 2), default=48, help="tokens per evaluation sequence; default 48")
+    p.add_argument("--train-iters", type=_number(int, 1), default=TINY_TRAIN["iters"],
                    help=f"pre-training iterations of the tiny model; default {TINY_TRAIN['iters']}")
     p.add_argument("--no-fp32-head", action="store_true",
                    help="skip the INT8 + FP32 lm-head variant")
-    p.add_argument("--max-error", type=float, default=1.05,
+    p.add_argument("--max-error", type=_number(float, 1.0), default=1.05,
                    help="fail when an INT8 token_mult_prob_error exceeds this; default 1.05")
-    p.add_argument("--max-layer-error", type=float, default=DEFAULT_MAX_LAYER_ERROR,
+    p.add_argument("--max-layer-error", type=_number(float, 0.0, lo_ok=False), default=DEFAULT_MAX_LAYER_ERROR,
                    help="fail when a quantized linear's output on fixed random activations differs from its "
                         "bf16 counterpart by more than this (relative Frobenius norm); default "
                         f"{DEFAULT_MAX_LAYER_ERROR} (INT8 per-channel/per-token is ~1%%, a broken layer 10-100%%)")
-    p.add_argument("--baseline-tol", type=float, default=0.01,
+    p.add_argument("--baseline-tol", type=_number(float, 0.0), default=0.01,
                    help="fail when the bf16 baseline's token_mult_prob_error exceeds 1 + this; default 0.01 "
                         "(bf16 vLLM and bf16 transformers differ only by kernel rounding)")
     p.add_argument("--seed", type=int, default=0, help="seed of pre-training, steps and data; default 0")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=_number(int, 1), default=None,
                    help="torch CPU threads (default 1 on CPU: these tiny ops are latency-bound and "
                         "several threads spin against each other on a busy machine)")
     p.add_argument("--cache-dir", default=None,
@@ -72,5 +90,11 @@ def check_arguments(args) -> None:
                             ("--inner-iters", args.inner_iters, 1), ("--train-iters", args.train_iters, 1)):
         if value < lo:
             raise RehearsalError(f"{flag} must be >= {lo}, got {value}")
+    from npu_flashrl.config import output_path_problem
+
+    for flag, where in (("--output-dir", args.output_dir), ("--cache-dir", args.cache_dir)):
+        problem = where and output_path_problem(os.path.join(os.path.expanduser(where), "probe"))
+        if problem:  # found now, not after pre-training
+            raise RehearsalError(f"{flag} {where}: cannot be used as a directory ({problem})")
     if not (args.max_layer_error > 0 and args.max_layer_error < float("inf")):
         raise RehearsalError(f"--max-layer-error must be a finite number > 0, got {args.max_layer_error}")

@@ -139,8 +139,16 @@ class CpuVllm:
         use_plain_attention()
         from vllm.model_executor.model_loader import get_model
 
-        with torch.device("cpu"):
-            self.model = get_model(vllm_config=self.vllm_config)
+        default_dtype = torch.get_default_dtype()
+        try:
+            with torch.device("cpu"):
+                self.model = get_model(vllm_config=self.vllm_config)
+        except BaseException:
+            # A refused build must not leak into the next test: vLLM's set_default_torch_dtype
+            # restores the default dtype only on success, and our config context is still open.
+            torch.set_default_dtype(default_dtype)
+            self._stack.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

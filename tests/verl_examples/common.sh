@@ -9,19 +9,52 @@ EXTRA_ARGS=()
 
 recipe_log() { printf '[%s] %s\n' "$(basename "$0" .sh)" "$*" >&2; }
 recipe_die() { printf '[%s] ERROR: %s\n' "$(basename "$0" .sh)" "$*" >&2; exit 1; }
+recipe_usage_die() { printf '[%s] ERROR: %s (see --help)\n' "$(basename "$0" .sh)" "$*" >&2; exit 2; }
 
-# parse_recipe_args "$@": --dry-run / -n, --help / -h (prints the header comment); anything else is
-# kept in EXTRA_ARGS and appended to the verl command (extra Hydra overrides).
+# parse_recipe_args "$@": --dry-run / -n, --help / -h (prints the header comment); any other word
+# starting with '-' is refused (a typo such as --dryrun must not launch the real job; Hydra overrides
+# never start with '-'); the rest is kept in EXTRA_ARGS and appended to the verl command.
 parse_recipe_args() {
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --dry-run|-n) DRY_RUN=1 ;;
       -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+      -*) recipe_usage_die "unknown option '$1': this recipe knows --dry-run/-n and --help/-h; extra Hydra overrides are key=value words" ;;
       *) EXTRA_ARGS+=("$1") ;;
     esac
     shift
   done
   export DRY_RUN
+}
+
+# Numeric tunables (NAME:MIN for integers), checked whenever set, before anything runs: bash
+# arithmetic would misread '8x', 'eight' or '08', and verl would only fail after Ray started.
+RECIPE_INT_VARS=(NNODES:1 NPUS_PER_NODE:1 MAX_PROMPT_LENGTH:1 MAX_RESPONSE_LENGTH:1 TRAIN_BATCH_SIZE:1
+  PPO_MINI_BATCH_SIZE:1 ROLLOUT_N:1 PPO_MAX_TOKEN_LEN:1 ROLLOUT_TP:1 MICRO_BATCH_PER_NPU:1 TOTAL_EPOCHS:1
+  SAVE_FREQ:-1 TEST_FREQ:-1 HCCL_CONNECT_TIMEOUT:1 HCCL_EXEC_TIMEOUT:1 TRAIN_TP:1 TRAIN_PP:1 TRAIN_CP:1
+  RECOMPUTE_NUM_LAYERS:1)
+RECIPE_FLOAT_VARS=(LR KL_LOSS_COEF GPU_MEMORY_UTILIZATION)
+
+# check_numeric_vars: every set variable of the two lists above is a plain number (integers >= MIN).
+check_numeric_vars() {
+  local spec name min value
+  for spec in "${RECIPE_INT_VARS[@]}"; do
+    name="${spec%%:*}"; min="${spec#*:}"; value="${!name-}"
+    [[ -z "$value" ]] && continue
+    if [[ ! "$value" =~ ^-?(0|[1-9][0-9]*)$ ]] || (( value < min )); then
+      recipe_die "$name must be an integer >= $min, got '$value'"
+    fi
+  done
+  for name in "${RECIPE_FLOAT_VARS[@]}"; do
+    value="${!name-}"
+    [[ -z "$value" ]] && continue
+    [[ "$value" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] \
+      || recipe_die "$name must be a non-negative number (e.g. 0.3 or 5e-8), got '$value'"
+  done
+  if [[ -n "${GPU_MEMORY_UTILIZATION:-}" ]] \
+      && ! awk -v v="$GPU_MEMORY_UTILIZATION" 'BEGIN { exit !(v > 0 && v <= 1) }'; then
+    recipe_die "GPU_MEMORY_UTILIZATION must be in (0, 1], got '$GPU_MEMORY_UTILIZATION'"
+  fi
 }
 
 # require_dir NAME VALUE / require_file NAME VALUE: stop with a message naming the variable and path.
@@ -72,6 +105,7 @@ run_or_print() {
 flashrl_entry() {
   local config_script="$1"; shift
   parse_recipe_args "$@"
+  check_numeric_vars  # the ones set now: the profile and setup steps run before the config script
 
   MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-7B-Instruct}"
   FLASHRL_FN="${FLASHRL_FN:-int8}"
@@ -166,6 +200,7 @@ grpo_defaults() {
 
   MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
   MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-10240}"
+  check_numeric_vars  # before the arithmetic below
   TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-16}"
   PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-8}"
   ROLLOUT_N="${ROLLOUT_N:-4}"
@@ -234,6 +269,7 @@ tis_preflight() {
 
 # Cheap checks, before Ray or anything else starts.
 grpo_preflight() {
+  check_numeric_vars
   case "$ROLLOUT_PRECISION" in
     int8|bf16) ;;
     *) recipe_die "ROLLOUT_PRECISION must be int8 or bf16, got '$ROLLOUT_PRECISION'" ;;

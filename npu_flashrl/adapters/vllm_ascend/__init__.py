@@ -1,0 +1,25 @@
+"""vllm-ascend adapter: INT8 rollout models and in-place, bucket-safe weight reload.
+
+- `description`: which layers run vllm-ascend's W8A8 methods (bf16 / compressed-tensors
+  checkpoints get an in-memory quant description).
+- `reload`: `Int8WeightLoader`, the model's quantizing `load_weights` (cold load and in-place sync).
+- `hooks`: the patch bodies (process-once, redirect, attach-on-init), line-neutral.
+- `layout` / `layout_011`: what differs per vllm-ascend line (patch targets, method classes,
+  derived tensors).
+The quantizers themselves are `npu_flashrl.quant`. Names used by other modules and tests are
+re-exported here (`from npu_flashrl.adapters import vllm_ascend; vllm_ascend.end_weight_sync`).
+"""
+from npu_flashrl.adapters.vllm_ascend.description import (  # noqa: F401
+    DESCRIPTION_FILE, FLOAT, PROJECTIONS, W8A8, W8A8_DYNAMIC, QuantDescription, UnsupportedScheme,
+    compressed_tensors_description, describe_checkpoint, profile_free_description,
+    read_hf_quant_config)
+from npu_flashrl.quant import (  # noqa: F401
+    QUANTIZERS, OnlineQuantizer, PerChannelQuantizer, ProfileQuantizer, WeightSyncError,
+    make_quantizer)
+from npu_flashrl.adapters.vllm_ascend.reload import (  # noqa: F401
+    Int8WeightLoader, attach, end_weight_sync, find_targets)
+from npu_flashrl.adapters.vllm_ascend.hooks import (  # noqa: F401
+    _online, configure_online_quantization)
+from npu_flashrl.adapters.vllm_ascend import layout_011  # noqa: F401  (registers its patches)
+from npu_flashrl.adapters.vllm_ascend.layout_011 import (  # noqa: F401
+    PATCHES, refresh_static as _refresh_static, static_quant_bias)

@@ -1,0 +1,40 @@
+"""What every online quantizer is: an incoming full-precision HF tensor -> what the INT8 rollout
+model holds. Pure math over `npu_flashrl.kernels`; nothing here imports upstream code."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+class WeightSyncError(ValueError):
+    """A weight sync was refused; the message names the parameter. Live weights are unchanged
+    for every layer the failing tensor belongs to."""
+
+
+class OnlineQuantizer:
+    """How an incoming full-precision HF tensor becomes what the INT8 rollout model holds."""
+
+    name = ""
+    writes_scales = True
+
+    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16):
+        self.compute_dtype = compute_dtype
+
+    @classmethod
+    def from_entry(cls, compute_dtype: torch.dtype, profile: Optional[dict] = None) -> "OnlineQuantizer":
+        """Build from a config entry's pieces (the profile is ignored unless the method uses one)."""
+        return cls(compute_dtype)
+
+    def quantize(self, name: str, weight: torch.Tensor, transposed: bool = False
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Full weight [out, in] -> (int8 [out, in], fp32 scale [out] or None to keep scales).
+        `transposed`: the int8 result lives in [in, out] memory (see the kernels)."""
+        raise NotImplementedError
+
+    def check(self, name: str, weight: torch.Tensor) -> None:
+        """Refuse a projection this quantizer cannot handle, before any write (default: all ok)."""
+
+    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A non-quantized tensor as the INT8 model wants it (identity unless a profile says)."""
+        return tensor

@@ -1,0 +1,14 @@
+"""Profile-free INT8: fresh symmetric per-channel weight scales at every sync."""
+from __future__ import annotations
+
+from npu_flashrl import kernels
+from npu_flashrl.quant.base import OnlineQuantizer
+from npu_flashrl.quant.registry import register_quantizer
+
+
+@register_quantizer("int8_profile_free")
+class PerChannelQuantizer(OnlineQuantizer):
+    """Profile-free: fresh symmetric per-channel scales on every sync (absmax / 127)."""
+
+    def quantize(self, name, weight, transposed=False):
+        return kernels.quantize_weight_per_channel(weight, self.compute_dtype, transposed=transposed)

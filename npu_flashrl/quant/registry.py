@@ -1,0 +1,36 @@
+"""The one table of online INT8 functions: `fn` name -> quantizer class.
+
+`register_quantizer(name)` fills it (a duplicate name is an error); `make_quantizer` and the
+config's list of supported `fn` values both read it, so a new quantizer is one class, one place.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+QUANTIZERS: Dict[str, type] = {}
+
+
+def register_quantizer(name: str) -> Callable[[type], type]:
+    """Class decorator: make `cls` the quantizer for `fn: <name>`."""
+    def deco(cls: type) -> type:
+        if name in QUANTIZERS:
+            raise ValueError(f"INT8 function {name!r} is already registered "
+                             f"({QUANTIZERS[name].__module__}.{QUANTIZERS[name].__qualname__})")
+        cls.name = name
+        QUANTIZERS[name] = cls
+        return cls
+    return deco
+
+
+def names() -> Tuple[str, ...]:
+    """Registered `fn` names, in registration order."""
+    return tuple(QUANTIZERS)
+
+
+def make_quantizer(fn: str, compute_dtype, profile: Optional[dict] = None):
+    """The quantizer for config entry `fn` (each class decides what its entry needs)."""
+    try:
+        cls = QUANTIZERS[fn]
+    except KeyError:
+        raise ValueError(f"unknown INT8 function {fn!r}; known: {sorted(QUANTIZERS)}") from None
+    return cls.from_entry(compute_dtype, profile)
