@@ -320,8 +320,10 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     Ray actor inherits it: npu_flashrl is reached through vLLM's plugin loading, the hybrid
     config's entry is `replica_rank % 2`, the choice travels in the pickled VllmConfig to the
     process that builds the model, and verl's own rollout.quantization next to FLASHRL_CONFIG is
-    refused. Stand-ins: see tests/verl_server_engine.py, plus emulated torch_npu in every process
-    (a sitecustomize on the subprocess's path)."""
+    refused; in a fresh worker process vLLM's own init_worker activates npu_flashrl and mixes in
+    the wrapped extension (the CPU worker's constructor needs vllm._C and is not run to the end).
+    Stand-ins: see tests/verl_server_engine.py, plus emulated torch_npu in every process (a
+    sitecustomize on the subprocess's path)."""
     from importlib.metadata import entry_points
 
     from npu_flashrl.testing.tiny_models import build_tiny_qwen2
@@ -363,6 +365,19 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     assert r1["extension"] == "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
     assert r1["choice"] == {"fn": None, "quantized": False, "profile": None, "rank": 1}
     assert r1["quantization"] is None  # replica 1 % 2 -> the bf16 entry
+
+    # a fresh process as vLLM's executor spawns for a worker, same environment: vLLM's own
+    # init_worker loads the plugin, and the extension it mixes in has the wrapped sync
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "verl_server_engine.py"),
+                           "--worker", str(tmp_path / "replica1.pkl")], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("WORKER ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    w = json.loads(lines[0].split(" ", 1)[1])
+    assert "verl_server_sync_end" not in w["before"]
+    assert {"verl_server_sync_end", "verl_server_receiver_drains",
+            "model_loader_int8_load_weights"} <= set(w["patches"]), w
+    assert w["injected"] and w["wrapped"], w
 
     clash = results["replica3_fp8"]["error"]
     assert "quantization='fp8'" in clash and "actor_rollout_ref.rollout.quantization" in clash

@@ -2,6 +2,7 @@
 tests/test_verl_server.py, not collected by pytest).
 
     python tests/verl_server_engine.py MODEL_DIR OUT_DIR SCENARIOS_JSON
+    python tests/verl_server_engine.py --worker VLLM_CONFIG_PKL
 
 Each scenario `{"name", "replica_rank", "quantization"}` builds verl's real `vLLMHttpServer`
 (its `__init__`, `launch_server` and `run_server`) and records the VllmConfig that verl's
@@ -10,6 +11,13 @@ same object to its EngineCore and worker processes), or the error. One JSON line
 stdout. Run with NPU_FLASHRL_NO_AUTOACTIVATE=1: importing the CPU harness does not activate
 npu_flashrl, so it becomes active only if vLLM's general-plugin loading (inside verl's CLI
 parser set-up) reaches it; the first line says which patches were applied before that.
+
+`--worker` is the fresh process vLLM's MultiprocExecutor spawns for a worker (same environment):
+it runs vLLM's real `WorkerWrapperBase.init_worker` on the pickled config, which loads the general
+plugins, resolves the worker class and mixes verl's extension into it; the CPU worker's own
+constructor then needs vLLM's compiled CPU kernels (`vllm._C`, not in an empty-target build) and
+fails, which is reported, not hidden. One JSON line: patches applied, extension injected,
+`update_weights_from_ipc` wrapped.
 
 Stand-ins (need a cluster or a device):
 - `ray.get_runtime_context()` (job id) and `ray.util.get_node_ip_address()`: no Ray cluster;
@@ -90,5 +98,38 @@ def main(model_dir: str, out_dir: str, scenarios: list) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def worker(pkl: str) -> None:
+    from npu_flashrl.testing import cpu_vllm
+
+    cpu_vllm.prepare_process()
+    with open(pkl, "rb") as f:
+        vllm_config = pickle.load(f)
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from npu_flashrl import patches
+
+    out = {"before": sorted(p["name"] for p in patches.status() if p["applied"])}
+    wrapper = WorkerWrapperBase(rpc_rank=0)
+    try:
+        wrapper.init_worker([{"vllm_config": vllm_config, "local_rank": 0, "rank": 0,
+                              "distributed_init_method": "tcp://127.0.0.1:1",
+                              "is_driver_worker": True}])
+        out["constructed"] = True
+    except Exception as exc:  # noqa: BLE001 - the CPU worker needs vllm._C (see module doc)
+        out["constructed"] = f"{type(exc).__name__}: {exc}"
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    worker_cls = resolve_obj_by_qualname(vllm_config.parallel_config.worker_cls)
+    ext = resolve_obj_by_qualname(vllm_config.parallel_config.worker_extension_cls)
+    out.update(patches=sorted(p["name"] for p in patches.status() if p["applied"]),
+               injected=ext in worker_cls.__bases__,
+               wrapped=getattr(worker_cls.update_weights_from_ipc, "__npu_flashrl_original__",
+                               None) is not None)
+    print("WORKER " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    if sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
