@@ -4,10 +4,13 @@
   (b) npu_flashrl's INT8 reload (online quantization, in place into the processed W8A8 layers)
   (c) a FlashRL-style INT8 reload with the same quantization kernel: re-allocate every parameter,
       run vLLM's loaders, re-run `process_weights_after_loading`, copy back into the old storages
+  (d) where vLLM has it (0.23 line): vLLM's own layerwise reload (`initialize_layerwise_reload` /
+      the model's vLLM `load_weights` / `finalize_layerwise_reload`) fed the checkpoint-format
+      int8 + weight_scale + weight_offset that the same kernel produces, as a user would have to
 
 Prints seconds and peak extra heap memory of each (glibc mallinfo2, sampled), the ratios
-b/a, c/a, c/b, and the quantization kernel's throughput next to this machine's plain copy
-bandwidth measured in the same run. Then the peak extra memory of one full streamed sync of fp32
+b/a, c/a, c/b (and d/b), and the quantization kernel's throughput next to this machine's plain
+copy bandwidth measured in the same run. Then the peak extra memory of one full streamed sync of fp32
 masters (embedding and lm_head included) next to its target: one fused layer's bf16 weights plus
 the largest single non-projection tensor.
 
@@ -140,6 +143,36 @@ def flashrl_style_reload(model, weights):
             module.register_parameter(pname, old)
 
 
+def checkpoint_format_stream(weights):
+    """What a user feeding vLLM's layerwise reload must send: each projection quantized by the
+    same kernel into checkpoint format (int8 [out, in], weight_scale / weight_offset [out, 1])."""
+    from npu_flashrl import kernels
+
+    for name, t in weights:
+        if name.endswith("_proj.weight"):
+            q, s = kernels.quantize_weight_per_channel(t, torch.bfloat16)
+            base = name[: -len("weight")]
+            yield name, q
+            yield base + "weight_scale", s.to(t.dtype).unsqueeze(1)
+            yield base + "weight_offset", torch.zeros(s.shape[0], 1, dtype=t.dtype)
+        else:
+            yield name, t
+
+
+def vllm_layerwise_reload(model, weights):
+    """vLLM's RL reload: restore each layer to its checkpoint layout, buffer its loads, rerun
+    post-processing, copy into the old storages. The model's vLLM loader is called directly."""
+    from vllm.model_executor.model_loader import reload
+
+    reload.initialize_layerwise_reload(model)
+    model._npu_flashrl_loader._original(checkpoint_format_stream(weights))
+    reload.finalize_layerwise_reload(model, model._bench_model_config)
+
+
+def has_layerwise_reload() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.model_executor.model_loader.reload") is not None
 def streamed_fp32_sync(cfg, weights, args):
     """One full sync streamed as fp32 masters (a generator, as verl's FSDP worker yields them):
     the decoder layers of `weights` plus an embedding and lm_head of vocab `--fp32-vocab`.
@@ -260,23 +293,36 @@ def main(argv=None):
         results["c"] = timed(lambda: flashrl_style_reload(m, iter(weights)), args.repeats)
         same = all(torch.equal(p, state_b[n]) for n, p in m.named_parameters())
         kept = all(p.data_ptr() == ptrs[n] for n, p in m.named_parameters())
+        if has_layerwise_reload():
+            results["d"] = timed(lambda: vllm_layerwise_reload(m, weights), args.repeats)
+            same_d = all(torch.equal(p, state_b[n]) for n, p in m.named_parameters())
+            kept_d = all(p.data_ptr() == ptrs[n] for n, p in m.named_parameters())
     del m, v
     fp32 = streamed_fp32_sync(cfg, weights, args) if args.fp32_vocab else None
     vllm_ascend.configure_online_quantization(None)
 
     labels = {"a": "bf16 load_weights (floor)", "b": "npu_flashrl INT8 in-place reload",
-              "c": "FlashRL-style INT8 reload"}
+              "c": "FlashRL-style INT8 reload", "d": "vLLM layerwise reload (int8 ckpt)"}
     print(f"\n{'variant':<36}{'seconds':>10}{'peak extra MB':>16}")
-    for k in "abc":
+    for k in sorted(results):
         s, mem = results[k]
         print(f"{k}) {labels[k]:<33}{s:>10.3f}{mem / 2**20:>16.1f}")
     ra = results["b"][0] / results["a"][0]
     rc = results["c"][0] / results["a"][0]
     cb = results["c"][0] / results["b"][0]
+    ratios = {"b/a": ra, "c/a": rc, "c/b": cb}
     print(f"\nb/a = {ra:.2f}\nc/a = {rc:.2f}\nc/b = {cb:.2f}")
+    if "d" in results:
+        ratios["d/b"] = results["d"][0] / results["b"][0]
+        print(f"d/b = {ratios['d/b']:.2f}")
     print(f"peak extra memory: b = {results['b'][1] / 2**20:.0f} MB vs one fused layer's bf16 weights "
           f"(gate_up) = {layer_bf16 / 2**20:.0f} MB; c = {results['c'][1] / 2**20:.0f} MB")
     print(f"(b) and (c) give the same INT8 state: {same}; (c) keeps data pointers: {kept}")
+    if "d" in results:
+        print(f"d = {results['d'][1] / 2**20:.0f} MB; (d) gives (b)'s INT8 state: {same_d}; "
+              f"keeps data pointers: {kept_d}")
+    else:
+        print("(d) skipped: this vLLM has no layerwise reload (vllm.model_executor.model_loader.reload)")
     if fp32 is not None:
         print(f"\nstreamed fp32 sync (fp32 masters, vocab {args.fp32_vocab}, embedding and lm_head "
               f"included): peak extra {fp32['peak'] / 2**20:.0f} MB vs target {fp32['target'] / 2**20:.0f} MB "
@@ -293,7 +339,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"seconds": {k: v[0] for k, v in results.items()},
                        "peak_extra_bytes": {k: v[1] for k, v in results.items()},
-                       "ratios": {"b/a": ra, "c/a": rc, "c/b": cb}, "throughput_GBps": tp,
+                       "ratios": ratios, "throughput_GBps": tp,
                        "streamed_fp32_sync": fp32}, f, indent=1)
     return 0
 

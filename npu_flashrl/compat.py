@@ -219,10 +219,15 @@ def ascend_quant_method_map():
     """The table vllm-ascend picks W8A8 scheme classes from (torchair graph mode rewrites it via
     `vllm_ascend.torchair.utils.torchair_quant_method_register`): v0.10.1rc1 keeps quantizer
     classes in `quantizer.SUPPORT_ASCEND_QUANTIZER_TYPE`, 0.11.0 method classes in
-    `utils.ASCEND_QUANTIZATION_METHOD_MAP`. For tests that must restore it."""
+    `utils.ASCEND_QUANTIZATION_METHOD_MAP`, 0.23 the scheme registry
+    `methods.registry._SCHEME_REGISTRY` ((quant_type, layer_type) -> class; 0.23 has no torchair
+    mode). For tests that must restore it."""
     import_quantization()
-    if vllm_ascend_line() == "0.10.1rc1":
+    ln = line()
+    if ln.name == "0.10.1rc1":
         return importlib.import_module("vllm_ascend.quantization.quantizer").SUPPORT_ASCEND_QUANTIZER_TYPE
+    if ln.layout == "023":
+        return importlib.import_module("vllm_ascend.quantization.methods.registry")._SCHEME_REGISTRY
     return importlib.import_module("vllm_ascend.quantization.utils").ASCEND_QUANTIZATION_METHOD_MAP
 
 

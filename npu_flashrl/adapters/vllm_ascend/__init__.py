@@ -4,8 +4,8 @@
   checkpoints get an in-memory quant description).
 - `reload`: `Int8WeightLoader`, the model's quantizing `load_weights` (cold load and in-place sync).
 - `hooks`: the patch bodies (process-once, redirect, attach-on-init), line-neutral.
-- `layout` / `layout_011`: what differs per vllm-ascend line (patch targets, method classes,
-  derived tensors).
+- `layout` / `layout_011` / `layout_023`: what differs per vllm-ascend line (patch targets,
+  method classes, the run-once rule); `derived`: the tensors W8A8 post-processing derives.
 The quantizers themselves are `npu_flashrl.quant`. Names used by other modules and tests are
 re-exported here (`from npu_flashrl.adapters import vllm_ascend; vllm_ascend.end_weight_sync`).
 """
@@ -20,6 +20,14 @@ from npu_flashrl.adapters.vllm_ascend.reload import (  # noqa: F401
     Int8WeightLoader, attach, end_weight_sync, find_targets)
 from npu_flashrl.adapters.vllm_ascend.hooks import (  # noqa: F401
     _online, configure_online_quantization)
-from npu_flashrl.adapters.vllm_ascend import layout_011  # noqa: F401  (registers its patches)
-from npu_flashrl.adapters.vllm_ascend.layout_011 import (  # noqa: F401
-    PATCHES, refresh_static as _refresh_static, static_quant_bias)
+from npu_flashrl.adapters.vllm_ascend.derived import static_quant_bias  # noqa: F401
+
+
+def __getattr__(name: str):
+    # The installed line's layout module is imported (and its patches registered) on first use
+    # only: importing this package must work where vllm_ascend is not installed.
+    if name == "PATCHES":
+        from npu_flashrl.adapters.vllm_ascend import layout
+
+        return layout.current().PATCHES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,15 +2,17 @@
 
 vllm-ascend's "ascend" method needs a `quant_model_description.json`. For a bf16 checkpoint
 (profile-free INT8) or a compressed-tensors w8a8 checkpoint (RedHatAI style) we build that
-description in memory, as a rule rather than a list of names, so the model lands on vllm-ascend's
-own W8A8_DYNAMIC layers. ModelSlim checkpoints with their own json are left alone.
+description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC layers: a rule,
+with every weight of the checkpoint also listed explicitly (vllm-ascend 0.23 skips its json
+lookup only for a non-empty description, and its `apply_vllm_mapper` copies it into a plain dict,
+dropping the rule). ModelSlim checkpoints with their own json are left alone.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,6 +50,13 @@ class QuantDescription(dict):
 
     def __missing__(self, key: str) -> str:
         return self.quant_type(key)
+
+    def fill(self, weight_names) -> "QuantDescription":
+        """List every `<module>.weight` of `weight_names` explicitly, typed by the rule."""
+        for name in weight_names:
+            if name.endswith(".weight"):
+                self[name] = self.quant_type(name)
+        return self
 
 
 def _ignored(module: str, ignore: Sequence[str]) -> bool:
@@ -120,6 +129,30 @@ def read_hf_quant_config(model_dir: str) -> Optional[dict]:
     return cfg.get("quantization_config") or cfg.get("compression_config")
 
 
+def checkpoint_weight_names(model_dir: str) -> List[str]:
+    """Tensor names of a checkpoint directory: the safetensors index, else the safetensors file
+    headers (no tensor data is read), else the dense decoder projections and lm_head that
+    config.json's `num_hidden_layers` implies (a config-only directory, e.g. load_format=dummy)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(json.load(f).get("weight_map", {}))
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        names: List[str] = []
+        for fname in files:
+            with safe_open(os.path.join(model_dir, fname), framework="pt") as sf:
+                names += list(sf.keys())
+        return sorted(names)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        layers = int(json.load(f).get("num_hidden_layers", 0))
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return [f"model.layers.{i}.{'self_attn' if p in attn else 'mlp'}.{p}.weight"
+            for i in range(layers) for p in PROJECTIONS] + ["lm_head.weight"]
+
+
 def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
     """The description vllm-ascend should use for `model_dir`, or None to keep upstream's
     (a ModelSlim checkpoint with its own quant_model_description.json)."""
@@ -127,11 +160,12 @@ def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
         return None
     qcfg = read_hf_quant_config(model_dir)
     if qcfg is None:
-        return profile_free_description()
+        return profile_free_description().fill(checkpoint_weight_names(model_dir))
     method = qcfg.get("quant_method")
     if method == "compressed-tensors" or "config_groups" in qcfg:
         return compressed_tensors_description(
-            qcfg, where=f"{os.path.join(model_dir, 'config.json')}: quantization_config")
+            qcfg, where=f"{os.path.join(model_dir, 'config.json')}: quantization_config"
+        ).fill(checkpoint_weight_names(model_dir))
     raise UnsupportedScheme(
         f"{os.path.join(model_dir, 'config.json')}: quantization_config.quant_method = {method!r} "
         "is not supported on Ascend; use a bf16 checkpoint (profile-free INT8), a "

@@ -55,8 +55,9 @@ def redirect(original, quant_config_class: Callable[[], type]):
 
 
 def override(original):
-    def override_quantization_method(cls, hf_quant_cfg, user_quant):
-        chosen = original(hf_quant_cfg, user_quant)
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs):
+        # extra arguments: vLLM 0.23 also passes hf_config=
+        chosen = original(hf_quant_cfg, user_quant, *args, **kwargs)
         if chosen is None and user_quant in (None, "ascend") and isinstance(hf_quant_cfg, dict) \
                 and hf_quant_cfg.get("quant_method") == "compressed-tensors":
             from vllm.platforms import current_platform

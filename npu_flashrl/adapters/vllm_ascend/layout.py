@@ -11,18 +11,9 @@ import importlib
 
 from npu_flashrl import compat
 
-# compat's line name -> layout module (v0.10.1rc1 and 0.11.0 share the quantization layout).
-LAYOUTS = {
-    "0.10.1rc1": "npu_flashrl.adapters.vllm_ascend.layout_011",
-    "0.11.0": "npu_flashrl.adapters.vllm_ascend.layout_011",
-}
-
 
 @functools.lru_cache(maxsize=None)
 def current():
-    line = compat.vllm_ascend_line()
-    try:
-        return importlib.import_module(LAYOUTS[line])
-    except KeyError:
-        raise compat.UnsupportedVersion(f"vllm-ascend {line}: no npu_flashrl layout for it; "
-                                        f"known: {sorted(LAYOUTS)}") from None
+    """The layout module of compat's line (`compat.line().layout`: "011" for v0.10.1rc1 and
+    0.11.0, which share the quantization layout; "023" for 0.23.0)."""
+    return importlib.import_module(f"npu_flashrl.adapters.vllm_ascend.layout_{compat.line().layout}")

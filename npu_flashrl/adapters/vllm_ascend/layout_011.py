@@ -9,21 +9,14 @@ Both lines keep the methods in `quantization/w8a8{,_dynamic}.py` and the config 
 """
 from __future__ import annotations
 
-import importlib
-
-import torch
-
-from npu_flashrl import compat, kernels, patches
-from npu_flashrl._logging import get_logger
-from npu_flashrl.adapters.vllm_ascend import hooks
-
-logger = get_logger("vllm_ascend")
+from npu_flashrl import compat, patches
+from npu_flashrl.adapters.vllm_ascend import derived, hooks
 
 NAME = "011"
 DYNAMIC_PWAL = "vllm_ascend.quantization.w8a8_dynamic:AscendW8A8DynamicLinearMethod.process_weights_after_loading"
 STATIC_PWAL = "vllm_ascend.quantization.w8a8:AscendW8A8LinearMethod.process_weights_after_loading"
 OVERRIDE_TARGET = "vllm_ascend.quantization.quant_config:AscendQuantConfig.override_quantization_method"
-_VERSIONS = "vllm-ascend " + ", ".join(compat.SUPPORTED_VLLM_ASCEND)
+_VERSIONS = "vllm-ascend 0.10.1rc1, 0.11.0"
 
 
 def method_classes():
@@ -52,56 +45,19 @@ def unsupported_reason(inner) -> str:
 
 
 def quant_config_class():
-    compat.import_quantization()
-    return importlib.import_module("vllm_ascend.quantization.quant_config").AscendQuantConfig
+    return compat.quant_config_class()
 
 
-@torch.no_grad()
-def commit_extras(layer) -> None:
-    """After a new weight_scale was written: the copies vllm-ascend derives from it."""
-    fp32 = getattr(layer, "weight_scale_fp32", None)
-    if isinstance(fp32, torch.Tensor):
-        # vllm-ascend derives it from the param-dtype scale; keep that relation.
-        fp32.copy_(layer.weight_scale.data.to(torch.float32))
-    layer.weight_offset.data.zero_()
+def is_processed(layer) -> bool:
+    """The layer holds post-processed tensors (these lines have no layerwise reload that would
+    put it back into the checkpoint layout)."""
+    return bool(getattr(layer, "_npu_flashrl_processed", False))
 
 
-@torch.no_grad()
-def refresh_static(layer) -> None:
-    """Static W8A8: deq_scale = input_scale * weight_scale, and the float bias folded into
-    quant_bias (vllm-ascend adds quant_bias to the int32 accumulator and ignores `bias`)."""
-    deq = (layer.input_scale.data.float() * layer.weight_scale.data.float()).flatten()
-    if layer.deq_scale.dtype == torch.int64:
-        deq_store = deq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    else:
-        deq_store = deq.to(layer.deq_scale.dtype)
-    layer.deq_scale.data.copy_(deq_store)
-    layer.quant_bias.data.copy_(static_quant_bias(layer, deq))
-
-
-def static_quant_bias(layer, deq: torch.Tensor) -> torch.Tensor:
-    """int32 bias for AscendW8A8LinearMethod: out = (x_q @ W_q + quant_bias) * deq_scale with
-    x_q = round(x / input_scale + input_offset), so
-    quant_bias = round(bias / deq_scale) - input_offset * sum_k W_q[:, k]."""
-    w = layer.weight.data  # processed [in, out]
-    wsum = w.to(torch.int64).sum(dim=0)
-    offset = int(layer.input_offset.data.flatten()[0].item())
-    bias = getattr(layer, "bias", None)
-    fb = torch.zeros_like(deq) if bias is None else torch.round(bias.data.float() / deq)
-    return (fb.to(torch.int64) - offset * wsum).to(torch.int32)
-
-
-@torch.no_grad()
-def fold_checkpoint_bias(layer) -> None:
-    bias = getattr(layer, "bias", None)
-    if bias is None or not bool(bias.data.abs().sum() > 0):
-        return
-    if bool(layer.quant_bias.data.abs().sum() > 0):
-        return  # the exporter (ModelSlim) already folded the bias into quant_bias
-    deq = kernels.reference.decode_deq_scale(layer.deq_scale.data).flatten()
-    layer.quant_bias.data.copy_(static_quant_bias(layer, deq))
-    logger.debug("npu_flashrl: folded float bias into quant_bias of %s",
-                 getattr(layer, "prefix", type(layer).__name__))
+commit_extras = derived.commit_extras
+refresh_static = derived.refresh_static
+static_quant_bias = derived.static_quant_bias
+fold_checkpoint_bias = derived.fold_checkpoint_bias
 
 
 # --------------------------------------------------------------------------- patches

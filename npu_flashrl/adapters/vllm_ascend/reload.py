@@ -149,7 +149,8 @@ class Int8WeightLoader:
     # ------------------------------------------------------------------ public API
     def processed(self) -> bool:
         layers = {id(t.layer): t.layer for t in self.targets.values()}
-        return bool(layers) and all(getattr(l, "_npu_flashrl_processed", False) for l in layers.values())
+        is_processed = _layout.current().is_processed
+        return bool(layers) and all(is_processed(l) for l in layers.values())
 
     def check_quantizer(self) -> None:
         """Refuse a quantizer that cannot handle every projection of this model (a profile made
@@ -168,7 +169,13 @@ class Int8WeightLoader:
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         if not self.processed():
-            return self._original(self._cold_stream(weights))
+            # A layer that was processed before and is not now was put back into its checkpoint
+            # layout by vLLM's layerwise reload, which holds the tensors it is given until the
+            # layer is complete, possibly past this call: give it copies, not the caller's
+            # (bucket) tensors. A cold load from disk needs no copy.
+            reloading = any(getattr(t.layer, "_npu_flashrl_processed", False)
+                            for t in self.targets.values())
+            return self._original(self._cold_stream(weights, copy=reloading))
         if isinstance(weights, dict):
             weights = list(weights.items())
         checked = isinstance(weights, (list, tuple))
@@ -279,12 +286,20 @@ class Int8WeightLoader:
                               f"({self.inconsistent}); run a complete sync before generating")
 
     # ------------------------------------------------------------------ cold load
-    def _cold_stream(self, weights):
+    def _cold_stream(self, weights, copy: bool = False):
         """Before post-processing: quantize float projections in the stream for vLLM's loaders;
         a w8a8 checkpoint's int8 weights pass through and get the zero weight_offset vllm-ascend
-        expects (compressed-tensors has none). The other tensors of a W8A8 checkpoint are
-        already what the INT8 model wants (the profile's smoothing is in them)."""
+        expects (compressed-tensors has none). That offset is yielded at the end, and only when
+        the stream brought none: vLLM 0.23's layerwise reload counts the elements loaded into
+        a layer, and a second offset would make it process the layer before its scales came.
+        The other tensors of a W8A8 checkpoint are already what the INT8 model wants (the
+        profile's smoothing is in them)."""
+        missing_offsets: Dict[str, torch.Tensor] = {}
+        seen_offsets: Set[str] = set()
         for name, tensor in weights:
+            if name.endswith(".weight_offset"):
+                seen_offsets.add(name)
+                missing_offsets.pop(name, None)
             target = self.targets.get(name)
             if target is not None and tensor.is_floating_point():
                 self._validate(name, tensor, values=False)  # the quantizer checks values
@@ -295,11 +310,14 @@ class Int8WeightLoader:
                     yield name[: -len("weight")] + "weight_offset", torch.zeros_like(scale).unsqueeze(1)
                 continue
             if name.endswith(".weight_scale") and name[: -len("_scale")] in self.targets:
-                yield name, tensor
-                offset_name = name[: -len("weight_scale")] + "weight_offset"
-                yield offset_name, torch.zeros_like(tensor)
+                yield name, tensor.clone() if copy else tensor
+                offset = name[: -len("weight_scale")] + "weight_offset"
+                if offset not in seen_offsets:
+                    missing_offsets[offset] = torch.zeros_like(tensor)
                 continue
-            yield name, tensor if self.prequantized_checkpoint else self.quantizer.transform(name, tensor)
+            out = tensor if self.prequantized_checkpoint else self.quantizer.transform(name, tensor)
+            yield name, out.clone() if copy and out is tensor else out
+        yield from missing_offsets.items()
 
     # ------------------------------------------------------------------ reload
     @staticmethod
