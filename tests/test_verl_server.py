@@ -235,20 +235,28 @@ def test_three_syncs_equal_fresh_load(rig, fn):
 
 
 def test_sync_missing_tensor_named(rig):
+    """The sender drops one shard of a fused layer: the sync fails naming it after the last
+    bucket, the layer's INT8 weight is not committed, the model refuses to generate with weights
+    of two syncs, and the next complete sync brings it back to a fresh load's state."""
     _need_int8(rig["int8_ready"])
     from npu_flashrl.adapters import vllm_ascend
 
     dropped = "model.layers.1.self_attn.k_proj.weight"
     with _build(rig, 0, "int8_profile_free") as v:
         worker, _ = _worker(v)
-        before = {n: p.detach().clone() for n, p in v.model.named_parameters()}
+        layer = v.model.get_submodule("model.layers.1.self_attn.qkv_proj")
+        before = (layer.weight.detach().clone(), layer.weight_scale.detach().clone())
         with pytest.raises(vllm_ascend.WeightSyncError, match=dropped):
             _sync(rig, worker, 1, drop=[dropped])
         rig["sender"].expect("sent")
-        layer = "model.layers.1.self_attn.qkv_proj"
-        for n, p in v.model.named_parameters():
-            if n.startswith(layer):
-                assert torch.equal(p.detach(), before[n]), f"{n} changed in a failed sync"
+        assert torch.equal(layer.weight, before[0]) and torch.equal(layer.weight_scale, before[1])
+        with pytest.raises(vllm_ascend.WeightSyncError, match="complete sync"):
+            v.logits(torch.tensor([[1, 2, 3]]))
+        ptrs = {n: p.data_ptr() for n, p in v.model.named_parameters()}
+        _sync(rig, worker, 2)
+        rig["sender"].expect("sent")
+        _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
+        assert torch.isfinite(v.logits(torch.tensor([[1, 2, 3]]))).all()
 
 
 def test_sync_into_model_without_loader_refused_and_drained(rig):
