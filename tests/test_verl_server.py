@@ -119,24 +119,28 @@ def rig(int8_ready):
     """Checkpoints w0..w3, their HF state dicts as the trainer sends them, the sender process,
     and this process set up as a vLLM worker with npu_flashrl's patches."""
     from npu_flashrl.testing import verl_transfer
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.testing.tiny_models import build_tiny_qwen2, build_tiny_qwen3
 
     saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
     os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-test-{os.getpid()}"
     os.environ["VERL_REPLICA_RANK"] = "0"
     root = tempfile.mkdtemp(prefix="npu_flashrl_verl_server_")
-    dirs, files, hf = [], [], []
-    for seed in range(4):
-        d = os.path.join(root, f"w{seed}")
-        model = build_tiny_qwen2(d, seed=seed, config_overrides=SHAPE, tokenizer=False)
-        dirs.append(d)
-        hf.append(model)
-        files.append(verl_transfer.save_weights(model.named_parameters(),
-                                                os.path.join(root, f"w{seed}.safetensors")))
+    archs = {}
+    for arch, build in (("qwen2", build_tiny_qwen2), ("qwen3", build_tiny_qwen3)):
+        dirs, files, hf = [], [], []
+        for seed in range(4 if arch == "qwen2" else 3):
+            d = os.path.join(root, f"{arch}_w{seed}")
+            model = build(d, seed=seed, config_overrides=SHAPE, tokenizer=False)
+            dirs.append(d)
+            hf.append(model)
+            files.append(verl_transfer.save_weights(
+                model.named_parameters(), os.path.join(root, f"{arch}_w{seed}.safetensors")))
+        archs[arch] = (dirs, files, hf)
+    dirs, files, hf = archs["qwen2"]
     handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
     sender = Sender(handle, _env())
     rig = dict(root=root, dirs=dirs, files=files, hf=hf, sender=sender, handle=handle,
-               int8_ready=int8_ready)
+               int8_ready=int8_ready, archs=archs)
     yield rig
     sender.close()
     for k, v in saved.items():
@@ -204,18 +208,23 @@ def _assert_state(model, want, ptrs):
         assert torch.equal(p.detach(), want[n]), f"{n} differs from a fresh load"
 
 
-@pytest.mark.parametrize("fn", [None, "int8_profile_free"], ids=["bf16", "int8"])
-def test_three_syncs_equal_fresh_load(rig, fn):
+@pytest.mark.parametrize("arch,fn", [("qwen2", None), ("qwen2", "int8_profile_free"),
+                                     ("qwen3", "int8_profile_free")],
+                         ids=["qwen2-bf16", "qwen2-int8", "qwen3-int8"])
+def test_three_syncs_equal_fresh_load(rig, arch, fn):
     if fn:
         _need_int8(rig["int8_ready"])
+    dirs, files, _ = rig["archs"][arch]
+    rig = dict(rig, dirs=dirs, files=files)
+    syncs = (1, 2, 3) if arch == "qwen2" else (1, 2, 1)
     with _build(rig, 0, fn) as v:
         worker, buckets = _worker(v)
         assert worker._get_zmq_handle() == rig["handle"]
         if fn:
             assert getattr(v.model, "_npu_flashrl_loader", None) is not None
         ptrs = {n: p.data_ptr() for n, p in v.model.named_parameters()}
-        for i in (1, 2, 3):
-            last = i == 3
+        for k, i in enumerate(syncs):
+            last = k == len(syncs) - 1
             buckets.clear()
             _sync(rig, worker, i, overwrite=last)
             if last:
