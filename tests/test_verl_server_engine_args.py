@@ -67,3 +67,21 @@ def test_mp_engine_without_verl_extension_still_refused(cfg, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(RuntimeError, match="distributed_executor_backend='mp'"):
         vllm_engine.apply_entry(_args(worker_extension_cls=""), cfg)
+
+
+def test_driver_check_on_the_server_line(monkeypatch):
+    """`check_rollout_mode` (also behind `npu-flashrl verify --verl-overrides`) on verl 0.7+:
+    no `rollout.mode=sync` demanded, verl's own rollout quantization refused naming the key."""
+    from npu_flashrl import compat
+    from npu_flashrl.adapters import verl as verl_adapter
+
+    monkeypatch.setattr(compat, "verl_server_mode", lambda: True)
+    env = {"FLASHRL_CONFIG": "/x/flashrl.yaml"}
+    ok = {"actor_rollout_ref": {"rollout": {"mode": "async", "calculate_log_probs": True}},
+          "algorithm": {"rollout_correction": {"rollout_is": "token"}}}
+    assert verl_adapter.check_rollout_mode(ok, environ=env) == []
+    bad = {"actor_rollout_ref": {"rollout": {"quantization": "fp8", "calculate_log_probs": True}},
+           "algorithm": {"rollout_correction": {"rollout_is": "token"}}}
+    with pytest.raises(verl_adapter.RolloutModeError,
+                       match=r"Fix: drop actor_rollout_ref\.rollout\.quantization"):
+        verl_adapter.check_rollout_mode(bad, environ=env)

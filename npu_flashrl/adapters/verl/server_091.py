@@ -91,6 +91,26 @@ def check_engine_quantization(engine_args: Any) -> None:
         "FLASHRL_CONFIG to use verl's own quantized rollout")
 
 
+def check_verl_config(select) -> None:
+    """Driver-side check of a verl 0.7+ config with FLASHRL_CONFIG set (`select(dotted_key)` reads
+    it): verl's own quantized rollout next to FLASHRL_CONFIG is refused before any Ray actor
+    starts, naming the key to drop. Server mode is the only mode there: nothing to demand of
+    `rollout.mode` (verl itself refuses `sync`)."""
+    quant = select("actor_rollout_ref.rollout.quantization")
+    qat = select("actor_rollout_ref.rollout.qat.enable")
+    clash = []
+    if quant is not None and str(quant).strip().lower() not in ("", "null", "none"):
+        clash.append(f"actor_rollout_ref.rollout.quantization={quant}")
+    if qat is True or str(qat).strip().lower() == "true":
+        clash.append("actor_rollout_ref.rollout.qat.enable=true")
+    if clash:
+        raise ServerModeError(
+            f"FLASHRL_CONFIG is set together with {' and '.join(clash)}: verl would quantize the "
+            "rollout itself and npu_flashrl's INT8 W8A8_DYNAMIC rollout cannot apply as well. "
+            f"Fix: drop {' and '.join(c.split('=')[0] for c in clash)} to run npu_flashrl's INT8 "
+            "rollout, or unset FLASHRL_CONFIG to use verl's own")
+
+
 # ------------------------------------------------------------------------------------ the sync
 
 def _vllm_config(worker: Any):
