@@ -85,3 +85,22 @@ def test_driver_check_on_the_server_line(monkeypatch):
     with pytest.raises(verl_adapter.RolloutModeError,
                        match=r"Fix: drop actor_rollout_ref\.rollout\.quantization"):
         verl_adapter.check_rollout_mode(bad, environ=env)
+
+
+def test_reward_model_server_left_alone(cfg, monkeypatch):
+    """verl also serves reward / teacher models through vLLMHttpServer (actor
+    `vllm_server_reward_<r>_<n>`): the FlashRL config is the policy rollout's, never applied
+    there. Stand-in: Ray's runtime context (the actor's name)."""
+    import types as _t
+
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("VERL_REPLICA_RANK", "0")
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: _t.SimpleNamespace(get_actor_name=lambda: "vllm_server_reward_0_0"))
+    args = _args(quantization="fp8")
+    assert vllm_engine.apply_entry(args, cfg) is None
+    assert args.quantization == "fp8" and vllm_engine.CHOICE_KEY not in args.additional_config
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: _t.SimpleNamespace(get_actor_name=lambda: "vllm_server_0_0"))
+    args = _args()
+    assert vllm_engine.apply_entry(args, cfg).fn == "int8_profile_free"

@@ -69,12 +69,17 @@ def _refuse_dummy_int8(engine_args, entry) -> None:
         f"(npu-flashrl setup --fn int8 -m W8A8 ... writes it), model {engine_args.model}")
 
 
-def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
-    """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says."""
+def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
+    """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says.
+    None (engine untouched) for a verl reward/teacher model server."""
     from npu_flashrl.adapters import vllm_ascend
     from npu_flashrl.adapters.verl import server_091 as verl_server
 
     server = verl_server.is_server_engine(engine_args)
+    if server and not verl_server.serves_the_policy():
+        logger.info("npu_flashrl: verl reward/teacher model engine %s left as configured",
+                    getattr(engine_args, "model", None))
+        return None
     if server:
         # verl 0.7+ server mode: one engine per verl replica, entry `replica_rank % n`
         verl_server.check_engine_quantization(engine_args)

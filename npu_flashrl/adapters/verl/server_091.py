@@ -61,6 +61,22 @@ def is_server_engine(engine_args: Any) -> bool:
     return getattr(engine_args, "worker_extension_cls", None) == EXTENSION_CLS
 
 
+_NOT_POLICY = ("server_reward_", "server_teacher_")
+
+
+def serves_the_policy() -> bool:
+    """False in a `vLLMHttpServer` verl starts for a reward or teacher model (its Ray actor is
+    named `<prefix>server_reward_<r>_<n>` / `server_teacher_...`, `vllm_async_server.py:1365`):
+    the FlashRL config describes the policy's rollout, and those engines never get weight syncs."""
+    try:
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name()
+    except Exception:  # noqa: BLE001 - no Ray / not in an actor: the policy rollout (or a test)
+        return True
+    return not (isinstance(name, str) and any(tag in name for tag in _NOT_POLICY))
+
+
 def replica_rank(environ: Optional[Mapping[str, str]] = None) -> int:
     """verl's replica number, exported by `vLLMHttpServer.__init__` before the engine is built."""
     env = os.environ if environ is None else environ
