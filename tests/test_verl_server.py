@@ -165,13 +165,25 @@ def _build(rig, i, fn=None, choice=True):
     return cpu_vllm.CpuVllm(rig["dirs"][i], vllm_config=vc)
 
 
+def _tensors(model):
+    """Everything a forward reads: parameters, buffers, and the derived `weight_scale_fp32` of
+    vllm-ascend's W8A8 layers (a plain attribute, not a parameter)."""
+    out = dict(model.named_parameters())
+    out.update((f"buffer:{n}", b) for n, b in model.named_buffers())
+    for name, mod in model.named_modules():
+        t = getattr(mod, "weight_scale_fp32", None)
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            out[f"{name}.weight_scale_fp32"] = t
+    return out
+
+
 def _fresh_state(rig, i, fn=None):
     from npu_flashrl.adapters import vllm_ascend
 
     vllm_ascend.configure_online_quantization(fn)
     try:
         with _build(rig, i, fn, choice=False) as v:
-            return {n: p.detach().clone() for n, p in v.model.named_parameters()}
+            return {n: t.detach().clone() for n, t in _tensors(v.model).items()}
     finally:
         vllm_ascend.configure_online_quantization(None)
 
@@ -201,7 +213,7 @@ def _sync(rig, worker, i, **opts):
 
 
 def _assert_state(model, want, ptrs):
-    got = dict(model.named_parameters())
+    got = _tensors(model)
     assert got.keys() == want.keys()
     for n, p in got.items():
         assert p.data_ptr() == ptrs[n], f"{n}: storage replaced"
@@ -222,7 +234,9 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
         assert worker._get_zmq_handle() == rig["handle"]
         if fn:
             assert getattr(v.model, "_npu_flashrl_loader", None) is not None
-        ptrs = {n: p.data_ptr() for n, p in v.model.named_parameters()}
+        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        if fn:
+            assert any(n.endswith("weight_scale_fp32") for n in ptrs)
         for k, i in enumerate(syncs):
             last = k == len(syncs) - 1
             buckets.clear()
@@ -261,7 +275,7 @@ def test_sync_missing_tensor_named(rig):
         assert torch.equal(layer.weight, before[0]) and torch.equal(layer.weight_scale, before[1])
         with pytest.raises(vllm_ascend.WeightSyncError, match="complete sync"):
             v.logits(torch.tensor([[1, 2, 3]]))
-        ptrs = {n: p.data_ptr() for n, p in v.model.named_parameters()}
+        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
         _sync(rig, worker, 2)
         rig["sender"].expect("sent")
         _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
