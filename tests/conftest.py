@@ -52,13 +52,27 @@ def pytest_configure(config):
         "primary one: the test exercises line-specific upstream code")
 
 
+# What a pinned tree imports that a newer stack line lacks (the current line's transformers 5
+# dropped `AutoModelForVision2Seq`, which verl 51d2104 imports at module level).
+UPSTREAM_NEEDS = {"verl-51d2104": ("transformers", "AutoModelForVision2Seq")}
+
+
 def upstream_tree(name: str) -> str:
-    """Path of a pinned upstream source tree in ../shared/upstream, or skip saying how to get it."""
+    """Path of a pinned upstream source tree in ../shared/upstream, or skip saying how to get it
+    (or that this stack line cannot import it)."""
     path = os.path.join(SHARED_UPSTREAM, name)
     if not os.path.isdir(path):
         url, commit = UPSTREAM_TREES[name]
         pytest.skip(f"{path} not found: git clone {url} and check out {commit} there "
                     "(read-only; never copy it into the project)")
+    if name in UPSTREAM_NEEDS:
+        import importlib
+
+        module, attr = UPSTREAM_NEEDS[name]
+        mod = importlib.import_module(module)
+        if not hasattr(mod, attr):
+            pytest.skip(f"{name} imports {module}.{attr}, which {module} "
+                        f"{getattr(mod, '__version__', '?')} of this stack line does not have")
     return path
 
 

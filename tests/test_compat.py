@@ -81,3 +81,23 @@ def test_installed_line_is_decided_once_and_frozen():
     assert {static.__name__, dynamic.__name__} == {"AscendW8A8LinearMethod",
                                                    "AscendW8A8DynamicLinearMethod"}
     assert compat.quant_config_class().get_name() == "ascend"
+
+
+def test_installed_unsupported_release_is_refused_by_name(monkeypatch):
+    # what `compat.line()` says when the installed distribution is another release (here the
+    # installed vllm_ascend package reports 0.13.0 and sits in site-packages)
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm_ascend")
+    if "site-packages" not in list(spec.submodule_search_locations)[0]:
+        pytest.skip("vllm_ascend is a source tree on this line (no distribution to report)")
+    monkeypatch.setattr(compat, "_dist_version", lambda name: "0.13.0")
+    compat.line.cache_clear()
+    try:
+        with pytest.raises(compat.UnsupportedVersion,
+                           match=r"vllm-ascend 0\.13\.0 is not supported.*0\.10\.1rc1, 0\.11\.0, 0\.23\.0"):
+            compat.line()
+    finally:
+        monkeypatch.undo()
+        compat.line.cache_clear()
+    assert compat.line().name in compat.SUPPORTED_VLLM_ASCEND
