@@ -73,7 +73,14 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
 
         names += [verl_adapter.PATCH_DRIVER, verl_adapter.PATCH_ACTOR]
         if _importable("vllm"):
-            names.append(verl_adapter.PATCH_SYNC_END)  # rollout workers: every sync ends checked
+            from npu_flashrl import compat
+
+            if compat.verl_server_mode():  # verl 0.7+: the syncs arrive in verl's vLLM workers
+                from npu_flashrl.adapters.verl import server_091
+
+                names += list(server_091.PATCHES)
+            else:
+                names.append(verl_adapter.PATCH_SYNC_END)  # rollout workers: every sync ends checked
         if lmhead_fp32_requested() and _importable("transformers"):
             from npu_flashrl.adapters import transformers as hf_adapter
 

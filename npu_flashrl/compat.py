@@ -314,3 +314,16 @@ def compress_int8(qcfg, state: dict, names_to_scheme: dict) -> dict:
 # every supported vLLM line.
 GET_QUANT_CONFIG_TARGET = "vllm.model_executor.model_loader.weight_utils:get_quant_config"
 INITIALIZE_MODEL_TARGET = "vllm.model_executor.model_loader.base_loader:initialize_model"
+
+
+def verl_server_mode() -> bool:
+    """Does the installed verl run its rollout as a vLLM server fed by bucketed IPC syncs
+    (verl 0.7.1 .. 0.9.x), rather than in-process (sync mode, verl <= 51d2104)? Decided by
+    the file verl's server-mode sync lives in, without importing verl (its rollout package
+    imports Ray and vLLM)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(os.path.isfile(os.path.join(d, "workers", "rollout", "vllm_rollout",
+                                           "bucketed_weight_transfer.py"))
+               for d in spec.submodule_search_locations)

@@ -251,7 +251,10 @@ def _trainer_cfg(*overrides):
     return cfg
 
 
-def test_check_rollout_mode_async_with_flashrl_raises():
+def test_check_rollout_mode_async_with_flashrl_raises(monkeypatch):
+    from npu_flashrl import compat
+
+    monkeypatch.setattr(compat, "verl_server_mode", lambda: False)  # the sync-mode (51d2104) branch
     cfg = _trainer_cfg("actor_rollout_ref.rollout.mode=async")
     with pytest.raises(ad.RolloutModeError, match=r"actor_rollout_ref\.rollout\.mode=sync"):
         ad.check_rollout_mode(cfg, environ={"FLASHRL_CONFIG": "/x/config.yaml"})

@@ -8,6 +8,7 @@ FlashRL-style per-rank weight syncs do not reach instead of running them unquant
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from npu_flashrl import config as flashrl_config
 from npu_flashrl import patches
@@ -18,6 +19,9 @@ logger = get_logger("vllm_engine")
 TARGET = "vllm.engine.arg_utils:EngineArgs.create_engine_config"
 PATCH_NAME = "vllm_engine_flashrl_config"
 SYNC_FIX = "actor_rollout_ref.rollout.mode=sync"
+# Where the entry chosen for an engine travels: vLLM pickles the VllmConfig to every process it
+# starts (EngineCore, mp workers), so the model build reads it from there, not from this process.
+CHOICE_KEY = "npu_flashrl"
 
 _state = {"config": None, "entry": None}
 
@@ -28,6 +32,24 @@ def set_config(cfg) -> None:
 
 def current_entry():
     return _state["entry"]
+
+
+def engine_choice(vllm_config) -> Optional[dict]:
+    """The entry `apply_entry` chose for the engine this `vllm_config` belongs to, or None."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict):
+        return None
+    return extra.get(CHOICE_KEY)
+
+
+def _record_choice(engine_args, entry, rank: int) -> None:
+    extra = dict(getattr(engine_args, "additional_config", None) or {})
+    extra[CHOICE_KEY] = {"fn": entry.fn if flashrl_config.is_quantized(entry) else None,
+                         "quantized": flashrl_config.is_quantized(entry),
+                         "profile": entry.profile_path(engine_args.model)
+                         if flashrl_config.needs_profile(entry) else None,
+                         "rank": rank}
+    engine_args.additional_config = extra
 
 
 def _refuse_dummy_int8(engine_args, entry) -> None:
@@ -47,19 +69,32 @@ def _refuse_dummy_int8(engine_args, entry) -> None:
         f"(npu-flashrl setup --fn int8 -m W8A8 ... writes it), model {engine_args.model}")
 
 
-def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
-    """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says."""
+def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
+    """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says.
+    None (engine untouched) for a verl reward/teacher model server."""
     from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.adapters.verl import server_091 as verl_server
 
-    tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(engine_args, "pipeline_parallel_size", 1) or 1)
-    dp_rank = flashrl_config.dp_rank_from_env(tp, pp) if len(cfg.entries) > 1 else 0
+    server = verl_server.is_server_engine(engine_args)
+    if server and not verl_server.serves_the_policy():
+        logger.info("npu_flashrl: verl reward/teacher model engine %s left as configured",
+                    getattr(engine_args, "model", None))
+        return None
+    if server:
+        # verl 0.7+ server mode: one engine per verl replica, entry `replica_rank % n`
+        verl_server.check_engine_quantization(engine_args)
+        dp_rank = verl_server.replica_rank() if len(cfg.entries) > 1 else 0
+    else:
+        tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
+        pp = int(getattr(engine_args, "pipeline_parallel_size", 1) or 1)
+        dp_rank = flashrl_config.dp_rank_from_env(tp, pp) if len(cfg.entries) > 1 else 0
     entry = flashrl_config.select_entry(cfg, dp_rank)
     backend = getattr(engine_args, "distributed_executor_backend", None)
-    # FlashRL-style syncs reach the model only in external_launcher (SPMD) engines; an entry
+    # FlashRL-style syncs reach the model only in external_launcher (SPMD) engines, or through
+    # verl's update_weights_from_ipc (wrapped by adapters.verl.server_091) in a verl server engine; an entry
     # without the key still needs one, or the INT8 path would be bypassed silently.
     required = entry.distributed_executor_backend or flashrl_config.EXTERNAL_LAUNCHER
-    if backend != required:
+    if not server and backend != required:
         raise RuntimeError(
             f"npu_flashrl: FLASHRL_CONFIG={os.environ.get('FLASHRL_CONFIG')!r} is set but this vLLM "
             f"engine uses distributed_executor_backend={backend!r}, not "
@@ -84,6 +119,7 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
     else:
         engine_args.quantization = entry.quantization
         vllm_ascend.configure_online_quantization(None)
+    _record_choice(engine_args, entry, dp_rank)
     _state["entry"] = entry
     logger.info("npu_flashrl: DP group %d uses config entry fn=%s model=%s load_format=%s",
                 dp_rank, entry.fn, engine_args.model, getattr(engine_args, "load_format", None))
@@ -93,9 +129,17 @@ def apply_entry(engine_args, cfg) -> "flashrl_config.RolloutConfig":
 def _wrap(original):
     def create_engine_config(self, *args, **kwargs):
         cfg = _state["config"]
-        if cfg is not None:
-            apply_entry(self, cfg)
-        return original(self, *args, **kwargs)
+        entry = apply_entry(self, cfg) if cfg is not None else None
+        vllm_config = original(self, *args, **kwargs)
+        if entry is not None and flashrl_config.is_quantized(entry):
+            built = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
+            if built != "ascend":  # no silent bf16 rollout
+                raise RuntimeError(
+                    f"npu_flashrl: FLASHRL_CONFIG entry fn={entry.fn} asks for an INT8 rollout but "
+                    f"vLLM resolved the engine's quantization to {built!r}, not 'ascend': the model "
+                    "would run unquantized. Check that vllm-ascend is installed and its platform "
+                    "is active in this process, or use a bf16 entry")
+        return vllm_config
     return create_engine_config
 
 

@@ -109,7 +109,7 @@ class CpuVllm:
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.bfloat16,
                  quantization: Optional[str] = None, tp_size: int = 1, rank: int = 0,
                  load_format: str = "auto", init_method: Optional[str] = None,
-                 enable_nz: bool = True, use_tqdm_on_load: bool = True):
+                 enable_nz: bool = True, use_tqdm_on_load: bool = True, vllm_config=None):
         self.model_dir = model_dir
         self.dtype = dtype
         self.quantization = quantization
@@ -119,15 +119,17 @@ class CpuVllm:
         self.enable_nz = enable_nz
         self.use_tqdm_on_load = use_tqdm_on_load
         self._stack = contextlib.ExitStack()
-        self.vllm_config = None
+        self.vllm_config = vllm_config  # given: one vLLM built itself (e.g. verl's engine args)
         self.model = None
 
     def __enter__(self) -> "CpuVllm":
         prepare_process(enable_nz=self.enable_nz)
         from vllm.config import set_current_vllm_config
 
-        self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
-                                            self.tp_size, self.load_format, self.use_tqdm_on_load)
+        if self.vllm_config is None:
+            self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
+                                                self.tp_size, self.load_format,
+                                                self.use_tqdm_on_load)
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)

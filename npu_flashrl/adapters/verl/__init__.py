@@ -1,5 +1,6 @@
 """verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
-strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104`.
+strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104` (verl 0.7+ server
+mode: :mod:`.server_091`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
 the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions.
@@ -425,7 +426,16 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
     flashrl = _flashrl_config_set(env)
     if quantized is None:
         quantized = flashrl
-    if flashrl:
+    from npu_flashrl import compat
+
+    if flashrl and compat.verl_server_mode():  # verl 0.7+: server mode only (adapters.verl.server_091)
+        from npu_flashrl.adapters.verl import server_091
+
+        try:
+            server_091.check_verl_config(lambda key: _select(config, key, None))
+        except server_091.ServerModeError as exc:
+            raise RolloutModeError(str(exc)) from None
+    elif flashrl:
         mode = _select(config, "actor_rollout_ref.rollout.mode", None)
         if mode is None or str(mode).strip().lower() != "sync":
             shown = "unset (verl 51d2104 default: async)" if mode is None else repr(str(mode))

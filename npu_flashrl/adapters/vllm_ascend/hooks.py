@@ -19,8 +19,8 @@ from npu_flashrl.quant import PerChannelQuantizer, make_quantizer
 
 logger = get_logger("vllm_ascend")
 
-# Set by `vllm_engine.apply_entry` in the process that builds the engine, read when vLLM builds
-# the model: both happen in one process on the lines this supports (external_launcher).
+# Set by `vllm_engine.apply_entry` in the process that builds the engine; read when vLLM builds
+# the model only if the engine's config carries no choice of its own (`online_choice`).
 _online: Dict[str, object] = {"fn": None, "profile": None}
 
 
@@ -69,26 +69,59 @@ def override(original):
     return classmethod(override_quantization_method)
 
 
+def online_choice(vllm_config):
+    """(fn, profile, required) for a model built under `vllm_config`. The engine's own choice
+    (`additional_config["npu_flashrl"]`, written where the engine args were built and pickled by
+    vLLM to every process it starts, e.g. verl 0.9's mp workers) wins over this process's
+    `configure_online_quantization` (one-process engines, tests, rehearsal)."""
+    from npu_flashrl.adapters import vllm_engine
+
+    choice = vllm_engine.engine_choice(vllm_config)
+    if choice is None:
+        return _online["fn"], _online["profile"], False
+    if not choice.get("quantized"):
+        return None, None, False
+    profile = None
+    if choice.get("profile"):
+        from npu_flashrl.profile import load_profile
+
+        profile = load_profile(choice["profile"])
+    return choice.get("fn"), profile, True
+
+
 def attach_on_init(original):
     def initialize_model(*args, **kwargs):
         model = original(*args, **kwargs)
         vllm_config = kwargs.get("vllm_config") or (args[0] if args else None)
         model_config = getattr(vllm_config, "model_config", None)
+        fn, profile, required = online_choice(vllm_config)
         if getattr(model_config, "quantization", None) != "ascend":
-            if _online["fn"]:
+            if required:  # no silent bf16 rollout
+                raise RuntimeError(
+                    f"npu_flashrl: the engine was configured for INT8 ({fn}) but "
+                    f"{type(model).__name__} was built with quantization="
+                    f"{getattr(model_config, 'quantization', None)!r}: it would run unquantized. "
+                    "Something replaced the engine's quantization after npu_flashrl set it; "
+                    "unset FLASHRL_CONFIG or remove the other quantization setting")
+            if fn:
                 logger.warning("npu_flashrl: INT8 function %s is configured but the model was "
-                               "built with quantization=%r; it will run unquantized", _online["fn"],
+                               "built with quantization=%r; it will run unquantized", fn,
                                getattr(model_config, "quantization", None))
             return model
         # Every INT8 model gets the quantizing loader: a float tensor pushed into vllm-ascend's
         # int8 parameters would otherwise be truncated silently. Without a configured function,
         # reloads use fresh per-channel scales.
-        fn = _online["fn"] or PerChannelQuantizer.name
         dtype = getattr(model_config, "dtype", torch.bfloat16)
         model_dir = getattr(model_config, "model", None)
         prequantized = bool(model_dir) and os.path.isdir(model_dir) and checkpoint_is_quantized(model_dir)
-        loader = attach(model, make_quantizer(fn, dtype, _online["profile"]), prequantized)
+        loader = attach(model, make_quantizer(fn or PerChannelQuantizer.name, dtype, profile),
+                        prequantized)
         if not loader.targets:
+            if required:
+                raise RuntimeError(
+                    f"npu_flashrl: FLASHRL_CONFIG asks for INT8 ({fn}) but {type(model).__name__} "
+                    "has no vllm-ascend W8A8 linear layers: the rollout would run unquantized. "
+                    "Check the checkpoint's quant description (every projection FLOAT?)")
             logger.warning("npu_flashrl: %s has no vllm-ascend W8A8 linear layers; nothing to "
                            "quantize", type(model).__name__)
         return model

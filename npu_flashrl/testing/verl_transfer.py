@@ -1,0 +1,123 @@
+"""verl 0.9's bucketed weight sync on a CPU: its real sender in one process, its real receiver
+(`vLLMColocateWorkerExtension.update_weights_from_ipc`) in another, over shared memory.
+
+Stand-ins, only for what needs a GPU/NPU or verl's Ray/vLLM process tree:
+- `use_cpu_device()`: `get_torch_device` and `is_support_ipc` inside
+  `bucketed_weight_transfer` (on a CPU verl falls back to its CUDA platform, whose
+  `torch.cuda.synchronize()` fails): the CPU device module, and no IPC, so the transport is
+  verl's POSIX shared-memory fallback (`use_shm=True`, what NPUs without IPC support use).
+- `make_worker()`: the vLLM worker object verl's extension is mixed into. It is built with
+  `object.__new__` (verl's `__new__` sets a parent-death signal meant for vLLM's worker
+  process) and carries what `update_weights_from_ipc` reads from a vLLM worker: `model_runner`
+  (`model`, `vllm_config`), `device`, `local_rank`.
+
+The sender process: `python -m npu_flashrl.testing.verl_transfer ZMQ_HANDLE` reads one JSON
+command per line on stdin: `{"weights": <safetensors file>, "drop": [names], "bucket_mb": 1,
+"overwrite": true}`, sends the file's tensors in the file's order with verl's
+`BucketedWeightSender`, and prints `sent` (with `overwrite`: after the last bucket is
+acknowledged it fills the bucket buffer with garbage, prints `overwritten` and waits for a
+line on stdin before releasing it). Protocol lines start with PREFIX (vLLM logs to stdout).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import torch
+
+PREFIX = "@npu_flashrl@ "
+_TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
+
+
+def _cpu_device_module():
+    return types.SimpleNamespace(synchronize=torch.cpu.synchronize, empty_cache=lambda: None,
+                                 ipc_collect=lambda: None)
+
+
+def use_cpu_device() -> None:
+    """Stand-in: verl's device helpers inside the bucket transfer, pointed at the CPU."""
+    import importlib
+
+    mod = importlib.import_module(_TRANSFER)
+    mod.get_torch_device = _cpu_device_module
+    mod.is_support_ipc = lambda: False
+
+
+def make_worker(model, vllm_config, local_rank: int = 0):
+    """Stand-in for the vLLM worker that verl's extension is mixed into (see module doc)."""
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    worker = object.__new__(vLLMColocateWorkerExtension)
+    worker.model_runner = types.SimpleNamespace(model=model, vllm_config=vllm_config)
+    worker.device = torch.device("cpu")
+    worker.local_rank = local_rank
+    worker._is_qat_model = False
+    worker._is_modelopt_qat = False
+    return worker
+
+
+def _say(word: str) -> None:
+    # vLLM logs to stdout too: protocol lines carry a prefix
+    print(PREFIX + word, flush=True)
+
+
+def _send(handle: str, cmd: dict) -> None:
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    drop = set(cmd.get("drop") or ())
+    tensors = load_file(cmd["weights"])
+    with open(cmd["weights"] + ".order") as f:  # the trainer's order (safetensors sorts names)
+        order = json.load(f)
+    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=int(cmd.get("bucket_mb", 1)),
+                                  use_shm=True)
+    if cmd.get("overwrite"):
+        cleanup = sender._cleanup
+
+        def overwrite_then_cleanup():
+            # the receiver acknowledged the last bucket: nothing of it may still be in use there
+            if sender.buffer is not None:
+                sender.buffer.fill_(0x7F)
+            _say("overwritten")
+            sys.stdin.readline()
+            cleanup()
+
+        sender._cleanup = overwrite_then_cleanup
+    weights = ((n, tensors[n]) for n in order if n not in drop)
+    asyncio.run(sender.async_send_weights(weights))
+    _say("sent")
+
+
+def save_weights(named_tensors, path: str) -> str:
+    """Write (name, tensor) pairs for the sender process, keeping their order."""
+    from safetensors.torch import save_file
+
+    items = [(n, t.detach().contiguous().cpu()) for n, t in named_tensors]
+    save_file(dict(items), path)
+    with open(path + ".order", "w") as f:
+        json.dump([n for n, _ in items], f)
+    return path
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m npu_flashrl.testing.verl_transfer ZMQ_HANDLE", file=sys.stderr)
+        return 2
+    os.environ.setdefault("VLLM_PLUGINS", "none")
+    use_cpu_device()
+    _say("ready")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        _send(argv[0], json.loads(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

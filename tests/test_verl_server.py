@@ -1,0 +1,436 @@
+"""verl 0.9 server mode: weight syncs through verl's real bucketed transfer, and the engine build
+through verl's real `vLLMHttpServer`, on CPU.
+
+The sync tests run verl's real `BucketedWeightSender` in a separate process
+(`npu_flashrl.testing.verl_transfer`) and verl's real
+`vLLMColocateWorkerExtension.update_weights_from_ipc` (npu_flashrl's patches applied) in this
+one. They use POSIX shared memory with 1 MB buckets and push new weights into a vLLM model built on
+the CPU harness. Stand-ins, each for something that needs a GPU/NPU:
+- `get_torch_device` / `is_support_ipc` inside verl's `bucketed_weight_transfer`: the CPU device
+  module and no IPC (`verl_transfer.use_cpu_device`; on a CPU verl picks its CUDA platform);
+- the vLLM worker the extension is mixed into: an object carrying `model_runner.model`,
+  `model_runner.vllm_config`, `device` and `local_rank` (`verl_transfer.make_worker`; verl's
+  `__new__`, which sets a parent-death signal for vLLM's worker process, is not run);
+- attention: plain causal attention (`cpu_vllm.use_plain_attention`), torch_npu emulated.
+The engine-build test's stand-ins are listed in tests/verl_server_engine.py.
+"""
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from npu_flashrl import compat, patches
+
+pytestmark = [
+    pytest.mark.every_line,
+    pytest.mark.skipif(not compat.verl_server_mode(),
+                       reason="needs verl with server-mode bucketed syncs (0.7.1+, e.g. 0.9.1)"),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# hidden 256 / intermediate 704: one decoder layer is ~1.4 MB of bf16, so 1 MB buckets split
+# fused layers (gate/up, q/k/v) across buckets.
+SHAPE = dict(hidden_size=256, intermediate_size=704)
+BUCKET_MB = 1
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+TIMEOUT_S = 300
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    env["VLLM_PLUGINS"] = "none"
+    env.pop("FLASHRL_CONFIG", None)
+    return env
+
+
+class Sender:
+    """verl's BucketedWeightSender in its own process (the trainer side of a sync)."""
+
+    def __init__(self, handle: str, env: dict):
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "npu_flashrl.testing.verl_transfer", handle], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1)
+        self.expect("ready")
+
+    def send(self, weights: str, **opts) -> None:
+        self.proc.stdin.write(json.dumps({"weights": weights, "bucket_mb": BUCKET_MB, **opts}) + "\n")
+        self.proc.stdin.flush()
+
+    def release(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def expect(self, word: str) -> None:
+        from npu_flashrl.testing.verl_transfer import PREFIX
+
+        line = ""
+        while not line.startswith(PREFIX):
+            ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT_S)
+            line = self.proc.stdout.readline() if ready else "<timeout>"
+            if line in ("", "<timeout>"):
+                break
+        line = line.strip()[len(PREFIX.strip()):].strip() if line.startswith(PREFIX) else line
+        if line != word:
+            self.err.seek(0)
+            tail = self.err.read().decode(errors="replace")[-3000:]
+            pytest.fail(f"sender: expected {word!r}, got {line!r}; stderr:\n{tail}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def int8_ready():
+    """This process on the CPU harness with npu_flashrl's vllm-ascend and verl server patches;
+    True when the INT8 W8A8_DYNAMIC path applies on this line."""
+    from npu_flashrl.testing import cpu_vllm, verl_transfer
+
+    cpu_vllm.prepare_process()
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.adapters.verl import server_091 as verl_server
+
+    applied = patches.apply_patches(list(vllm_ascend.PATCHES))
+    assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
+    verl_transfer.use_cpu_device()
+    return applied.get("ascend_w8a8_dynamic_process_once", False)
+
+
+def _need_int8(ready):
+    if not ready:
+        pytest.skip("npu_flashrl's INT8 W8A8_DYNAMIC patches do not apply on this vllm-ascend "
+                    "line yet (current line: issue 10)")
+
+
+@pytest.fixture(scope="module")
+def rig(int8_ready):
+    """Checkpoints w0..w3, their HF state dicts as the trainer sends them, the sender process,
+    and this process set up as a vLLM worker with npu_flashrl's patches."""
+    from npu_flashrl.testing import verl_transfer
+    from npu_flashrl.testing.tiny_models import build_tiny_qwen2, build_tiny_qwen3
+
+    saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
+    os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-test-{os.getpid()}"
+    os.environ["VERL_REPLICA_RANK"] = "0"
+    root = tempfile.mkdtemp(prefix="npu_flashrl_verl_server_")
+    archs = {}
+    for arch, build in (("qwen2", build_tiny_qwen2), ("qwen3", build_tiny_qwen3)):
+        dirs, files, hf = [], [], []
+        for seed in range(4 if arch == "qwen2" else 3):
+            d = os.path.join(root, f"{arch}_w{seed}")
+            model = build(d, seed=seed, config_overrides=SHAPE, tokenizer=False)
+            dirs.append(d)
+            hf.append(model)
+            files.append(verl_transfer.save_weights(
+                model.named_parameters(), os.path.join(root, f"{arch}_w{seed}.safetensors")))
+        archs[arch] = (dirs, files, hf)
+    dirs, files, hf = archs["qwen2"]
+    handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
+    sender = Sender(handle, _env())
+    rig = dict(root=root, dirs=dirs, files=files, hf=hf, sender=sender, handle=handle,
+               int8_ready=int8_ready, archs=archs)
+    yield rig
+    sender.close()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _choice(fn):
+    return {"fn": fn, "quantized": fn is not None, "profile": None, "rank": 0}
+
+
+def _build(rig, i, fn=None, choice=True):
+    """vLLM model from checkpoint w<i>: bf16 (fn None) or INT8 through npu_flashrl, configured the
+    way the engine patch configures it (additional_config['npu_flashrl'])."""
+    from npu_flashrl.testing import cpu_vllm
+
+    vc = cpu_vllm.make_vllm_config(rig["dirs"][i], quantization="ascend" if fn else None)
+    if choice:
+        vc.additional_config = {"npu_flashrl": _choice(fn)}
+    return cpu_vllm.CpuVllm(rig["dirs"][i], vllm_config=vc)
+
+
+def _tensors(model):
+    """Everything a forward reads: parameters, buffers, and the derived `weight_scale_fp32` of
+    vllm-ascend's W8A8 layers (a plain attribute, not a parameter)."""
+    out = dict(model.named_parameters())
+    out.update((f"buffer:{n}", b) for n, b in model.named_buffers())
+    for name, mod in model.named_modules():
+        t = getattr(mod, "weight_scale_fp32", None)
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            out[f"{name}.weight_scale_fp32"] = t
+    return out
+
+
+def _fresh_state(rig, i, fn=None):
+    from npu_flashrl.adapters import vllm_ascend
+
+    vllm_ascend.configure_online_quantization(fn)
+    try:
+        with _build(rig, i, fn, choice=False) as v:
+            return {n: t.detach().clone() for n, t in _tensors(v.model).items()}
+    finally:
+        vllm_ascend.configure_online_quantization(None)
+
+
+def _worker(v):
+    from npu_flashrl.testing import verl_transfer
+
+    worker = verl_transfer.make_worker(v.model, v.vllm_config)
+    buckets = []
+    update = worker._update_weights
+
+    def spy(weights, **kw):  # records the bucket split; verl's own method does the work
+        buckets.append([n for n, _ in weights])
+        return update(weights, **kw)
+
+    worker._update_weights = spy
+    return worker, buckets
+
+
+def _sync(rig, worker, i, **opts):
+    rig["sender"].send(rig["files"][i], **opts)
+    try:
+        worker.update_weights_from_ipc(use_shm=True)
+    finally:
+        if opts.get("overwrite"):
+            rig["sender"].expect("overwritten")
+
+
+def _assert_state(model, want, ptrs):
+    got = _tensors(model)
+    assert got.keys() == want.keys()
+    for n, p in got.items():
+        assert p.data_ptr() == ptrs[n], f"{n}: storage replaced"
+        assert torch.equal(p.detach(), want[n]), f"{n} differs from a fresh load"
+
+
+@pytest.mark.parametrize("arch,fn", [("qwen2", None), ("qwen2", "int8_profile_free"),
+                                     ("qwen3", "int8_profile_free")],
+                         ids=["qwen2-bf16", "qwen2-int8", "qwen3-int8"])
+def test_three_syncs_equal_fresh_load(rig, arch, fn):
+    if fn:
+        _need_int8(rig["int8_ready"])
+    dirs, files, _ = rig["archs"][arch]
+    rig = dict(rig, dirs=dirs, files=files)
+    syncs = (1, 2, 3) if arch == "qwen2" else (1, 2, 1)
+    with _build(rig, 0, fn) as v:
+        worker, buckets = _worker(v)
+        assert worker._get_zmq_handle() == rig["handle"]
+        if fn:
+            assert getattr(v.model, "_npu_flashrl_loader", None) is not None
+        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        if fn:
+            assert any(n.endswith("weight_scale_fp32") for n in ptrs)
+        for k, i in enumerate(syncs):
+            last = k == len(syncs) - 1
+            buckets.clear()
+            _sync(rig, worker, i, overwrite=last)
+            if last:
+                # the sender has overwritten its bucket buffer after the last bucket: a kept
+                # view of it would show up as a difference from the fresh load
+                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+                rig["sender"].release()
+            else:
+                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+            rig["sender"].expect("sent")
+            assert len(buckets) > 1
+            where = {n: k for k, names in enumerate(buckets) for n in names}
+            split = [g for g in FUSED for layer in range(2)
+                     if len({where[f"model.layers.{layer}.{'self_attn' if 'q_proj' in g else 'mlp'}"
+                                   f".{s}.weight"] for s in g}) > 1]
+            assert split, f"no fused layer split across buckets: {buckets}"
+
+
+def test_sync_missing_tensor_named(rig):
+    """The sender drops one shard of a fused layer: the sync fails naming it after the last
+    bucket, the layer's INT8 weight is not committed, the model refuses to generate with weights
+    of two syncs, and the next complete sync brings it back to a fresh load's state."""
+    _need_int8(rig["int8_ready"])
+    from npu_flashrl.adapters import vllm_ascend
+
+    dropped = "model.layers.1.self_attn.k_proj.weight"
+    with _build(rig, 0, "int8_profile_free") as v:
+        worker, _ = _worker(v)
+        layer = v.model.get_submodule("model.layers.1.self_attn.qkv_proj")
+        before = (layer.weight.detach().clone(), layer.weight_scale.detach().clone())
+        with pytest.raises(vllm_ascend.WeightSyncError, match=dropped):
+            _sync(rig, worker, 1, drop=[dropped])
+        rig["sender"].expect("sent")
+        assert torch.equal(layer.weight, before[0]) and torch.equal(layer.weight_scale, before[1])
+        with pytest.raises(vllm_ascend.WeightSyncError, match="complete sync"):
+            v.logits(torch.tensor([[1, 2, 3]]))
+        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        _sync(rig, worker, 2)
+        rig["sender"].expect("sent")
+        _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
+        assert torch.isfinite(v.logits(torch.tensor([[1, 2, 3]]))).all()
+
+
+def test_sync_into_model_without_loader_refused_and_drained(rig):
+    from npu_flashrl.adapters.verl import server_091 as verl_server
+
+    with _build(rig, 0, None, choice=False) as v:
+        # an engine configured for INT8 whose model has no npu_flashrl loader
+        v.vllm_config.additional_config = {"npu_flashrl": _choice("int8_profile_free")}
+        worker, buckets = _worker(v)
+        before = {n: p.detach().clone() for n, p in v.model.named_parameters()}
+        with pytest.raises(verl_server.ServerModeError, match="has no npu_flashrl INT8 loader"):
+            _sync(rig, worker, 1)
+        rig["sender"].expect("sent")  # drained: the trainer's sender finished, no hang
+        assert buckets == []
+        for n, p in v.model.named_parameters():
+            assert torch.equal(p.detach(), before[n])
+
+
+def test_sync_into_engine_built_without_npu_flashrl_refused(rig, monkeypatch):
+    from npu_flashrl.adapters.verl import server_091 as verl_server
+
+    monkeypatch.setenv("FLASHRL_CONFIG", os.path.join(rig["root"], "flashrl.yaml"))
+    with _build(rig, 0, None, choice=False) as v:
+        worker, _ = _worker(v)
+        with pytest.raises(verl_server.ServerModeError, match="built without npu_flashrl"):
+            _sync(rig, worker, 1)
+        rig["sender"].expect("sent")
+
+
+def test_failed_bucket_fails_the_sync_instead_of_hanging(rig):
+    """A tensor vLLM's loader rejects (wrong shape) in an early bucket: verl's receiver would
+    stop answering and leave the sender blocked; with npu_flashrl the rest is drained unloaded
+    and the error reaches the caller."""
+    from npu_flashrl.testing import verl_transfer
+
+    bad = os.path.join(rig["root"], "bad.safetensors")
+    named = [(n, p.detach()) for n, p in rig["hf"][1].named_parameters()]
+    named[1] = (named[1][0], torch.zeros(3, 3, dtype=named[1][1].dtype))
+    verl_transfer.save_weights(named, bad)
+    with _build(rig, 0, None) as v:
+        worker, buckets = _worker(v)
+        rig["sender"].proc.stdin.write(json.dumps({"weights": bad, "bucket_mb": BUCKET_MB}) + "\n")
+        rig["sender"].proc.stdin.flush()
+        with pytest.raises((AssertionError, RuntimeError, ValueError)):
+            worker.update_weights_from_ipc(use_shm=True)
+        rig["sender"].expect("sent")
+        assert len(buckets) == 1, "buckets after the failed one must not be loaded"
+
+
+# ------------------------------------------------------------------------------- engine build
+
+FLASHRL_YAML = """\
+configs:
+  - fn: int8_profile_free
+  - fn: bf16
+"""
+
+
+SITECUSTOMIZE = """\
+# Stand-in for an installed torch_npu in every process vLLM starts (its model-inspection
+# subprocess imports vllm_ascend once npu_flashrl's plugin is active there).
+from npu_flashrl.kernels import emulation as _emulation
+_emulation.install()
+"""
+
+
+def test_engine_build_through_verl_server(tmp_path, int8_ready):
+    """verl's real vLLMHttpServer in a fresh process with FLASHRL_CONFIG in its environment, as a
+    Ray actor inherits it: npu_flashrl is reached through vLLM's plugin loading, the hybrid
+    config's entry is `replica_rank % 2`, the choice travels in the pickled VllmConfig to the
+    process that builds the model, and verl's own rollout.quantization next to FLASHRL_CONFIG is
+    refused; in a fresh worker process vLLM's own init_worker activates npu_flashrl and mixes in
+    the wrapped extension (the CPU worker's constructor needs vllm._C and is not run to the end).
+    Stand-ins: see tests/verl_server_engine.py, plus emulated torch_npu in every process (a
+    sitecustomize on the subprocess's path)."""
+    from importlib.metadata import entry_points
+
+    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+
+    if "npu_flashrl" not in entry_points(group="vllm.general_plugins").names:
+        pytest.skip("npu_flashrl is not installed here (pip install -e .): its vLLM plugin entry "
+                    "point is what reaches verl's vLLM processes")
+    model_dir = str(tmp_path / "model")
+    build_tiny_qwen2(model_dir)
+    cfg = tmp_path / "flashrl.yaml"
+    cfg.write_text(FLASHRL_YAML)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    scenarios = [{"name": "replica1", "replica_rank": 1},
+                 {"name": "replica3_fp8", "replica_rank": 3, "quantization": "fp8"}]
+    if int8_ready:
+        scenarios.append({"name": "replica2", "replica_rank": 2})
+    env = _env()
+    env.update(FLASHRL_CONFIG=str(cfg), VLLM_PLUGINS="npu_flashrl", NPU_FLASHRL_NO_AUTOACTIVATE="1",
+               PYTHONPATH=os.pathsep.join((env["PYTHONPATH"], str(site))))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "verl_server_engine.py"),
+                           model_dir, str(tmp_path), json.dumps(scenarios)], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    missing = [l for l in proc.stdout.splitlines() if l.startswith("MISSING ")]
+    if missing:
+        pytest.skip(f"verl's vllm_async_server does not import on this line: {missing[0][8:]}")
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("BEFORE ", "RESULT "))]
+    assert proc.returncode == 0 and len(lines) == 1 + len(scenarios), proc.stderr[-4000:]
+    before = json.loads(lines[0].split(" ", 1)[1])
+    results = {r["name"]: r for r in (json.loads(l.split(" ", 1)[1]) for l in lines[1:])}
+    assert "vllm_engine_flashrl_config" not in before  # not activated by an import
+
+    r1 = results["replica1"]
+    assert "error" not in r1, r1
+    # reached through the vLLM plugin, with the server-mode sync patches
+    assert {"vllm_engine_flashrl_config", "verl_server_sync_end"} <= set(r1["patches"])
+    assert r1["backend"] == "mp"
+    assert r1["extension"] == "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
+    assert r1["choice"] == {"fn": None, "quantized": False, "profile": None, "rank": 1}
+    assert r1["quantization"] is None  # replica 1 % 2 -> the bf16 entry
+
+    # a fresh process as vLLM's executor spawns for a worker, same environment: vLLM's own
+    # init_worker loads the plugin, and the extension it mixes in has the wrapped sync
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "verl_server_engine.py"),
+                           "--worker", str(tmp_path / "replica1.pkl")], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("WORKER ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    w = json.loads(lines[0].split(" ", 1)[1])
+    assert "verl_server_sync_end" not in w["before"]
+    assert {"verl_server_sync_end", "verl_server_receiver_drains",
+            "model_loader_int8_load_weights"} <= set(w["patches"]), w
+    assert w["injected"] and w["wrapped"], w
+
+    clash = results["replica3_fp8"]["error"]
+    assert "quantization='fp8'" in clash and "actor_rollout_ref.rollout.quantization" in clash
+    assert "Drop one" in clash
+
+    if not int8_ready:
+        return  # replica 2 -> the INT8 entry needs the INT8 path on this line (issue 10)
+    r2 = results["replica2"]
+    assert "error" not in r2, r2
+    assert r2["quantization"] == "ascend"
+    assert r2["choice"] == {"fn": "int8_profile_free", "quantized": True, "profile": None, "rank": 2}
+    # the model build, where vLLM's worker does it: from the pickled config, in a process whose
+    # own configure_online_quantization was never called
+    import pickle
+
+    from npu_flashrl.adapters import vllm_ascend
+    from npu_flashrl.testing import cpu_vllm
+
+    vllm_ascend.configure_online_quantization(None)
+    with open(tmp_path / "replica2.pkl", "rb") as f:
+        vllm_config = pickle.load(f)
+    vllm_config.device_config.device = torch.device("cpu")
+    with cpu_vllm.CpuVllm(model_dir, vllm_config=vllm_config) as v:
+        loader = v.model._npu_flashrl_loader
+        assert loader.quantizer.name == "int8_profile_free" and loader.targets
