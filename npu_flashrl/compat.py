@@ -282,14 +282,17 @@ def vllm_attention_class():
     return _resolve(line().attention)
 
 
-def eager_compilation_config():
-    """vLLM's CompilationConfig for plain eager PyTorch with no custom ops (CPU harness):
-    0.23 takes `mode=CompilationMode.NONE` (`level` is gone), older lines `level=0`."""
+def eager_compilation_config(native_ops: bool = True):
+    """vLLM's CompilationConfig for eager PyTorch (no torch.compile): 0.23 takes
+    `mode=CompilationMode.NONE` (`level` is gone), older lines `level=0`. `native_ops`: plain torch
+    instead of the platform's custom ops (the CPU harness, where the compiled kernels are absent);
+    False keeps the NPU's own ops (the rehearsal on hardware)."""
     from vllm import config as vcfg
 
+    ops = {"custom_ops": ["none"]} if native_ops else {}
     if line().compile_mode:
-        return vcfg.CompilationConfig(mode=vcfg.CompilationMode.NONE, custom_ops=["none"])
-    return vcfg.CompilationConfig(level=0, custom_ops=["none"])
+        return vcfg.CompilationConfig(mode=vcfg.CompilationMode.NONE, **ops)
+    return vcfg.CompilationConfig(level=0, **ops)
 
 
 def compress_int8(qcfg, state: dict, names_to_scheme: dict) -> dict:

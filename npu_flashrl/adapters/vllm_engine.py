@@ -143,7 +143,8 @@ def _wrap(original):
     return create_engine_config
 
 
-@patches.register(PATCH_NAME, TARGET, "vllm 0.10.1, 0.11.0",
-                  "FlashRL config applied per DP group to every vLLM engine; async engines refused")
+@patches.register(PATCH_NAME, TARGET, "vllm 0.10.1, 0.11.0, 0.23.0",
+                  "FlashRL config applied per DP group / verl replica to every vLLM engine it can reach; "
+                  "other engines refused")
 def _apply() -> None:
     patches.replace(TARGET, _wrap)

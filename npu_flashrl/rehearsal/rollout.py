@@ -23,7 +23,7 @@ class _NpuVllm:
     def __enter__(self):
         import torch
         import torch_npu  # noqa: F401
-        from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
+        from vllm.config import (DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                                  VllmConfig, set_current_vllm_config)
         from vllm.model_executor.model_loader import get_model
 
@@ -37,7 +37,7 @@ class _NpuVllm:
                                       load_config=LoadConfig(load_format=self.load_format,
                                                              use_tqdm_on_load=False),
                                       parallel_config=ParallelConfig(tensor_parallel_size=1),
-                                      compilation_config=CompilationConfig(level=0))
+                                      compilation_config=compat.eager_compilation_config(native_ops=False))
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         cpu_vllm.ensure_distributed(1, backend="hccl")
         compat.init_vllm_ascend_config(self.vllm_config)
