@@ -16,7 +16,6 @@ The engine-build test's stand-ins are listed in tests/verl_server_engine.py.
 """
 import json
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from npu_flashrl import compat, patches
+from npu_flashrl.testing import verl_transfer
 
 pytestmark = [
     pytest.mark.every_line,
@@ -50,46 +50,14 @@ def _env():
     return env
 
 
-class Sender:
-    """verl's BucketedWeightSender in its own process (the trainer side of a sync)."""
+class Sender(verl_transfer.SenderProcess):
+    """verl's BucketedWeightSender in its own process (the trainer side of a sync), 1 MB buckets."""
 
     def __init__(self, handle: str, env: dict):
-        self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "npu_flashrl.testing.verl_transfer", handle], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1)
-        self.expect("ready")
+        super().__init__(handle, env, timeout_s=TIMEOUT_S)
 
     def send(self, weights: str, **opts) -> None:
-        self.proc.stdin.write(json.dumps({"weights": weights, "bucket_mb": BUCKET_MB, **opts}) + "\n")
-        self.proc.stdin.flush()
-
-    def release(self) -> None:
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
-
-    def expect(self, word: str) -> None:
-        from npu_flashrl.testing.verl_transfer import PREFIX
-
-        line = ""
-        while not line.startswith(PREFIX):
-            ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT_S)
-            line = self.proc.stdout.readline() if ready else "<timeout>"
-            if line in ("", "<timeout>"):
-                break
-        line = line.strip()[len(PREFIX.strip()):].strip() if line.startswith(PREFIX) else line
-        if line != word:
-            self.err.seek(0)
-            tail = self.err.read().decode(errors="replace")[-3000:]
-            pytest.fail(f"sender: expected {word!r}, got {line!r}; stderr:\n{tail}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        super().send(weights, **{"bucket_mb": BUCKET_MB, **opts})
 
 
 @pytest.fixture(scope="module")

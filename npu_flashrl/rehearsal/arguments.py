@@ -44,7 +44,14 @@ def add_arguments(p) -> None:
                         "torch_npu kernels; auto (default): npu when torch_npu works, else cpu")
     p.add_argument("--steps", type=_number(int, 1), default=4, help="simulated training steps (weight syncs); default 4")
     p.add_argument("--buckets", type=_number(int, 1), default=4,
-                   help="each sync is pushed as this many shuffled load_weights calls; default 4")
+                   help="each sync arrives in (about) this many buckets, the weights in a shuffled order; "
+                        "default 4")
+    p.add_argument("--transport", choices=("auto", "verl", "direct"), default="auto",
+                   help="how the syncs reach the rollout model: verl = verl's real bucketed sender (own "
+                        "process) and receiver update_weights_from_ipc over shared memory (verl 0.7-0.9 "
+                        "server mode); direct = load_weights per bucket in process (verl sync mode, the "
+                        "pinned/0.11 lines); auto (default): verl on a line whose verl runs in server "
+                        "mode (current), else direct")
     p.add_argument("--inner-iters", type=_number(int, 1), default=2,
                    help="AdamW iterations on the synthetic task per simulated step; default 2")
     p.add_argument("--step-lr", type=_number(float, 0, lo_ok=False), default=None,

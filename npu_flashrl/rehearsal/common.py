@@ -67,7 +67,7 @@ def versions() -> Dict[str, Optional[str]]:
     import npu_flashrl
 
     out: Dict[str, Optional[str]] = {"python": sys.version.split()[0], "npu_flashrl": npu_flashrl.__version__}
-    for dist in ("torch", "transformers", "vllm", "vllm-ascend", "compressed-tensors", "torch_npu"):
+    for dist in ("torch", "transformers", "vllm", "vllm-ascend", "verl", "compressed-tensors", "torch_npu"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:

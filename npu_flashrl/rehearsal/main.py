@@ -21,12 +21,16 @@ def run(args) -> int:
     model_cfg = check_model_dir(args.model) if args.model is not None else None
     check_arguments(args)
     faults.active()  # an unknown fault name is refused before anything starts
+    from npu_flashrl.rehearsal import transport as transport_mod
+
+    transport = transport_mod.resolve(args.transport)  # a refused --transport verl: before anything starts
     prepare_environment(device, args.verbose)
     with quiet_logs(args.verbose):
-        return _run(args, device, emulated, t_start, model_cfg)
+        return _run(args, device, emulated, t_start, model_cfg, transport)
 
 
-def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[dict]) -> int:
+def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[dict],
+         transport: Dict[str, Any]) -> int:
     import torch
 
     from npu_flashrl import patches
@@ -35,6 +39,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     from npu_flashrl.rehearsal.cli_setup import activate_entry, prepare_config
     from npu_flashrl.rehearsal.model import ensure_tiny_model, tiny_settings
     from npu_flashrl.rehearsal.output import print_summary, write_plot
+    from npu_flashrl.rehearsal import transport as transport_mod
     from npu_flashrl.rehearsal.rollout import make_rollout, run_variant
     from npu_flashrl.rehearsal.state import by_type, state_rules
     from npu_flashrl.rehearsal.trainer import hf_load, simulate_training, trainer_logps
@@ -128,26 +133,31 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
         engine_args, entry, _, _ = activate_entry(setup["config"], bf16_dir)
         entry_info.update(fn=entry.fn, model=engine_args.model, quantization=engine_args.quantization,
                           load_format=engine_args.load_format)
-        return make_rollout(device, engine_args.model, engine_args.quantization, engine_args.load_format or "auto")
+        return make_rollout(device, engine_args.model, engine_args.quantization, engine_args.load_format or "auto",
+                            additional_config=getattr(engine_args, "additional_config", None))
 
     t = time.perf_counter()
-    r, infos[VARIANT_BF16], _ = run_variant(VARIANT_BF16, bf16_build, snapshots, eval_ids, train_logps, "bf16",
-                                            args, vocab_size, device, int8=False, progress=progress)
-    rows += r
-    r, infos[VARIANT_INT8], layer_results[VARIANT_INT8] = run_variant(
-        VARIANT_INT8, int8_build, snapshots, eval_ids, train_logps, "bf16", args, vocab_size, device,
-        int8=True, progress=progress, profile=profile)
-    rows += r
-    if not args.no_fp32_head:
-        # FLASHRL_LMHEAD_FP32 on the rollout side: the patches are process-global, so this variant runs
-        # last (the models above were built and measured without them).
-        from npu_flashrl.adapters import vllm as vllm_fp32
-
-        vllm_fp32.enable_lm_head_fp32()
-        r, infos[VARIANT_INT8_FP32HEAD], layer_results[VARIANT_INT8_FP32HEAD] = run_variant(
-            VARIANT_INT8_FP32HEAD, int8_build, snapshots, eval_ids, train_logps, "fp32head", args, vocab_size,
-            device, int8=True, progress=progress, profile=profile)
+    # every variant's syncs take the same path (the bf16 baseline included)
+    with transport_mod.make(transport, args.buckets, work, device) as sync:
+        r, infos[VARIANT_BF16], _ = run_variant(VARIANT_BF16, bf16_build, snapshots, eval_ids, train_logps,
+                                                "bf16", args, vocab_size, device, int8=False, progress=progress,
+                                                sync=sync)
         rows += r
+        r, infos[VARIANT_INT8], layer_results[VARIANT_INT8] = run_variant(
+            VARIANT_INT8, int8_build, snapshots, eval_ids, train_logps, "bf16", args, vocab_size, device,
+            int8=True, progress=progress, sync=sync, profile=profile)
+        rows += r
+        if not args.no_fp32_head:
+            # FLASHRL_LMHEAD_FP32 on the rollout side: the patches are process-global, so this variant
+            # runs last (the models above were built and measured without them).
+            from npu_flashrl.adapters import vllm as vllm_fp32
+
+            vllm_fp32.enable_lm_head_fp32()
+            r, infos[VARIANT_INT8_FP32HEAD], layer_results[VARIANT_INT8_FP32HEAD] = run_variant(
+                VARIANT_INT8_FP32HEAD, int8_build, snapshots, eval_ids, train_logps, "fp32head", args,
+                vocab_size, device, int8=True, progress=progress, sync=sync, profile=profile)
+            rows += r
+        transport.update(sync.info())
     vllm_ascend.configure_online_quantization(None)
     timings["rollout_s"] = time.perf_counter() - t
 
@@ -175,6 +185,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
         "device": {"device": device, "emulated": emulated,
                    "note": ("CPU with emulated torch_npu kernels" if emulated
                             else "real NPU (not verified on hardware)")},
+        "transport": transport,
         "model": model_info,
         "task": task.to_dict(),
         "eval": {"num_seqs": args.num_seqs, "seq_len": args.seq_len,

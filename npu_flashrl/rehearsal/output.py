@@ -90,9 +90,14 @@ def print_summary(rows, summary, checks, applied_names, report, report_path, lay
     src = ("tiny Qwen2 " + ("(cached, not retrained)" if model.get("cache_hit") else
                             f"(pre-trained this run in {report['timings']['pretrain_s']:.1f}s)")
            if model["source"] == "tiny" else f"local model {model['dir']}")
+    tr = report.get("transport") or {}
+    per_sync = sorted({r["buckets"] for r in rows})
+    buckets = "/".join(str(b) for b in per_sync) if per_sync else str(report["settings"]["buckets"])
     print(f"npu-flashrl rehearse: {src}; device {dev['device']} ({dev['note']}); fn {report['resolved']['fn']}; "
-          f"{len({r['step'] for r in rows})} steps x {report['settings']['buckets']} buckets; "
+          f"{len({r['step'] for r in rows})} steps x {buckets} buckets; "
           f"{report['eval']['scored_tokens']} scored tokens", file=out)
+    if tr:
+        print(f"weight sync transport: {tr['name']} ({tr['reason']}): {tr['path']}", file=out)
     print("", file=out)
     print(format_table(rows), file=out)
     print("", file=out)

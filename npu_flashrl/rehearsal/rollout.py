@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,8 +14,10 @@ class _NpuVllm:
     """The rollout model built by vLLM's loader on a real Ascend NPU (vllm-ascend's own platform,
     real torch_npu kernels, hccl). NOT VERIFIED ON HARDWARE: written to mirror CpuVllm."""
 
-    def __init__(self, model_dir: str, dtype, quantization: Optional[str] = None, load_format: str = "auto"):
+    def __init__(self, model_dir: str, dtype, quantization: Optional[str] = None, load_format: str = "auto",
+                 additional_config: Optional[dict] = None):
         self.model_dir, self.dtype, self.quantization, self.load_format = model_dir, dtype, quantization, load_format
+        self.additional_config = additional_config
         self._stack = contextlib.ExitStack()
         self.model = None
 
@@ -38,6 +39,8 @@ class _NpuVllm:
                                                              use_tqdm_on_load=False),
                                       parallel_config=ParallelConfig(tensor_parallel_size=1),
                                       compilation_config=compat.eager_compilation_config(native_ops=False))
+        if self.additional_config:
+            self.vllm_config.additional_config = dict(self.additional_config)
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         cpu_vllm.ensure_distributed(1, backend="hccl")
         compat.init_vllm_ascend_config(self.vllm_config)
@@ -49,16 +52,23 @@ class _NpuVllm:
         self._stack.close()
 
 
-def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_format: str = "auto"):
+def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_format: str = "auto",
+                 additional_config: Optional[dict] = None):
+    """The rollout model; `additional_config`: what the engine patch recorded in the engine args
+    (`additional_config['npu_flashrl']`, read by the server-mode sync patch in verl's receiver)."""
     import torch
 
     if device == "npu":
-        return _NpuVllm(model_dir, torch.bfloat16, quantization, load_format)
+        return _NpuVllm(model_dir, torch.bfloat16, quantization, load_format, additional_config)
     from npu_flashrl.testing import cpu_vllm
 
     # no vLLM "Loading safetensors checkpoint shards" bar: the rehearsal has its own per-variant bars
+    vc = cpu_vllm.make_vllm_config(model_dir, torch.bfloat16, quantization, load_format=load_format,
+                                   use_tqdm_on_load=False)
+    if additional_config:
+        vc.additional_config = dict(additional_config)
     return cpu_vllm.CpuVllm(model_dir, dtype=torch.bfloat16, quantization=quantization, load_format=load_format,
-                            use_tqdm_on_load=False)
+                            use_tqdm_on_load=False, vllm_config=vc)
 
 
 def rollout_logp(model, eval_ids, vocab_size: int, device: str):
@@ -78,23 +88,14 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str):
     return torch.cat(rows)
 
 
-def _buckets(weights: List[Tuple[str, Any]], n: int, rng: random.Random) -> List[List[Tuple[str, Any]]]:
-    items = list(weights)
-    rng.shuffle(items)
-    n = max(1, min(n, len(items)))
-    size = math.ceil(len(items) / n)
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
 def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: str, args, vocab_size: int,
-                device: str, int8: bool, progress: bool, profile: Optional[Dict[str, dict]] = None
+                device: str, int8: bool, progress: bool, sync, profile: Optional[Dict[str, dict]] = None
                 ) -> Tuple[List[Dict[str, Any]], Dict[str, Any], List[Dict[str, Any]]]:
-    """Build one rollout model, push every step's weights through its reload path, measure; for INT8,
-    check the INT8 state and every quantized layer's output error after each sync (`state.py`).
-    Returns (rows, info, per-layer state results)."""
+    """Build one rollout model, push every step's weights into it through `sync` (`transport.py`),
+    measure; for INT8, check the INT8 state and every quantized layer's output error after each sync
+    (`state.py`). Returns (rows, info, per-layer state results)."""
     import torch
 
-    from npu_flashrl.adapters import vllm_ascend
     from npu_flashrl.metrics import mismatch_metrics
     from npu_flashrl.rehearsal import faults
     from npu_flashrl.rehearsal.state import Int8StateCheck, summarize_step
@@ -126,17 +127,15 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
                 checker = Int8StateCheck(model, loader.targets, device, profile=profile, seed=args.seed)
                 fault = faults.install(model, loader)
                 info["fault_injected"] = fault.name if fault else None
+            sync.attach(v)
             bar.update(1)
             rng = random.Random(args.seed + 7)
             for step, snap in enumerate(snapshots, start=1):
-                buckets = _buckets(snap, args.buckets, rng)
+                prepared = sync.prepare(snap, rng)  # the trainer's side, not timed
                 if device == "npu":
                     torch.npu.synchronize()
                 t = time.perf_counter()
-                for bucket in buckets:
-                    model.load_weights(iter(bucket))
-                if int8:
-                    vllm_ascend.end_weight_sync(model)
+                n_buckets = sync.push(v, prepared, int8)
                 if device == "npu":
                     torch.npu.synchronize()
                 reload_s = time.perf_counter() - t
@@ -153,7 +152,8 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
                 logp_t = train_logps[step - 1][logp_key]
                 mask = torch.ones_like(logp_t, dtype=torch.bool)
                 m = mismatch_metrics(logp_t, logp_r, mask, tis_threshold=2.0, prefix="")
-                rows.append({"step": step, "variant": name, "reload_s": reload_s, "buckets": len(buckets),
+                rows.append({"step": step, "variant": name, "reload_s": reload_s, "buckets": n_buckets,
+                             "transport": sync.name,
                              "metrics": m, "int8_state": state})
                 bar.set_postfix_str(f"tmpe {m['token_mult_prob_error']:.4f}")
                 bar.update(1)

@@ -11,19 +11,29 @@ Stand-ins, only for what needs a GPU/NPU or verl's Ray/vLLM process tree:
   process) and carries what `update_weights_from_ipc` reads from a vLLM worker: `model_runner`
   (`model`, `vllm_config`), `device`, `local_rank`.
 
+- `"bucket_bytes"` (a command option, used by `npu-flashrl rehearse`): the sender's bucket size
+  in bytes instead of verl's whole megabytes (`bucket_size_mb << 20`), so that a tiny model's
+  sync arrives in several buckets the way a real model's does in 512 MB ones. verl's own packing
+  loop does the rest.
+
 The sender process: `python -m npu_flashrl.testing.verl_transfer ZMQ_HANDLE` reads one JSON
 command per line on stdin: `{"weights": <safetensors file>, "drop": [names], "bucket_mb": 1,
-"overwrite": true}`, sends the file's tensors in the file's order with verl's
+"bucket_bytes": N, "overwrite": true}`, sends the file's tensors in the file's order with verl's
 `BucketedWeightSender`, and prints `sent` (with `overwrite`: after the last bucket is
 acknowledged it fills the bucket buffer with garbage, prints `overwritten` and waits for a
 line on stdin before releasing it). Protocol lines start with PREFIX (vLLM logs to stdout).
+`SenderProcess` starts and drives it from the receiving process.
 """
 from __future__ import annotations
 
 import json
 import os
+import select
+import subprocess
 import sys
+import tempfile
 import types
+from typing import Optional
 
 import torch
 
@@ -76,6 +86,8 @@ def _send(handle: str, cmd: dict) -> None:
         order = json.load(f)
     sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=int(cmd.get("bucket_mb", 1)),
                                   use_shm=True)
+    if cmd.get("bucket_bytes"):
+        sender.bucket_size = int(cmd["bucket_bytes"])  # stand-in, see the module doc
     if cmd.get("overwrite"):
         cleanup = sender._cleanup
 
@@ -102,6 +114,92 @@ def save_weights(named_tensors, path: str) -> str:
     with open(path + ".order", "w") as f:
         json.dump([n for n, _ in items], f)
     return path
+
+
+class TransferError(RuntimeError):
+    """The sender process did not answer as expected; the message carries its stderr tail."""
+
+
+def sender_env(environ: Optional[dict] = None) -> dict:
+    """The sender process's environment: this checkout first on the path, no vLLM plugins (the
+    trainer side of a sync needs none), no FlashRL config."""
+    env = dict(os.environ if environ is None else environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    env["VLLM_PLUGINS"] = "none"
+    env.pop("FLASHRL_CONFIG", None)
+    return env
+
+
+class SenderProcess:
+    """verl's BucketedWeightSender in its own process (the trainer side of a sync), driven over
+    its stdin/stdout protocol (module doc). Each wait for a protocol line is bounded by
+    `timeout_s`: a sender that died is a TransferError naming its stderr, not a hang."""
+
+    def __init__(self, handle: str, env: Optional[dict] = None, timeout_s: float = 300.0):
+        self.handle, self.timeout_s = handle, timeout_s
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "npu_flashrl.testing.verl_transfer", handle],
+            env=sender_env() if env is None else env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.err, text=True, bufsize=1)
+        try:
+            self.expect("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, weights: str, **opts) -> None:
+        """Start one sync of the tensors in `weights` (a `save_weights` file); options as in the
+        module doc. The receiver's `update_weights_from_ipc` then takes it; `expect("sent")` after."""
+        self._write(json.dumps({"weights": weights, **opts}) + "\n")
+
+    def release(self) -> None:
+        self._write("\n")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise TransferError(f"verl sender process exited ({self.proc.poll()}); stderr:\n"
+                                f"{self.stderr_tail()}") from None
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")[-n:]
+
+    def expect(self, word: str) -> None:
+        line = ""
+        while not line.startswith(PREFIX):
+            ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+            line = self.proc.stdout.readline() if ready else "<timeout>"
+            if line in ("", "<timeout>"):
+                break
+        line = line.strip()[len(PREFIX.strip()):].strip() if line.startswith(PREFIX) else line
+        if line != word:
+            raise TransferError(f"verl sender process: expected {word!r}, got {line!r} (exit code "
+                                f"{self.proc.poll()}); stderr:\n{self.stderr_tail()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+    def __enter__(self) -> "SenderProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,238 @@
+"""How each simulated step's bf16 weights reach the rollout model (`--transport`).
+
+- ``verl``: verl's real bucketed weight sync, the path a verl 0.7-0.9 server-mode job runs:
+  verl's `BucketedWeightSender` in its own process (the trainer side) packs the weights into
+  buckets in POSIX shared memory (verl's `use_shm=True`, what NPUs without IPC support use), and
+  verl's `vLLMColocateWorkerExtension.update_weights_from_ipc` in this process receives them into
+  the vLLM rollout model, with npu_flashrl's server-mode patches (`adapters.verl.server_091`:
+  refusal of a sync into a model without the INT8 loader, `end_weight_sync` after the last
+  bucket, draining after a failed bucket). Stand-ins (`npu_flashrl.testing.verl_transfer`):
+  verl's device helpers inside the transfer on the CPU, the vLLM worker object verl's extension
+  is mixed into, and the sender's bucket size in bytes (so a tiny model's sync arrives in about
+  `--buckets` buckets; verl itself takes whole megabytes).
+- ``direct``: `model.load_weights` per shuffled bucket, then `end_weight_sync` for INT8: the
+  in-process push of verl's sync-mode rollout (verl <= 0.6, the pinned and 0.11 lines).
+- ``auto`` (default): ``verl`` where the installed stack line runs verl in server mode and that
+  verl is installed (`compat.line().verl_mode`, `compat.verl_server_mode()`), else ``direct``.
+
+Both push the same shuffled order (the trainer's order) of the same tensors, so fused layers
+(q/k/v, gate/up) arrive split across buckets either way.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+from npu_flashrl.rehearsal.common import RehearsalError
+
+TRANSPORTS = ("auto", "verl", "direct")
+VERL_PATH = ("verl BucketedWeightSender (own process) -> shared memory -> "
+             "vLLMColocateWorkerExtension.update_weights_from_ipc")
+DIRECT_PATH = "model.load_weights per bucket (in process)"
+# A wait for the sender (one bucket, or the sender's answer) longer than this is a failure, not a hang.
+TIMEOUT_S = 300
+
+
+def resolve(requested: str) -> Dict[str, Any]:
+    """The transport `--transport requested` means on the installed stack, and why."""
+    from npu_flashrl import compat
+
+    try:
+        line = compat.line()
+        line_name, verl_mode = line.name, line.verl_mode
+    except compat.UnsupportedVersion as exc:
+        line_name, verl_mode = None, None
+        line_problem = str(exc)
+    else:
+        line_problem = None
+    server = compat.verl_server_mode()
+    if requested == "verl" and not server:
+        raise RehearsalError("--transport verl needs verl with server-mode bucketed syncs (0.7.1 .. 0.9.1, "
+                             "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py); the installed "
+                             "verl has none (use --transport direct, or the current stack line)")
+    if requested == "auto":
+        if verl_mode == "server" and server:
+            name, reason = "verl", f"vllm-ascend {line_name} line: verl server mode"
+        elif verl_mode == "server":
+            name, reason = "direct", (f"vllm-ascend {line_name} line runs verl in server mode, but no verl with "
+                                      "bucketed syncs is installed")
+        else:
+            name = "direct"
+            reason = (f"vllm-ascend {line_name} line: verl sync mode (in-process load_weights)" if line_name
+                      else f"stack line unknown ({line_problem})")
+    else:
+        name, reason = requested, "--transport " + requested
+    return {"name": name, "requested": requested, "reason": reason, "line": line_name,
+            "path": VERL_PATH if name == "verl" else DIRECT_PATH}
+
+
+def shuffled_buckets(weights: List[Tuple[str, Any]], n: int, rng: random.Random) -> List[List[Tuple[str, Any]]]:
+    items = list(weights)
+    rng.shuffle(items)
+    n = max(1, min(n, len(items)))
+    size = math.ceil(len(items) / n)
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+class DirectSync:
+    """`load_weights` per bucket in this process, then `end_weight_sync` for INT8."""
+
+    name = "direct"
+
+    def __init__(self, buckets: int):
+        self.buckets = buckets
+
+    def __enter__(self) -> "DirectSync":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def attach(self, rollout) -> None:
+        pass
+
+    def prepare(self, snap, rng: random.Random):
+        return shuffled_buckets(snap, self.buckets, rng)
+
+    def push(self, rollout, prepared, int8: bool) -> int:
+        from npu_flashrl.adapters import vllm_ascend
+
+        for bucket in prepared:
+            rollout.model.load_weights(iter(bucket))
+        if int8:
+            vllm_ascend.end_weight_sync(rollout.model)
+        return len(prepared)
+
+    def info(self) -> Dict[str, Any]:
+        return {"buckets_requested": self.buckets}
+
+
+class VerlSync:
+    """verl's bucketed sender (own process) and receiver (this process), see the module doc."""
+
+    name = "verl"
+
+    def __init__(self, buckets: int, work_dir: str, device: str):
+        self.buckets, self.work_dir, self.device = buckets, work_dir, device
+        self.sender = None
+        self._saved_env: Dict[str, Optional[str]] = {}
+        self._workers: Dict[int, Any] = {}
+        self._bucket_bytes: List[int] = []
+        self._zmq_timeout_set = False
+
+    def __enter__(self) -> "VerlSync":
+        from npu_flashrl.adapters.verl import server_091
+        from npu_flashrl.testing import verl_transfer
+
+        if self.device == "cpu":
+            verl_transfer.use_cpu_device()
+        applied = server_091.install()
+        failed = [n for n, ok in applied.items() if not ok]
+        if failed:
+            raise RehearsalError(f"--transport verl: npu_flashrl's verl server-mode patches {', '.join(failed)} "
+                                 "could not be applied to the installed verl (see the WARNING above)")
+        # verl's socket name: the job id keeps two rehearsals on one host apart
+        for key, value in (("VERL_RAY_JOB_ID", f"npu-flashrl-rehearsal-{os.getpid()}"), ("VERL_REPLICA_RANK", "0")):
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+        import zmq
+
+        # verl's receiver waits for buckets without a timeout: a dead sender would hang the rehearsal
+        zmq.Context.instance().setsockopt(zmq.RCVTIMEO, TIMEOUT_S * 1000)
+        self._zmq_timeout_set = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self._zmq_timeout_set:
+            import zmq
+
+            zmq.Context.instance().setsockopt(zmq.RCVTIMEO, -1)
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def attach(self, rollout) -> None:
+        """Make `rollout`'s model a verl vLLM worker; the sender process starts with the first one."""
+        import torch
+
+        from npu_flashrl.testing import verl_transfer
+
+        worker = verl_transfer.make_worker(rollout.model, rollout.vllm_config)
+        if self.device != "cpu":
+            worker.device = torch.device(f"{self.device}:0")
+        counts = []
+        update = worker._update_weights
+
+        def counted(weights, **kw):  # counts buckets; verl's own method does the work
+            counts.append(len(weights))
+            return update(weights, **kw)
+
+        worker._update_weights = counted
+        worker._npu_flashrl_bucket_counts = counts
+        self._workers[id(rollout)] = worker
+        if self.sender is None:
+            self.sender = verl_transfer.SenderProcess(worker._get_zmq_handle(), timeout_s=TIMEOUT_S)
+
+    def prepare(self, snap, rng: random.Random) -> str:
+        """The step's weights in the trainer's (shuffled) order, written for the sender process,
+        and the bucket size that splits them into about `--buckets` buckets."""
+        from npu_flashrl.testing import verl_transfer
+
+        ordered = [t for bucket in shuffled_buckets(snap, 1, rng) for t in bucket]
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="sync_", dir=self.work_dir)
+        os.close(fd)
+        verl_transfer.save_weights(ordered, path)
+        total = sum(t.numel() * t.element_size() for _, t in ordered)
+        largest = max(t.numel() * t.element_size() for _, t in ordered)
+        # every tensor must fit in one bucket with shared memory (verl asserts it); 64-byte aligned
+        size = max(math.ceil(total / self.buckets), largest)
+        self._bucket_bytes.append((size + 63) // 64 * 64)
+        return path
+
+    def push(self, rollout, prepared: str, int8: bool) -> int:
+        import zmq
+
+        from npu_flashrl.testing import verl_transfer
+
+        worker = self._workers[id(rollout)]
+        counts = worker._npu_flashrl_bucket_counts
+        counts.clear()
+        self.sender.send(prepared, bucket_mb=1, bucket_bytes=self._bucket_bytes[-1])
+        try:
+            try:
+                worker.update_weights_from_ipc(use_shm=True)
+            except zmq.Again:
+                raise RehearsalError(f"verl weight sync: no bucket from the sender process for {TIMEOUT_S} s; "
+                                     f"its stderr:\n{self.sender.stderr_tail()}") from None
+            finally:
+                # npu_flashrl's drain patch lets the sender finish even when a bucket failed
+                self.sender.expect("sent")
+        except verl_transfer.TransferError as exc:
+            raise RehearsalError(f"verl weight sync: {exc}") from None
+        finally:
+            for f in (prepared, prepared + ".order"):
+                try:
+                    os.remove(f)
+                except OSError:
+                    pass
+        return len(counts)
+
+    def info(self) -> Dict[str, Any]:
+        return {"buckets_requested": self.buckets, "use_shm": True,
+                "bucket_bytes": self._bucket_bytes[-1] if self._bucket_bytes else None,
+                "stand_ins": ["verl get_torch_device / is_support_ipc in bucketed_weight_transfer: CPU, no IPC"
+                              if self.device == "cpu" else "(none in the transfer: verl's own device helpers)",
+                              "the vLLM worker verl's extension is mixed into (model_runner, device, local_rank)",
+                              "the sender's bucket size in bytes (verl: whole MB)"]}
+
+
+def make(transport: Dict[str, Any], buckets: int, work_dir: str, device: str):
+    return VerlSync(buckets, work_dir, device) if transport["name"] == "verl" else DirectSync(buckets)
