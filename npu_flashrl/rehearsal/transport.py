@@ -122,6 +122,7 @@ class VerlSync:
         self._workers: Dict[int, Any] = {}
         self._bucket_bytes: List[int] = []
         self._zmq_timeout_set = False
+        self._segments: set = set()
 
     def __enter__(self) -> "VerlSync":
         from npu_flashrl.adapters.verl import server_091
@@ -146,9 +147,7 @@ class VerlSync:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
+        self.sender = None  # kept running for the next run in this process (`_sender`)
         if self._zmq_timeout_set:
             import zmq
 
@@ -172,6 +171,8 @@ class VerlSync:
         update = worker._update_weights
 
         def counted(weights, **kw):  # counts buckets; verl's own method does the work
+            if not counts:
+                self._segments.update(_verl_segments())
             counts.append(len(weights))
             return update(weights, **kw)
 
@@ -179,7 +180,7 @@ class VerlSync:
         worker._npu_flashrl_bucket_counts = counts
         self._workers[id(rollout)] = worker
         if self.sender is None:
-            self.sender = verl_transfer.SenderProcess(worker._get_zmq_handle(), timeout_s=TIMEOUT_S)
+            self.sender = _sender(worker._get_zmq_handle())
 
     def prepare(self, snap, rng: random.Random) -> str:
         """The step's weights in the trainer's (shuffled) order, written for the sender process,
@@ -216,8 +217,11 @@ class VerlSync:
                 # npu_flashrl's drain patch lets the sender finish even when a bucket failed
                 self.sender.expect("sent")
         except verl_transfer.TransferError as exc:
+            _SENDERS.pop(self.sender.handle, None)  # not reused by a later run in this process
+            self.sender.close()
             raise RehearsalError(f"verl weight sync: {exc}") from None
         finally:
+            _forget_segments(self._segments)
             for f in (prepared, prepared + ".order"):
                 try:
                     os.remove(f)
@@ -232,6 +236,49 @@ class VerlSync:
                               if self.device == "cpu" else "(none in the transfer: verl's own device helpers)",
                               "the vLLM worker verl's extension is mixed into (model_runner, device, local_rank)",
                               "the sender's bucket size in bytes (verl: whole MB)"]}
+
+
+_SENDERS: Dict[str, Any] = {}
+
+
+def _sender(handle: str):
+    """The sender process for `handle`, started once per process (about 5 s of imports) and reused
+    by later runs in the same process (the fault tests run several); closed at exit."""
+    from npu_flashrl.testing import verl_transfer
+
+    sender = _SENDERS.get(handle)
+    if sender is not None and sender.proc.poll() is None:
+        return sender
+    if not _SENDERS:
+        import atexit
+
+        atexit.register(lambda: [s.close() for s in _SENDERS.values()])
+    sender = _SENDERS[handle] = verl_transfer.SenderProcess(handle, timeout_s=TIMEOUT_S)
+    return sender
+
+
+def _verl_segments() -> set:
+    """The shared-memory segments verl's senders have open now (Linux: /dev/shm)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("verl_weights_")}
+    except OSError:
+        return set()
+
+
+def _forget_segments(names: set) -> None:
+    """CPython < 3.13 registers a segment with this process's resource tracker when verl's receiver
+    merely attaches to it (gh-82300); the sender unlinks it, and at exit the tracker would warn
+    about "leaked" segments and fail to unlink them again. Deregistered after each sync."""
+    if not names:
+        return
+    try:
+        from multiprocessing import resource_tracker
+
+        for name in names:
+            resource_tracker.unregister("/" + name, "shared_memory")
+    except Exception:  # noqa: BLE001 - cosmetic only: the tracker's warnings at exit
+        pass
+    names.clear()
 
 
 def make(transport: Dict[str, Any], buckets: int, work_dir: str, device: str):
