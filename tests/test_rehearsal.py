@@ -272,6 +272,18 @@ def test_bad_max_layer_error_is_refused_before_anything_starts(tmp_path, capsys,
     assert not (tmp_path / "out").exists()
 
 
+def test_transport_verl_refused_where_verl_has_no_bucketed_sync(tmp_path, capsys):
+    from npu_flashrl import cli, compat
+
+    if compat.verl_server_mode():
+        pytest.skip("verl with bucketed syncs installed: --transport verl runs (tests/test_rehearsal_current.py)")
+    code = cli.main(["rehearse", "--transport", "verl", "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "--transport verl needs verl with server-mode bucketed syncs" in err and "--transport direct" in err
+    assert not (tmp_path / "out").exists()  # refused before anything started
+
+
 def test_help_names_the_options_and_the_hardware_caveat(capsys):
     from npu_flashrl import cli
 
@@ -279,8 +291,8 @@ def test_help_names_the_options_and_the_hardware_caveat(capsys):
         cli.main(["rehearse", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--model", "--mode", "--steps", "--buckets", "--device", "--cache-dir", "--output-dir",
-                 "--max-error", "--max-layer-error", "--no-fp32-head"):
+    for flag in ("--model", "--mode", "--steps", "--buckets", "--transport", "--device", "--cache-dir",
+                 "--output-dir", "--max-error", "--max-layer-error", "--no-fp32-head"):
         assert flag in out
     assert "NOT VERIFIED ON HARDWARE" in " ".join(out.split()).upper()
 

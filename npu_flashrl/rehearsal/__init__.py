@@ -21,8 +21,11 @@ What one run does (each phase with a progress bar):
    FLASHRL_LMHEAD_FP32's lm head in fp32; the trainer computes its logits in fp32 too).
 4. **K simulated training steps** (`--steps`): a few real AdamW iterations on the fp32 master weights
    per step; the bf16 weights (what an FSDP trainer with param_dtype bf16 holds and syncs) are pushed
-   into each rollout model through the real reload path in `--buckets` shuffled buckets
-   (`load_weights` per bucket, then `end_weight_sync` for INT8), timed.
+   into each rollout model in a shuffled order, in about `--buckets` buckets, timed, through the
+   transport of the installed line (`--transport`, `transport.py`): on the current line verl 0.9.1's
+   real `BucketedWeightSender` (own process) and `update_weights_from_ipc` over shared memory, with
+   npu_flashrl's server-mode patches (which end every INT8 sync); on the pinned / 0.11 lines
+   `load_weights` per bucket, then `end_weight_sync` for INT8 (verl sync mode).
 5. **Metrics** after each step on a fixed set of task sequences, teacher-forced: rollout log-probs =
    log-softmax of the vLLM model's logits at the target tokens; trainer log-probs = the transformers
    model in bf16 with the same weights; `npu_flashrl.metrics.mismatch_metrics` between them.
@@ -43,10 +46,12 @@ installation check; with `--device npu` the hardware check of the kernels and th
 
 Modules: `arguments` (options, checked once), `device` (device / environment), `model` (tiny /
 --model), `trainer` (trainer side), `rollout` (rollout side), `state` and `checks` (the verdict),
-`output`, `cli_setup` (setup through the CLI), `main` (the run), `faults` (a test seam only).
+`output`, `cli_setup` (setup through the CLI), `transport` (how syncs reach the rollout), `main` (the
+run), `faults` (a test seam only).
 
 Process-global state: vLLM's process group, the torch_npu emulation and npu_flashrl's patches stay
-in the process after `run()` (the FP32 lm-head patches included); run it in its own process.
+in the process after `run()` (the FP32 lm-head patches included), and so does verl's sender process
+(reused by a later run in the same process, closed at exit); run it in its own process.
 """
 from __future__ import annotations
 
