@@ -233,7 +233,9 @@ class VerlSync:
         return {"buckets_requested": self.buckets, "use_shm": True,
                 "bucket_bytes": self._bucket_bytes[-1] if self._bucket_bytes else None,
                 "stand_ins": ["verl get_torch_device / is_support_ipc in bucketed_weight_transfer: CPU, no IPC"
-                              if self.device == "cpu" else "(none in the transfer: verl's own device helpers)",
+                              + (" (sender and receiver)" if self.device == "cpu" else
+                                 " (sender only: it reads the step's weights to the CPU; the receiver uses "
+                                 "verl's own device helpers)"),
                               "the vLLM worker verl's extension is mixed into (model_runner, device, local_rank)",
                               "the sender's bucket size in bytes (verl: whole MB)"]}
 
