@@ -4,7 +4,9 @@ The rehearsal (real vLLM 0.11.0 / vllm-ascend W8A8_DYNAMIC layers and the npu_fl
 CPU, torch_npu emulated by the reference kernels) runs once healthy and once per fault of the test
 seam `npu_flashrl.rehearsal.faults` (NPU_FLASHRL_REHEARSAL_FAULT): after the cold load the loader's
 quantizer is wrapped through the adapter's public `attach`, or the model is tampered with after
-`end_weight_sync`. Nothing upstream or in the adapter is edited. Each run must fail exactly the
+`end_weight_sync`. Nothing upstream or in the adapter is edited. On the current line the syncs come through verl 0.9.1's
+real bucketed transfer (`--transport auto`: sender process, `update_weights_from_ipc`, shared memory),
+so the checks are proven on that path too. Each run must fail exactly the
 checks that can see its fault (the mismatch metric may or may not also fail: it is NOT able to see
 these faults reliably, which is the point of issue 16), naming the layer and the number.
 
