@@ -5,6 +5,7 @@ Nothing here installs anything: every run is a --dry-run, or a real run that mus
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -19,6 +20,12 @@ sys.path.insert(0, str(ROOT))
 from npu_flashrl import pins as pins_mod  # noqa: E402
 
 PINS = pins_mod.load_pins()
+CURRENT = pins_mod.load_pins(line="current")
+
+
+def one_line_copy(line="pinned"):
+    """A line's pins as a fresh dict, to change and write to another pins file."""
+    return copy.deepcopy(pins_mod.load_pins(line=line))
 
 
 def base_env(tmp_path, **extra):
@@ -66,7 +73,7 @@ def test_pins_cli_get_sh_and_env_override(tmp_path):
     sh = pins_mod.shell_assignments()
     assert f"PIN_PACKAGES_VERL_COMMIT={PINS['packages']['verl']['commit']}" in sh
     other = tmp_path / "pins.yaml"
-    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data = one_line_copy()  # written back in the one-line layout (still read as line pinned)
     data["packages"]["verl"]["commit"] = "f" * 40
     other.write_text(yaml.safe_dump(data))
     env = dict(os.environ, NPU_FLASHRL_PINS=str(other))
@@ -136,7 +143,7 @@ def test_checks_pass_with_cann_and_npu_smi(tmp_path):
 
 
 def test_changing_a_pin_changes_the_printed_commit(tmp_path):
-    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data = one_line_copy()  # written back in the one-line layout (still read as line pinned)
     new = "0123456789abcdef0123456789abcdef01234567"
     data["packages"]["vllm_ascend"]["commit"] = new
     data["packages"]["vllm"]["env"]["VLLM_TARGET_DEVICE"] = "other"
@@ -193,7 +200,7 @@ def test_idempotent_skip_at_pin_and_reinstall_at_wrong_commit(tmp_path):
     (wd / ".installed").mkdir(parents=True)
     (wd / ".installed" / "verl").write_text(first + "\n")
 
-    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data = one_line_copy()  # written back in the one-line layout (still read as line pinned)
     data["packages"]["verl"]["commit"] = first
     pins_file = tmp_path / "pins.yaml"
     pins_file.write_text(yaml.safe_dump(data))
