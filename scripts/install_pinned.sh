@@ -2,10 +2,11 @@
 # Installs one line of the npu_flashrl production stack on an Atlas A2 (910B) / A3 node with CANN
 # already installed: torch + torch_npu, vLLM (empty target), vllm-ascend, MindSpeed, Megatron-LM,
 # verl, transformers, FlashRL, then npu_flashrl itself, and ends with `npu-flashrl verify`.
-#   --line pinned   (default) the published procedure: vLLM 0.10.1, vllm-ascend v0.10.1rc1 with its
-#                   custom kernels built for SOC_VERSION, verl 51d2104, transformers, all from commits
-#   --line current  verl 0.9.1 server mode on vLLM / vllm-ascend 0.23.0: vLLM from its tag (empty
+#   --line pinned   (default) the published FlashRL procedure: vLLM, vllm-ascend (custom kernels
+#                   built for SOC_VERSION), verl and transformers from pinned commits
+#   --line current  verl server mode on today's vLLM / vllm-ascend: vLLM from its tag (empty
 #                   target), vllm-ascend, verl and transformers releases from the package index
+#   (the versions of each line: docs/compatibility.md, `python3 npu_flashrl/pins.py --line L table`)
 #
 # Every version comes from npu_flashrl/pins.yaml (or $NPU_FLASHRL_PINS); nothing is pinned here.
 # A component pinned with a repo and a commit/ref is built from source; one with only a version is
