@@ -307,13 +307,21 @@ def test_dry_run_current_line_prints_exactly_the_current_pins(tmp_path):
     assert f"+ git clone --filter=blob:none {p['vllm']['repo']} {wd / 'vllm'}" in lines
     assert f"+ git -C {wd / 'vllm'} checkout --detach {p['vllm']['ref']}" in lines
     assert "requirements/build/cuda.txt" in text and "env VLLM_TARGET_DEVICE=empty" in text
-    ascend = next(s for s in lines if f"vllm-ascend=={p['vllm_ascend']['version']}" in s)
-    for url in p["vllm_ascend"]["extra_index_urls"].split():
+
+    def release_step(dist, version):
+        """The pip step of a release, or None when this interpreter already has it (then skipped)."""
+        step = [s for s in lines if s.endswith(f" {dist}=={version}")]
+        assert step or f"skip: {dist} already {version}" in proc.stdout, dist
+        return step[0] if step else None
+
+    ascend = release_step("vllm-ascend", p["vllm_ascend"]["version"])
+    for url in p["vllm_ascend"]["extra_index_urls"].split() if ascend else []:
         assert f"--extra-index-url {url}" in ascend
     for name in ("mindspeed", "megatron_core"):
         assert f"+ git -C {wd / name} checkout --detach {p[name]['ref']}" in lines, name
         assert f"+ git clone --filter=blob:none {p[name]['repo']} {wd / name}" in lines, name
-    assert any(s.endswith(f"verl=={p['verl']['version']}") for s in lines)
+    release_step("verl", p["verl"]["version"])
+    release_step("transformers", p["transformers"]["version"])
     assert "requirements-npu.txt" not in text and "verl.git" not in text  # a release, not a checkout
     assert "transformers.git" not in text
     assert f"transformers=={p['transformers']['version']}" in proc.stdout  # constraint (and step, if not there)
