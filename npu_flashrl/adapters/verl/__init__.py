@@ -3,7 +3,8 @@ strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104
 mode: :mod:`.server_091`; TIS keys of verl 0.7+: :mod:`.tis_091`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
-the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions.
+the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions, verl
+0.9.1 the same function names and argument order (its TIS keys: :mod:`.tis_091`).
 
 Where the metrics hook attaches (and why)
 -----------------------------------------
@@ -12,7 +13,9 @@ every caller imports those functions *at call time* (``from verl.trainer.ppo.rol
 import ...`` inside the function body), so replacing the module attributes is enough:
 
 * ``verl_rollout_corr_metrics`` wraps ``compute_rollout_correction_and_add_to_batch``: the driver
-  (``RayPPOTrainer.fit``) calls it once per step in *decoupled* mode (``bypass_mode=false``) when the
+  (``RayPPOTrainer.fit``; on verl 0.9 also the default v1 trainer, ``trainer.use_v1=true``,
+  ``verl/trainer/ppo/v1/trainer_base.py``, which imports the function at module level, so its copy
+  is re-pointed when that module is imported) calls it once per step in *decoupled* mode (``bypass_mode=false``) when the
   batch has ``rollout_log_probs`` (``actor_rollout_ref.rollout.calculate_log_probs=True``); the
   ``algorithm.rollout_correction`` group is in verl's default config, so it runs whether or not TIS is
   on. There ``old_log_probs`` are the trainer's log-probs of the rollout policy's weights: exactly the
@@ -20,9 +23,11 @@ import ...`` inside the function body), so replacing the module attributes is en
   *before* verl's rejection sampling changes it), next to verl's ``rollout_corr/*``.
 * ``verl_actor_rollout_corr_metrics`` wraps ``compute_rollout_corr_metrics_from_logprobs`` (called by
   ``dp_actor``/``megatron_actor`` ``update_policy`` per micro-batch with the *current* policy's
-  log-probs) and ``compute_rollout_correction_and_rejection_mask`` when it is called from the policy
-  loss (``bypass_mode=true, use_policy_gradient=true``, the published Ascend INT8 recipe, which at
-  51d2104 does no TIS: :func:`check_tis` refuses it). In bypass mode no separate trainer forward
+  log-probs, up to 51d2104; verl 0.9 has no caller) and ``compute_rollout_correction_and_rejection_mask``
+  when it is called from the policy loss (51d2104: ``bypass_mode=true, use_policy_gradient=true``,
+  the published Ascend INT8 recipe, which does no TIS there: :func:`check_tis` refuses it; verl 0.9:
+  ``core_algos.compute_policy_loss_bypass_mode``, the workers' ``loss_mode=bypass_mode``, both
+  ``loss_type`` values). In bypass mode no separate trainer forward
   exists before the update, so this is the only place trainer log-probs meet the rollout's. These keys are ``npu_flashrl/actor/*`` (means over micro-batches, as
   verl reduces them); the first micro-batch of an on-policy step equals the pure mismatch.
   These patches must be applied inside the Ray worker processes (``install_verl_hooks()`` from the
@@ -186,6 +191,17 @@ def add_mismatch_metrics(batch_or_tensors: Any, metrics: Optional[MutableMapping
 
 # ------------------------------------------------------------------------------ registered patches
 
+def _threshold_value(value: Any, default: float = 2.0) -> float:
+    """The TIS upper bound of a ``rollout_is_threshold``: a number, or verl 0.9's IcePop
+    ``"lower_upper"`` string (its upper bound); ``default`` for anything else."""
+    if isinstance(value, str) and "_" in value:
+        value = value.rpartition("_")[2]
+    try:
+        return float(value) if value is not None and float(value) > 0 else default
+    except (TypeError, ValueError):
+        return default
+
+
 def _threshold_of(cfg: Any, default: float = 2.0) -> float:
     value = None
     if cfg is not None:
@@ -193,10 +209,7 @@ def _threshold_of(cfg: Any, default: float = 2.0) -> float:
             value = cfg.get("rollout_is_threshold", None)
         except Exception:  # noqa: BLE001 - a config object without .get
             value = getattr(cfg, "rollout_is_threshold", None)
-    try:
-        return float(value) if value is not None and float(value) > 0 else default
-    except (TypeError, ValueError):
-        return default
+    return _threshold_value(value, default)
 
 
 _in_driver_hook: contextvars.ContextVar[bool] = contextvars.ContextVar("npu_flashrl_in_driver_hook",
@@ -259,8 +272,7 @@ def _make_actor_loss_wrapper(original):
                                                    *args, **kwargs)
         if _in_driver_hook.get():  # the driver wrapper reports these under npu_flashrl/
             return weights, new_mask, verl_metrics
-        threshold = kwargs.get("rollout_is_threshold", args[1] if len(args) > 1 else 2.0)
-        threshold = float(threshold) if threshold else 2.0
+        threshold = _threshold_value(kwargs.get("rollout_is_threshold", args[1] if len(args) > 1 else None))
         ours = _safe_metrics(old_log_prob, rollout_log_prob, response_mask, threshold, ACTOR_PREFIX)
         _maybe_warn(ours, ACTOR_PREFIX, "verl actor policy loss, current policy vs rollout",
                     min_interval_s=ACTOR_WARN_INTERVAL_S)
@@ -273,13 +285,35 @@ def _make_actor_loss_wrapper(original):
     return compute_rollout_correction_and_rejection_mask
 
 
-@register(PATCH_DRIVER, f"{_HELPER}:compute_rollout_correction_and_add_to_batch", "verl 0.6.1 .. 51d2104",
-          doc="npu_flashrl/* mismatch metrics once per step in the driver (decoupled mode)")
+# Modules that bind the driver function at import (``from rollout_corr_helper import ...`` at
+# module level) instead of at call time: verl 0.9's v1 trainer (``trainer.use_v1=true``, its
+# default), which imports transfer_queue and is imported in the TaskRunner only.
+_DRIVER_IMPORTERS = ("verl.trainer.ppo.v1.trainer_base",)
+_DRIVER_FN = "compute_rollout_correction_and_add_to_batch"
+
+
+def _rebind_driver(module) -> None:
+    """Point ``module``'s own copy of the driver function at our wrapper (the helper's attribute),
+    unless it already is ours or is something else than verl's original."""
+    import importlib
+
+    ours = getattr(importlib.import_module(_HELPER), _DRIVER_FN)
+    current = getattr(module, _DRIVER_FN, None)
+    if current is not None and current is not ours and current is patches.original(ours):
+        setattr(module, _DRIVER_FN, ours)
+        logger.debug("npu_flashrl: %s.%s -> mismatch-metrics wrapper", module.__name__, _DRIVER_FN)
+
+
+@register(PATCH_DRIVER, f"{_HELPER}:{_DRIVER_FN}", "verl 0.6.1 .. 0.9.1",
+          doc="npu_flashrl/* mismatch metrics once per step in the driver (decoupled mode; "
+              "verl 0.9's v1 trainer included)")
 def _apply_driver_patch() -> None:
-    patches.replace(f"{_HELPER}:compute_rollout_correction_and_add_to_batch", _make_driver_wrapper)
+    patches.replace(f"{_HELPER}:{_DRIVER_FN}", _make_driver_wrapper)
+    for name in _DRIVER_IMPORTERS:
+        patches.when_imported(name, _rebind_driver)
 
 
-@register(PATCH_ACTOR, f"{_HELPER}:compute_rollout_corr_metrics_from_logprobs", "verl 0.6.1 .. 51d2104",
+@register(PATCH_ACTOR, f"{_HELPER}:compute_rollout_corr_metrics_from_logprobs", "verl 0.6.1 .. 0.9.1",
           doc="npu_flashrl/actor/* mismatch metrics in the actor update (bypass mode included)")
 def _apply_actor_patch() -> None:
     # resolve both before replacing either, so a missing target leaves nothing half-applied
