@@ -483,7 +483,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
         from npu_flashrl.adapters.verl import server_091
 
         try:
-            server_091.check_verl_config(lambda key: _select(config, key, None))
+            server_091.check_verl_config(lambda key: _select(config, key, None), env)
         except server_091.ServerModeError as exc:
             raise RolloutModeError(str(exc)) from None
     elif flashrl:
