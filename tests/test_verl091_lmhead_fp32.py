@@ -227,3 +227,22 @@ def test_fsdp_engine_logits_fp32(model_dir, role):
     # fp32 accumulation and no bf16 rounding of the logits: far closer to float64
     assert on["err"] < 1e-5 * on["scale"], on
     assert off["err"] > 20 * on["err"], (on, off)
+
+
+def test_fused_kernels_with_fp32_head_refused_at_the_driver():
+    """verl's fused kernels bypass lm_head: with FLASHRL_LMHEAD_FP32=1 the driver check refuses
+    them instead of letting the fp32 head silently do nothing (verl 0.9.1's own trainer config)."""
+    from omegaconf import OmegaConf
+
+    import verl
+    from npu_flashrl.adapters import verl as ad
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer", "config",
+                                      "_generated_ppo_trainer.yaml"))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(ad.tis_overrides(verl="0.9")))
+    env = {"FLASHRL_CONFIG": "int8.yaml", "FLASHRL_LMHEAD_FP32": "1"}
+    assert ad.check_rollout_mode(cfg, environ=env, verl="0.9") == []  # verl's default: not fused
+    fused = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["actor_rollout_ref.model.use_fused_kernels=True"]))
+    with pytest.raises(ad.RolloutModeError, match="use_fused_kernels=False"):
+        ad.check_rollout_mode(fused, environ=env, verl="0.9")
+    ad.check_rollout_mode(fused, environ=dict(env, FLASHRL_LMHEAD_FP32="0"), verl="0.9")
