@@ -1,6 +1,6 @@
 """verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
 strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104` (verl 0.7+ server
-mode: :mod:`.server_091`).
+mode: :mod:`.server_091`; TIS keys of verl 0.7+: :mod:`.tis_091`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
 the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions.
@@ -83,7 +83,8 @@ class RolloutModeError(ValueError):
 
 
 class TisConfigError(ValueError):
-    """An ``algorithm.rollout_correction`` combination that silently does no TIS at verl 51d2104."""
+    """An ``algorithm.rollout_correction`` combination that silently does no TIS on the verl line
+    (51d2104 or 0.9, :func:`check_tis`)."""
 
 
 # ----------------------------------------------------------------------------------------- warnings
@@ -336,11 +337,14 @@ def _tis_level(config: Any) -> Optional[str]:
     return str(level)
 
 
-def check_tis(config: Any) -> None:
-    """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS at verl 51d2104.
+def check_tis(config: Any, verl: Optional[str] = None) -> None:
+    """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS on the verl line
+    ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.compat.verl_line`; None: the
+    installed verl's). Raises :class:`TisConfigError` naming the key and the fix.
 
-    Read from verl 51d2104's source (``ray_trainer.py``, ``rollout_corr_helper.py``,
-    ``dp_actor.py``/``megatron_actor.py``, ``core_algos.py``):
+    verl 0.7 .. 0.9: see :mod:`.tis_091` (``use_policy_gradient`` is gone, bypass mode dispatches on
+    ``loss_type``). verl 51d2104 / 0.6.x, read from its source (``ray_trainer.py``,
+    ``rollout_corr_helper.py``, ``dp_actor.py``/``megatron_actor.py``, ``core_algos.py``):
 
     * ``bypass_mode=True`` with ``rollout_is`` set: the trainer only sets ``old_log_probs =
       rollout_log_probs`` (``apply_rollout_correction``) and skips
@@ -349,11 +353,20 @@ def check_tis(config: Any) -> None:
       DRIVER's copy of ``actor.policy_loss`` (and only in bypass mode); the Ray workers built their
       actor config at init, so they keep the PPO-clip loss without IS weights (verl #4912, PR #4930).
 
-    What does work: decoupled mode (``bypass_mode=False``, ``use_policy_gradient=False``,
-    ``rollout_is=token|sequence``): the driver computes truncated ``rollout_is_weights`` and both
-    actors' policy loss (``core_algos.compute_policy_loss_vanilla`` through ``get_policy_loss_fn``)
-    multiply them in. Raises :class:`TisConfigError` naming the key and the fix.
+    What works on both lines: decoupled mode (``bypass_mode=False``, at 51d2104 also
+    ``use_policy_gradient=False``, ``rollout_is=token|sequence``): the driver computes truncated
+    ``rollout_is_weights`` and the actors' policy loss (``core_algos.compute_policy_loss_vanilla``
+    through ``get_policy_loss_fn``) multiplies them in.
     """
+    from npu_flashrl import compat
+
+    if compat.verl_line(verl) == "0.9":
+        from npu_flashrl.adapters.verl import tis_091
+
+        problems = tis_091.problems(lambda key, default: _select(config, key, default), _MISSING)
+        if problems:
+            raise TisConfigError("; ".join(problems) + f". Fix: {tis_091.FIX}")
+        return
     level = _tis_level(config)
     bypass = _truthy(_select(config, _KEY_RC + "bypass_mode", False))
     pg = _truthy(_select(config, _KEY_RC + "use_policy_gradient", False))
@@ -406,7 +419,8 @@ def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
 
 
 def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
-                       environ: Optional[Mapping[str, str]] = None) -> List[str]:
+                       environ: Optional[Mapping[str, str]] = None,
+                       verl: Optional[str] = None) -> List[str]:
     """Check a verl config (OmegaConf or dict) for an INT8 (FlashRL-style) rollout.
 
     * ``FLASHRL_CONFIG`` set and ``actor_rollout_ref.rollout.mode != "sync"`` -> :class:`RolloutModeError`:
@@ -417,10 +431,12 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       ``algorithm.rollout_correction.rollout_is`` null -> WARNING: TIS is off.
     * quantized rollout and ``actor_rollout_ref.rollout.calculate_log_probs`` not true -> WARNING: verl
       has no rollout log-probs, so TIS/metrics silently do nothing.
-    * any config: a rollout-correction combination that does no TIS at verl 51d2104 ->
+    * any config: a rollout-correction combination that does no TIS on the verl line ->
       :class:`TisConfigError` (see :func:`check_tis`).
 
-    Returns the warning messages (also logged). ``environ`` defaults to ``os.environ``.
+    On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
+    server-mode one (:func:`.server_091.check_verl_config`). Returns the warning messages (also
+    logged). ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ
     flashrl = _flashrl_config_set(env)
@@ -428,7 +444,8 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
         quantized = flashrl
     from npu_flashrl import compat
 
-    if flashrl and compat.verl_server_mode():  # verl 0.7+: server mode only (adapters.verl.server_091)
+    line = compat.verl_line(verl)
+    if flashrl and line == "0.9":  # verl 0.7+: server mode only (adapters.verl.server_091)
         from npu_flashrl.adapters.verl import server_091
 
         try:
@@ -443,7 +460,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
                 f"FLASHRL_CONFIG is set but actor_rollout_ref.rollout.mode is {shown}: verl's async "
                 "rollout never builds vllm.LLM, so the INT8 rollout (and its weight reload) would silently "
                 "not be used. Fix: add the override actor_rollout_ref.rollout.mode=sync")
-    check_tis(config)
+    check_tis(config, line)
     warnings: List[str] = []
     if quantized:
         rollout_is = _select(config, "algorithm.rollout_correction.rollout_is", None)
@@ -477,43 +494,76 @@ def _hydra_value(v: Any) -> str:
 
 
 def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
-                  calculate_log_probs: bool = True, sync_mode: bool = True,
+                  calculate_log_probs: bool = True, sync_mode: Optional[bool] = None,
                   batch_normalize: Optional[bool] = None, rs: Optional[str] = None,
                   rs_threshold: Optional[float] = None, rs_threshold_lower: Optional[float] = None,
                   token_veto_threshold: Optional[float] = None,
-                  bypass_mode: bool = False, use_policy_gradient: bool = False) -> List[str]:
-    """Hydra overrides (verl 51d2104 / 0.6.1 key names) turning on truncated IS for an INT8 rollout.
+                  bypass_mode: bool = False, use_policy_gradient: bool = False,
+                  verl: Optional[str] = None) -> List[str]:
+    """Hydra overrides turning on truncated IS for an INT8 rollout, in the key names of the verl
+    line ``verl`` (``"51d2104"``: the pin and 0.6.x; ``"0.9"``: verl 0.7.1 .. 0.9.x; None: the
+    installed verl's, the pin's without verl; see :func:`npu_flashrl.compat.verl_line`).
 
-    Always decoupled mode: ``bypass_mode=False`` and ``use_policy_gradient=False`` are written out,
-    the only combination that multiplies the truncated IS weights into the loss at verl 51d2104 (see
-    :func:`check_tis`; asking for another one raises :class:`TisConfigError`). The recipes'
-    ``algorithm.rollout_correction.*`` overrides are these (tests/test_verl_51d2104_tis.py checks it).
+    Always decoupled mode, the combination that multiplies the truncated IS weights into the loss
+    on both lines (see :func:`check_tis`; asking for another one raises :class:`TisConfigError`):
+    ``bypass_mode=False`` is written out, at 51d2104 also ``use_policy_gradient=False``. The recipes'
+    ``algorithm.rollout_correction.*`` overrides are these (tests/test_verl_51d2104_tis.py and
+    tests/test_verl091_tis.py run them through verl's own loss code).
 
     ``level``: "token" | "sequence" | None (None writes ``rollout_is=null``, TIS off). Options left at
-    None are not written (verl's default stays). ``sync_mode`` adds ``actor_rollout_ref.rollout.mode=sync``
-    (required with FLASHRL_CONFIG). Example: ``tis_overrides()`` ->
-    ``['algorithm.rollout_correction.rollout_is=token', 'algorithm.rollout_correction.rollout_is_threshold=2.0',
+    None are not written (verl's default stays). ``rs``: at 51d2104 "token" | "sequence" |
+    "geometric", at 0.9 a comma-separated list of verl 0.9's modes ("token_k1", "seq_mean_k3", ...).
+    ``rs_threshold_lower`` and ``token_veto_threshold`` exist at 51d2104 only. ``sync_mode`` adds
+    ``actor_rollout_ref.rollout.mode=sync`` (None: True at 51d2104, where FLASHRL_CONFIG needs it;
+    verl 0.9 has no sync mode, so True is refused there). Example: ``tis_overrides(verl="51d2104")``
+    -> ``['algorithm.rollout_correction.rollout_is=token', 'algorithm.rollout_correction.rollout_is_threshold=2.0',
     'algorithm.rollout_correction.bypass_mode=False', 'algorithm.rollout_correction.use_policy_gradient=False',
-    'actor_rollout_ref.rollout.calculate_log_probs=True', 'actor_rollout_ref.rollout.mode=sync']``.
+    'actor_rollout_ref.rollout.calculate_log_probs=True', 'actor_rollout_ref.rollout.mode=sync']``;
+    ``tis_overrides(verl="0.9")`` -> the first three and ``calculate_log_probs=True``.
     """
+    from npu_flashrl import compat
+
+    line = compat.verl_line(verl)
     if level not in ("token", "sequence", None):
         raise ValueError(f"level must be 'token', 'sequence' or None, got {level!r}")
     if not (isinstance(threshold, (int, float)) and threshold > 0):
         raise ValueError(f"threshold must be a positive number, got {threshold!r}")
-    if rs not in (None, "token", "sequence", "geometric"):
-        raise ValueError(f"rs must be None, 'token', 'sequence' or 'geometric', got {rs!r}")
-    check_tis({"algorithm": {"rollout_correction": {
-        "rollout_is": level, "bypass_mode": bool(bypass_mode), "use_policy_gradient": bool(use_policy_gradient)}}})
-    out = [f"{_KEY_RC}rollout_is={_hydra_value(level)}",
-           f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}",
-           f"{_KEY_RC}bypass_mode={_hydra_value(bool(bypass_mode))}",
-           f"{_KEY_RC}use_policy_gradient={_hydra_value(bool(use_policy_gradient))}"]
-    optional = (("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
-                ("rollout_rs_threshold", None if rs_threshold is None else float(rs_threshold)),
-                ("rollout_rs_threshold_lower", None if rs_threshold_lower is None else float(rs_threshold_lower)),
-                ("rollout_token_veto_threshold",
-                 None if token_veto_threshold is None else float(token_veto_threshold)))
-    out += [f"{_KEY_RC}{k}={_hydra_value(v)}" for k, v in optional if v is not None]
+    if sync_mode is None:
+        sync_mode = line == "51d2104"
+    if line == "0.9":
+        from npu_flashrl.adapters.verl import tis_091
+
+        gone = [f"{name} (algorithm.rollout_correction.{key}; use {tis_091.REMOVED[key]})"
+                for name, key, v in (("rs_threshold_lower", "rollout_rs_threshold_lower", rs_threshold_lower),
+                                     ("token_veto_threshold", "rollout_token_veto_threshold",
+                                      token_veto_threshold))
+                if v is not None]
+        if gone:
+            raise ValueError(f"verl 0.9 has no {', '.join(gone)}")
+        if sync_mode:
+            raise ValueError("sync_mode=True: verl 0.7+ runs its rollout as a server only (no "
+                             "actor_rollout_ref.rollout.mode=sync); leave sync_mode unset")
+        rc = {"rollout_is": level, "bypass_mode": bool(bypass_mode)}
+        if use_policy_gradient:
+            rc["use_policy_gradient"] = True
+        check_tis({"algorithm": {"rollout_correction": rc}}, line)
+        out = tis_091.overrides(level, threshold, batch_normalize, rs, rs_threshold, _hydra_value)
+    else:
+        if rs not in (None, "token", "sequence", "geometric"):
+            raise ValueError(f"rs must be None, 'token', 'sequence' or 'geometric', got {rs!r}")
+        check_tis({"algorithm": {"rollout_correction": {
+            "rollout_is": level, "bypass_mode": bool(bypass_mode),
+            "use_policy_gradient": bool(use_policy_gradient)}}}, line)
+        out = [f"{_KEY_RC}rollout_is={_hydra_value(level)}",
+               f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}",
+               f"{_KEY_RC}bypass_mode={_hydra_value(bool(bypass_mode))}",
+               f"{_KEY_RC}use_policy_gradient={_hydra_value(bool(use_policy_gradient))}"]
+        optional = (("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
+                    ("rollout_rs_threshold", None if rs_threshold is None else float(rs_threshold)),
+                    ("rollout_rs_threshold_lower", None if rs_threshold_lower is None else float(rs_threshold_lower)),
+                    ("rollout_token_veto_threshold",
+                     None if token_veto_threshold is None else float(token_veto_threshold)))
+        out += [f"{_KEY_RC}{k}={_hydra_value(v)}" for k, v in optional if v is not None]
     if calculate_log_probs:
         out.append("actor_rollout_ref.rollout.calculate_log_probs=True")
     if sync_mode:
