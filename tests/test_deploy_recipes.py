@@ -353,6 +353,29 @@ def test_verl09_bf16_twin_differs_only_in_quantization(inputs):
     assert overrides_of(plain.stdout)["trainer.experiment_name"] == "qwen25_7b_fsdp_bf16_A2_verl09"
 
 
+def test_verl09_recipe_tis_is_the_adapters(inputs):
+    """The recipe's TIS overrides are npu_flashrl.adapters.verl.tis_overrides(verl="0.9") (whose
+    combination tests/test_verl091_tis.py runs through verl 0.9.1's own driver and loss code), and
+    the adapter's driver-side checks accept the whole command (no verl imported: keys only)."""
+    from npu_flashrl.adapters import verl as ad
+
+    proc = run(V09_INT8, inputs["env"], "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    ov = overrides_of(proc.stdout)
+    words = [f"{k}={v}" for k, v in ov.items()]
+    rc = sorted(w for w in words if w.startswith("algorithm.rollout_correction."))
+    want = ad.tis_overrides(level="token", threshold=2.0, batch_normalize=True, verl="0.9")
+    assert rc == sorted(o for o in want if o.startswith("algorithm.rollout_correction."))
+    assert set(want) <= set(words)
+    config = ad.overrides_to_config(words)
+    ad.check_tis(config, "0.9")
+    ad.check_rollout_mode(config, environ={"FLASHRL_CONFIG": "x"}, verl="0.9")
+    for extra in (["algorithm.rollout_correction.bypass_mode=True"],
+                  ["algorithm.rollout_correction.use_policy_gradient=False"]):
+        with pytest.raises(ad.TisConfigError):  # what the recipe's preflight refuses, the adapter too
+            ad.check_tis(ad.overrides_to_config(words + extra), "0.9")
+
+
 def test_verl09_help_is_its_own(inputs):
     for script in V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG]:
         proc = run(script, inputs["env"], "--help")
@@ -369,6 +392,11 @@ def test_verl09_help_is_its_own(inputs):
     ({"TIS_BYPASS_MODE": "True"}, (), "for metrics only"),
     ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce"),
      "DRIVER's config copy only"),
+    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
+          "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"), "DRIVER's config copy only"),
+    ({}, ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",), "ignores the batch's rollout_is_weights"),
+    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=pg"),
+     "takes ppo_clip or reinforce"),
     ({"TIS_USE_POLICY_GRADIENT": "True"}, (), "verl 0.7+ has no such key"),
     ({"UPDATE_WEIGHTS_BUCKET_MB": "2GB"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
     ({"UPDATE_WEIGHTS_BUCKET_MB": "0"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
@@ -385,7 +413,9 @@ def test_verl09_preflight_accepts_what_works(v09):
           (("actor_rollout_ref.rollout.quantization=null",), {}),
           (("algorithm.rollout_correction.bypass_mode=True",), {"TIS_LEVEL": "null"}),  # plain bypass PPO
           (("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
-            "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"), {})]
+            "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+            "+actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type=reinforce",
+            "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=token"), {})]
     for extra, env in ok:
         proc = run(V09_CONFIG, dict(v09["env"], **env), "--dry-run", *extra)
         assert proc.returncode == 0, (extra, env, proc.stderr)

@@ -287,7 +287,7 @@ grpo_defaults() {
 # docs/verl_server_mode.md "TIS on verl 0.9.1"). Extra Hydra overrides count, last one wins.
 tis_preflight() {
   local level="$TIS_LEVEL" bypass="$TIS_BYPASS_MODE" pg="$TIS_USE_POLICY_GRADIENT" a
-  local loss_type=ppo_clip worker_loss_mode=""
+  local loss_type=ppo_clip worker_loss_mode=vanilla worker_loss_type="" worker_level=null
   for a in "${EXTRA_ARGS[@]}"; do
     case "$a" in
       algorithm.rollout_correction.rollout_is=*|+algorithm.rollout_correction.rollout_is=*) level="${a#*=}" ;;
@@ -295,23 +295,32 @@ tis_preflight() {
       algorithm.rollout_correction.use_policy_gradient=*|+algorithm.rollout_correction.use_policy_gradient=*) pg="${a#*=}" ;;
       algorithm.rollout_correction.loss_type=*) loss_type="${a#*=}" ;;
       actor_rollout_ref.actor.policy_loss.loss_mode=*|+actor_rollout_ref.actor.policy_loss.loss_mode=*) worker_loss_mode="${a#*=}" ;;
+      *actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type=*) worker_loss_type="${a#*=}" ;;
+      *actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=*) worker_level="${a#*=}" ;;
     esac
   done
   case "${bypass,,}" in true|false) ;; *) recipe_die "TIS_BYPASS_MODE (algorithm.rollout_correction.bypass_mode) must be True or False, got '$bypass'" ;; esac
   case "${pg,,}" in true|false) ;; *) recipe_die "TIS_USE_POLICY_GRADIENT (algorithm.rollout_correction.use_policy_gradient) must be True or False, got '$pg'" ;; esac
   if [[ "$RECIPE_LINE" == current ]]; then
+    # the rules of npu_flashrl.adapters.verl.tis_091.problems (verl 0.9.1)
     local fix="fix: TIS_BYPASS_MODE=False (decoupled mode: verl 0.9.1's driver computes the truncated IS weights and the workers' vanilla PPO loss multiplies them in)"
+    local wl=actor_rollout_ref.actor.policy_loss
     if [[ "${pg,,}" == true ]]; then
       recipe_die "TIS_USE_POLICY_GRADIENT=$pg / algorithm.rollout_correction.use_policy_gradient: verl 0.7+ has no such key (replaced by algorithm.rollout_correction.loss_type, bypass mode only); $fix"
     fi
+    if [[ "${bypass,,}" == true && "$loss_type" != ppo_clip && "$loss_type" != reinforce ]]; then
+      recipe_die "algorithm.rollout_correction.loss_type=$loss_type: verl 0.9.1's bypass loss takes ppo_clip or reinforce"
+    fi
     if [[ "${bypass,,}" == true && "$level" != null ]]; then
-      if [[ "$loss_type" == reinforce && "$worker_loss_mode" == bypass_mode ]]; then
-        recipe_log "WARNING: bypass mode + loss_type=reinforce with actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode: read from verl 0.9.1's source, not run through Ray (the workers also need actor_rollout_ref.actor.policy_loss.rollout_correction.*)"
-      elif [[ "$loss_type" == reinforce ]]; then
-        recipe_die "algorithm.rollout_correction.bypass_mode=$bypass loss_type=reinforce: verl 0.9.1's apply_bypass_mode switches the loss on the DRIVER's config copy only; the Ray workers keep their vanilla loss without IS weights unless actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode (and its rollout_correction.*) is set too; $fix"
-      else
-        recipe_die "algorithm.rollout_correction.bypass_mode=$bypass with rollout_is=$level and loss_type=$loss_type: at verl 0.9.1 bypass mode with ppo_clip computes the IS weights for metrics only and leaves them out of the loss; $fix"
+      if [[ "$loss_type" == ppo_clip ]]; then
+        recipe_die "algorithm.rollout_correction.bypass_mode=$bypass with rollout_is=$level and loss_type=ppo_clip: at verl 0.9.1 bypass mode with ppo_clip computes the IS weights for metrics only and leaves them out of the loss; $fix"
+      elif [[ "$worker_loss_mode" != bypass_mode || "$worker_loss_type" != reinforce || "$worker_level" == null ]]; then
+        recipe_die "algorithm.rollout_correction.bypass_mode=$bypass loss_type=reinforce: verl 0.9.1's apply_bypass_mode switches the loss on the DRIVER's config copy only; the Ray workers keep $wl.loss_mode=$worker_loss_mode without IS weights unless they start with $wl.loss_mode=bypass_mode +$wl.rollout_correction.loss_type=reinforce +$wl.rollout_correction.rollout_is=$level; $fix"
       fi
+      recipe_log "WARNING: bypass mode + loss_type=reinforce with the workers' $wl.* set: read from verl 0.9.1's source, not run through Ray"
+    fi
+    if [[ "${bypass,,}" == false && "$worker_loss_mode" == bypass_mode ]]; then
+      recipe_die "$wl.loss_mode=bypass_mode with algorithm.rollout_correction.bypass_mode=False: that loss ignores the batch's rollout_is_weights and takes the trainer's old_log_probs for the rollout's; $fix"
     fi
     return 0
   fi
