@@ -55,9 +55,9 @@ def inputs(tmp_path):
     data.mkdir(parents=True)
     (data / "train.parquet").write_bytes(b"")
     (data / "test.parquet").write_bytes(b"")
-    # VLLM_PLUGINS: the test runner's (often "none") would be refused by the verl09 preflight
+    # VLLM_PLUGINS (often "none" in test runs), VLLM_ASCEND_ENABLE_NZ: refused by the verl09 preflight
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k != "VLLM_PLUGINS"}
+           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data),
                RUN_DIR=str(tmp_path / "run"))
     return {"tmp": tmp_path, "model": model, "quant": quant, "data": data, "env": env}
@@ -389,6 +389,8 @@ def test_verl09_help_is_its_own(inputs):
     ({}, ("+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=ascend",), "drop actor_rollout_ref.rollout.engine_kwargs.vllm.quantization"),
     ({}, ("actor_rollout_ref.rollout.qat.enable=True",), "drop actor_rollout_ref.rollout.qat.enable"),
     ({"VLLM_PLUGINS": "other_plugin"}, (), "leaves out npu_flashrl"),
+    ({"VLLM_ASCEND_ENABLE_NZ": "1"}, (), "refuses to wake the engine from sleep mode"),
+    ({}, ("+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_NZ='1'",), "VLLM_ASCEND_ENABLE_NZ=1 reaches"),
     ({"TIS_BYPASS_MODE": "True"}, (), "for metrics only"),
     ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce"),
      "DRIVER's config copy only"),
@@ -409,7 +411,7 @@ def test_verl09_preflight_refusals(v09, env, extra, needle):
 
 
 def test_verl09_preflight_accepts_what_works(v09):
-    ok = [((), {"VLLM_PLUGINS": "foo, npu_flashrl"}),
+    ok = [((), {"VLLM_PLUGINS": "foo, npu_flashrl", "VLLM_ASCEND_ENABLE_NZ": "0"}),
           (("actor_rollout_ref.rollout.quantization=null",), {}),
           (("algorithm.rollout_correction.bypass_mode=True",), {"TIS_LEVEL": "null"}),  # plain bypass PPO
           (("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",

@@ -395,6 +395,15 @@ else:
   fi
 }
 
+# nz_refuse WHERE VALUE: vllm-ascend 0.23's NPUWorker.wake_up (verl's sleep mode, every step) refuses
+# FRACTAL_NZ weights; verl's worker extension sets VLLM_ASCEND_ENABLE_NZ=0 only when it is unset.
+nz_refuse() {
+  case "$2" in
+    0|"") ;;
+    *) recipe_die "$1: VLLM_ASCEND_ENABLE_NZ=$2 reaches verl's vLLM workers (verl sets 0 only when unset) and vllm-ascend 0.23 refuses to wake the engine from sleep mode with FRACTAL_NZ weights ('FRACTAL_NZ mode is enabled ...'); unset it or set 0" ;;
+  esac
+}
+
 # server_mode_preflight (current line): what verl 0.9.1 would only report after Ray and the vLLM
 # servers started, or never (docs/troubleshooting.md).
 server_mode_preflight() {
@@ -408,12 +417,15 @@ server_mode_preflight() {
         if [[ -n "$FLASHRL_CONFIG" ]]; then
           case "${value,,}" in null|none|"") ;; *) recipe_die "$a next to FLASHRL_CONFIG: verl would quantize the rollout itself and npu_flashrl's INT8 rollout cannot apply as well; drop $key (or unset FLASHRL_CONFIG for verl's own)" ;; esac
         fi ;;
+      ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_NZ)
+        nz_refuse "$a" "${value//\'/}" ;;
       actor_rollout_ref.rollout.qat.enable)
         if [[ -n "$FLASHRL_CONFIG" && "${value,,}" == true ]]; then
           recipe_die "$a next to FLASHRL_CONFIG: verl's QAT rollout quantizes the engine itself; drop $key (or unset FLASHRL_CONFIG)"
         fi ;;
     esac
   done
+  if [[ -n "${VLLM_ASCEND_ENABLE_NZ:-}" ]]; then nz_refuse "VLLM_ASCEND_ENABLE_NZ in this shell" "$VLLM_ASCEND_ENABLE_NZ"; fi
   # VLLM_PLUGINS (a list) turns off every vLLM general plugin not in it; npu_flashrl reaches verl's
   # vLLM server, EngineCore and worker processes only as one (docs/verl_server_mode.md).
   if [[ -n "$FLASHRL_CONFIG" && -n "${VLLM_PLUGINS:-}" && ",${VLLM_PLUGINS// /}," != *,npu_flashrl,* ]]; then
