@@ -371,17 +371,31 @@ def _dist_info(names: Sequence[str]):
     return None, None
 
 
-def _load_pins():
-    try:
-        from npu_flashrl.pins import load_pins
-        return load_pins()
-    except ImportError:  # pins.py not there: read the packaged file directly
-        with open(os.path.join(os.path.dirname(__file__), "pins.yaml")) as f:
-            return yaml.safe_load(f)
+def _load_pins(line: Optional[str] = None):
+    from npu_flashrl.pins import load_pins
+    return load_pins(line=line)
 
 
-def package_rows(pins: dict) -> List[Dict[str, str]]:
+def line_row() -> Tuple[Dict[str, str], Optional[str]]:
+    """Which line of pins.yaml the installed stack matches (importlib.metadata versions vs each
+    line's pins), and the line the package rows compare against: the matching one, else the
+    closest (fewest differing packages)."""
+    from npu_flashrl import pins as pins_mod
+
+    order = pins_mod.line_names()
+    name, diffs = pins_mod.match_line()
+    detail = pins_mod.describe_match(name, diffs, order)
+    if name:
+        return _row("stack line", OK, detail), name
+    closest = pins_mod.closest_line(diffs, order)
+    return (_row("stack line", WARN, detail,
+                 f"install one line: scripts/install_pinned.sh --line {closest} (package rows below "
+                 f"compare against line '{closest}', the closest)"), closest)
+
+
+def package_rows(pins: dict, line: Optional[str] = None) -> List[Dict[str, str]]:
     rows = []
+    install = "scripts/install_pinned.sh" + (f" --line {line}" if line and line != "pinned" else "")
     for key, spec in (pins.get("packages") or {}).items():
         spec = spec or {}
         dist = spec.get("dist") or key.replace("_", "-")
@@ -397,7 +411,7 @@ def package_rows(pins: dict) -> List[Dict[str, str]]:
         if version is None:
             status = FAIL if required else INFO
             rows.append(_row(check, status, f"missing (pinned {want or 'any'})",
-                             f"install it: scripts/install_pinned.sh (pinned {want})" if required else ""))
+                             f"install it: {install} (pinned {want})" if required else ""))
             continue
         have = version + (f"@{commit[:12]}" if commit else "")
         mismatch = []
@@ -422,7 +436,7 @@ def package_rows(pins: dict) -> List[Dict[str, str]]:
                 continue
         if mismatch:
             rows.append(_row(check, WARN, f"{have}; pinned {want}: {'; '.join(mismatch)}",
-                             f"the tested stack is {want}: scripts/install_pinned.sh"))
+                             f"the tested stack is {want}: {install}"))
         else:
             rows.append(_row(check, OK, f"{have}" + (f" (pinned {want})" if want else "")))
     return rows
@@ -720,12 +734,15 @@ def verl_rows(path: str) -> List[Dict[str, str]]:
 def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
                 verl_overrides: Optional[str] = None) -> List[Dict[str, str]]:
     rows: List[Dict[str, str]] = []
+    line: Optional[str] = None
     try:
-        pins = _load_pins()
+        row, line = line_row()
+        rows.append(row)
+        pins = _load_pins(line)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         pins = {}
         rows.append(_row("pins.yaml", FAIL, str(exc), "reinstall npu_flashrl"))
-    rows += package_rows(pins)
+    rows += package_rows(pins, line)
     rows.append(cann_row(pins))
     rows += activation_rows(config_path)
     rows += config_rows(config_path)

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Installs the pinned npu_flashrl production stack on an Atlas A2 (910B) node with CANN already installed:
-# torch + torch_npu, vLLM (empty target), vllm-ascend (custom kernels), MindSpeed, Megatron-LM,
+# Installs one line of the npu_flashrl production stack on an Atlas A2 (910B) / A3 node with CANN
+# already installed: torch + torch_npu, vLLM (empty target), vllm-ascend, MindSpeed, Megatron-LM,
 # verl, transformers, FlashRL, then npu_flashrl itself, and ends with `npu-flashrl verify`.
+#   --line pinned   (default) the published FlashRL procedure: vLLM, vllm-ascend (custom kernels
+#                   built for SOC_VERSION), verl and transformers from pinned commits
+#   --line current  verl server mode on today's vLLM / vllm-ascend: vLLM from its tag (empty
+#                   target), vllm-ascend, verl and transformers releases from the package index
+#   (the versions of each line: docs/compatibility.md, `python3 npu_flashrl/pins.py --line L table`)
 #
 # Every version comes from npu_flashrl/pins.yaml (or $NPU_FLASHRL_PINS); nothing is pinned here.
-# Idempotent: a component already at its pin is skipped, one at another commit is re-installed.
+# A component pinned with a repo and a commit/ref is built from source; one with only a version is
+# installed from the package index. Idempotent: a component already at its pin is skipped, one at
+# another commit/version is re-installed.
 #
-# Usage: scripts/install_pinned.sh [--dry-run] [--workdir DIR] [--log FILE] [--only NAME[,NAME..]]
-#                                  [--skip-checks] [--allow-mismatch] [--no-verify] [--help]
+# Usage: scripts/install_pinned.sh [--line NAME] [--dry-run] [--workdir DIR] [--log FILE]
+#                                  [--only NAME[,NAME..]] [--skip-checks] [--allow-mismatch]
+#                                  [--no-verify] [--help]
+#   --line names: the lines of the pins file (pinned, current; anything else is refused)
 #   --only names: torch torch_npu vllm vllm_ascend mindspeed megatron_core verl transformers
 #                 flash_llm_rl npu_flashrl (anything else is refused)
 #
 # Environment (all optional):
+#   LINE                  stack line                      (default: pinned; same as --line)
 #   NPU_FLASHRL_PINS      pins file                       (default: npu_flashrl/pins.yaml of this checkout)
 #   PYTHON                interpreter to install into     (default: python3)
 #   WORKDIR               where sources are cloned        (default: $HOME/npu_flashrl_stack)
@@ -25,6 +35,8 @@
 #   MAX_JOBS              parallel compile jobs           (default: nproc)
 #   PIP_INDEX_URL / PIP_EXTRA_INDEX_URL / PIP_TRUSTED_HOST  package index mirrors (read by pip itself)
 #   TORCH_INDEX_URL       extra index for torch wheels (x86_64 CPU torch builds), empty = none
+#   VLLM_ASCEND_EXTRA_INDEX_URLS  space-separated extra indexes for a vllm-ascend release
+#                         (default: the pin's extra_index_urls, where its torch-npu / triton-ascend live)
 #   <NAME>_REPO_URL       clone URL override per source component: VLLM, VLLM_ASCEND, TRANSFORMERS,
 #                         MINDSPEED, MEGATRON_CORE, VERL (default: the repo in the pins file)
 set -euo pipefail
@@ -40,6 +52,7 @@ SKIP_NPU_CHECK="${SKIP_NPU_CHECK:-0}"
 ALLOW_MISMATCH="${ALLOW_MISMATCH:-0}"
 TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
 MAX_JOBS="${MAX_JOBS:-$(nproc 2>/dev/null || echo 8)}"
+LINE="${LINE:-pinned}"
 DRY_RUN=0
 SKIP_CHECKS=0
 RUN_VERIFY=1
@@ -50,6 +63,8 @@ usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
+    --line) LINE="${2:?--line needs a line name}"; shift ;;
+    --line=*) LINE="${1#*=}" ;;
     --workdir) WORKDIR="${2:?--workdir needs a directory}"; shift ;;
     --workdir=*) WORKDIR="${1#*=}" ;;
     --log) LOG_FILE="${2:?--log needs a file}"; shift ;;
@@ -140,9 +155,16 @@ if ! "$PYTHON" -c 'import yaml' 2>/dev/null; then
   log "PyYAML is needed to read the pins file"
   run "$PYTHON" -m pip install pyyaml
 fi
-pins_sh="$("$PYTHON" "$PINS_READER" sh)" || die "cannot read the pins file (NPU_FLASHRL_PINS=${NPU_FLASHRL_PINS:-default})"
+known_lines="$("$PYTHON" "$PINS_READER" lines)" || die "cannot read the pins file (NPU_FLASHRL_PINS=${NPU_FLASHRL_PINS:-default})"
+if ! grep -qxF -- "$LINE" <<<"$known_lines"; then
+  echo "install_pinned.sh: unknown line '$LINE' (known: $(echo "$known_lines" | paste -sd' ' -))" >&2
+  exit 2
+fi
+pins_sh="$("$PYTHON" "$PINS_READER" --line "$LINE" sh)" || die "cannot read line '$LINE' of the pins file (NPU_FLASHRL_PINS=${NPU_FLASHRL_PINS:-default})"
 eval "$pins_sh"
-log "pins file: $("$PYTHON" "$PINS_READER" path)"
+log "pins file: $("$PYTHON" "$PINS_READER" path), line $LINE"
+# Every pin of the line, as read (the record of what this run installs).
+while IFS= read -r assignment; do log "pin: $assignment"; done <<<"$pins_sh"
 SOC_VERSION="${SOC_VERSION:-$PIN_SOC_VERSION}"
 
 # ---------------------------------------------------------------- checks
@@ -179,7 +201,7 @@ run_checks() {
   if [[ "$pyver" == "$PIN_PYTHON" ]]; then
     log "ok: Python $pyver ($PYTHON)"
   else
-    check_fail soft "Python $pyver at '$PYTHON', the pinned stack needs Python $PIN_PYTHON (set PYTHON=...)"
+    check_fail soft "Python $pyver at '$PYTHON', the $LINE stack needs Python $PIN_PYTHON (set PYTHON=...)"
   fi
 
   local vfile cann
@@ -188,7 +210,7 @@ run_checks() {
     if [[ "${cann^^}" == "${PIN_CANN^^}"* ]]; then
       log "ok: CANN $cann ($vfile)"
     else
-      check_fail soft "CANN ${cann:-unknown} in $vfile, the pinned stack needs CANN $PIN_CANN"
+      check_fail soft "CANN ${cann:-unknown} in $vfile, the $LINE stack needs CANN $PIN_CANN"
     fi
   else
     check_fail soft "CANN toolkit version info not found: looked for $ASCEND_HOME/ascend-toolkit/latest/$(uname -m)-linux/ascend_toolkit_install.info (install CANN $PIN_CANN, set ASCEND_HOME or CANN_VERSION_FILE)"
@@ -247,7 +269,7 @@ at_pin() {
   if [[ -d "$dir/.git" ]]; then
     local head want
     head="$(git -C "$dir" rev-parse HEAD 2>/dev/null)" || return 1
-    want="$(git -C "$dir" rev-parse "$rev^{commit}" 2>/dev/null)" || return 1
+    want="$(git -C "$dir" rev-parse "$(local_rev "$dir" "$rev")^{commit}" 2>/dev/null)" || return 1
     [[ "$head" == "$want" ]] || return 1
   fi
   return 0
@@ -257,7 +279,19 @@ stamp() {
   if [[ "$DRY_RUN" == 0 ]]; then mkdir -p "$STAMPS" && printf '%s\n' "$2" > "$STAMPS/$1"; fi
 }
 
-# Clone (once) and check out <rev> (a commit, short commit or tag), detached.
+# The name to check out for <rev> in <dir>: <rev> itself (a commit, tag or local branch), else
+# origin/<rev> when it is a branch of the remote only (MindSpeed / Megatron-LM core_r0.16.0).
+local_rev() {
+  local dir="$1" rev="$2"
+  if ! git -C "$dir" rev-parse -q --verify "$rev^{commit}" >/dev/null 2>&1 \
+      && git -C "$dir" rev-parse -q --verify "origin/$rev^{commit}" >/dev/null 2>&1; then
+    echo "origin/$rev"
+  else
+    echo "$rev"
+  fi
+}
+
+# Clone (once) and check out <rev> (a commit, short commit, tag or branch), detached.
 checkout() {
   local url="$1" rev="$2" dir="$3"
   if [[ ! -d "$dir/.git" ]]; then
@@ -268,6 +302,7 @@ checkout() {
   if [[ "$DRY_RUN" == 1 ]] || ! git -C "$dir" rev-parse -q --verify "$rev^{commit}" >/dev/null 2>&1; then
     run git -C "$dir" fetch --tags origin
   fi
+  if [[ "$DRY_RUN" == 0 ]]; then rev="$(local_rev "$dir" "$rev")"; fi
   run git -C "$dir" checkout --detach "$rev"
 }
 
@@ -306,9 +341,21 @@ install_source() {
 pip_in_comp() { run_in "$COMP_DIR" env "${COMP_ENV[@]}" "$@" "${PIP[@]}" -c "$CONSTRAINTS" "${PIP_ARGS[@]}"; }
 PIP_ARGS=()
 
+# pin_of <name> <field>: packages.<name>.<field> of the line, empty when the line has none.
+pin_of() {
+  local var="PIN_PACKAGES_${1^^}_${2^^}"
+  printf '%s' "${!var:-}"
+}
+
 # Build requirements first, then no build isolation: an isolated build would pull another torch.
+# The torch lines of vLLM's build requirements are filtered out (vLLM 0.23's ask for torch 2.11.0,
+# vllm-ascend 0.23 needs 2.10.0): the constraints keep the line's torch.
 steps_vllm() {
-  PIP_ARGS=(-r requirements/build.txt); pip_in_comp
+  local reqs
+  reqs="$(pin_of vllm build_requirements)"
+  reqs="${reqs:-requirements/build.txt}"
+  run_in "$COMP_DIR" sh -c "grep -v -E '^[[:space:]]*(torch|--|#|-r)' $reqs > build-reqs.npu_flashrl.txt"
+  PIP_ARGS=(-r build-reqs.npu_flashrl.txt); pip_in_comp
   PIP_ARGS=(--no-build-isolation -e .); pip_in_comp
   # triton comes along on x86_64 but does not work on Ascend.
   if [[ "$DRY_RUN" == 1 || -n "$(dist_version triton)" ]]; then
@@ -353,11 +400,37 @@ install_release() {  # install_release <name> <dist> <version> [extra pip args]
   run "${PIP[@]}" -c "$CONSTRAINTS" "$@" "$dist==$version"
 }
 
+# install_component <name> <source steps> [pip args for a release]: from source when the line pins
+# a repo and a commit/ref, else the release of its version from the package index.
+install_component() {
+  local name="$1" steps="$2"; shift 2
+  local dist rev version
+  dist="$(pin_of "$name" dist)"
+  dist="${dist:-${name//_/-}}"
+  rev="$(pin_of "$name" commit)"
+  rev="${rev:-$(pin_of "$name" ref)}"
+  version="$(pin_of "$name" version)"
+  if [[ -n "$(pin_of "$name" repo)" && -n "$rev" ]]; then
+    install_source "$name" "$dist" "$rev" "$steps"
+  elif [[ -n "$version" ]]; then
+    install_release "$name" "$dist" "$version" "$@"
+  elif [[ -n "$(compgen -v "PIN_PACKAGES_${name^^}_" || true)" ]]; then
+    die "pins: packages.$name of line $LINE has neither repo + commit/ref nor version"
+  else
+    log "skip: $name (not pinned in line $LINE)"
+  fi
+}
+
 # ---------------------------------------------------------------- install
 run mkdir -p "$WORKDIR"
-log "step: constraints file $CONSTRAINTS (torch $PIN_PACKAGES_TORCH_VERSION, torch_npu $PIN_PACKAGES_TORCH_NPU_VERSION)"
+# Every later step keeps the line's torch / torch_npu (and transformers when it is a release pin).
+constraints=("torch==$PIN_PACKAGES_TORCH_VERSION" "torch_npu==$PIN_PACKAGES_TORCH_NPU_VERSION")
+if [[ -z "$(pin_of transformers commit)" && -n "$(pin_of transformers version)" ]]; then
+  constraints+=("transformers==$(pin_of transformers version)")
+fi
+log "step: constraints file $CONSTRAINTS (${constraints[*]})"
 if [[ "$DRY_RUN" == 0 ]]; then
-  printf 'torch==%s\ntorch_npu==%s\n' "$PIN_PACKAGES_TORCH_VERSION" "$PIN_PACKAGES_TORCH_NPU_VERSION" > "$CONSTRAINTS"
+  printf '%s\n' "${constraints[@]}" > "$CONSTRAINTS"
 fi
 
 # CANN environment for the compiled parts (vllm-ascend custom kernels, torch_npu checks).
@@ -379,15 +452,21 @@ install_release torch torch "$PIN_PACKAGES_TORCH_VERSION" "${torch_extra[@]}"
 install_release torch_npu torch-npu "$PIN_PACKAGES_TORCH_NPU_VERSION" "${torch_extra[@]}"
 
 # vLLM with the empty target (pure Python; the Ascend platform comes from vllm-ascend).
-install_source vllm vllm "$PIN_PACKAGES_VLLM_COMMIT" steps_vllm
-install_source vllm_ascend vllm-ascend "$PIN_PACKAGES_VLLM_ASCEND_COMMIT" steps_vllm_ascend
-install_source mindspeed mindspeed "$PIN_PACKAGES_MINDSPEED_COMMIT" steps_editable
-install_source megatron_core megatron-core "$PIN_PACKAGES_MEGATRON_CORE_REF" steps_no_deps
-install_source verl verl "$PIN_PACKAGES_VERL_COMMIT" steps_verl
-# transformers last among the sources so no requirement file moves it off its commit.
-install_source transformers transformers "$PIN_PACKAGES_TRANSFORMERS_COMMIT" steps_editable
+install_component vllm steps_vllm
+# A vllm-ascend release comes with its torch-npu / triton-ascend from Huawei's indexes (its docs).
+ascend_index_args=()
+for url in ${VLLM_ASCEND_EXTRA_INDEX_URLS:-$(pin_of vllm_ascend extra_index_urls)}; do
+  ascend_index_args+=(--extra-index-url "$url")
+done
+install_component vllm_ascend steps_vllm_ascend "${ascend_index_args[@]}"
+install_component mindspeed steps_editable
+install_component megatron_core steps_no_deps
+install_component verl steps_verl
+# transformers last among the sources so no requirement file moves it off its commit (a release
+# pin is in the constraints file from the start).
+install_component transformers steps_editable
 # FlashRL from the registry without its (CUDA) dependencies.
-install_release flash_llm_rl flash-llm-rl "$PIN_PACKAGES_FLASH_LLM_RL_VERSION" --no-deps
+install_component flash_llm_rl steps_editable --no-deps
 
 if wanted npu_flashrl; then
   log "step: npu_flashrl (editable, from $ROOT)"

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 from npu_flashrl.pins import load_pins  # noqa: E402
 
 PINS = load_pins()
+CURRENT = load_pins(line="current")
 
 
 def instructions():
@@ -54,6 +55,10 @@ def test_base_image_args_match_pins():
     assert args["BASE_IMAGE"] == PINS["docker"]["base_image_a2"]
     assert args["BASE_IMAGE_A3"] == PINS["docker"]["base_image_a3"]
     assert "910b" in args["BASE_IMAGE"] and "-a3-" in args["BASE_IMAGE_A3"]
+    # the current line: vllm-ascend 0.23.0's own bases (its Dockerfile / Dockerfile.a3 at v0.23.0)
+    assert args["BASE_IMAGE_CURRENT"] == CURRENT["docker"]["base_image_a2"]
+    assert args["BASE_IMAGE_CURRENT_A3"] == CURRENT["docker"]["base_image_a3"]
+    assert CURRENT["cann"].lower() in args["BASE_IMAGE_CURRENT"] and "-a3-" in args["BASE_IMAGE_CURRENT_A3"]
     froms = [rest for ins, rest in instructions() if ins == "FROM"]
     assert froms == ["${BASE_IMAGE}"]
 
@@ -70,6 +75,8 @@ def test_structure():
     install = [r for r in runs if "scripts/install_pinned.sh" in r]
     assert len(install) == 1, "the stack is installed by the pinned install script, exactly once"
     assert "SKIP_NPU_CHECK=1" in install[0] and "--no-verify" in install[0] and "--workdir" in install[0]
+    assert '--line "${LINE}"' in install[0]
+    assert [r for i, r in ins if i == "ARG" and r.startswith("LINE=")] == ["LINE=pinned"]
     assert "|| true" not in install[0].split("&&")[0], "an install failure must fail the build"
     assert any(r.startswith("/opt/npu_flashrl") or ". /opt/npu_flashrl" in r for i, r in ins if i == "COPY")
     assert any(i == "ENTRYPOINT" and "entrypoint.sh" in r for i, r in ins)
@@ -82,9 +89,10 @@ def test_no_pins_duplicated_in_dockerfile():
     text = DOCKERFILE.read_text()
     assert not re.search(r"\b[0-9a-f]{40}\b", text), "commits belong in pins.yaml"
     assert not re.search(r"==\s*\d", text), "versions belong in pins.yaml"
-    for name, spec in PINS["packages"].items():
-        if "commit" in spec:
-            assert spec["commit"] not in text
+    for pins in (PINS, CURRENT):
+        for name, spec in pins["packages"].items():
+            if "commit" in spec:
+                assert spec["commit"] not in text
 
 
 def test_dockerignore_and_entrypoint():
@@ -123,9 +131,27 @@ def test_build_script_takes_base_image_from_pins():
                           env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stderr
     assert f"--build-arg BASE_IMAGE={PINS['docker']['base_image_a2']}" in proc.stdout
+    assert "--build-arg LINE=pinned" in proc.stdout and proc.stdout.rstrip().endswith(f"-t npu_flashrl:a2 {ROOT}")
     a3 = subprocess.run(["bash", str(ROOT / "docker" / "build.sh"), "--dry-run"], capture_output=True, text=True,
                         env=dict(os.environ, PYTHON=sys.executable, TARGET="a3"))
     assert a3.returncode != 0 and "SOC_VERSION" in a3.stderr
+
+
+@pytest.mark.parametrize("target", ["a2", "a3"])
+def test_build_script_current_line(target):
+    proc = subprocess.run(["bash", str(ROOT / "docker" / "build.sh"), "--dry-run"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable, TARGET=target, LINE="current"))
+    assert proc.returncode == 0, proc.stderr
+    soc = CURRENT["soc_version"] if target == "a2" else CURRENT["soc_version_a3"]
+    for expected in ["--build-arg LINE=current", f"--build-arg BASE_IMAGE={CURRENT['docker']['base_image_' + target]}",
+                     f"--build-arg SOC_VERSION={soc}", f"-t npu_flashrl:current-{target}"]:
+        assert expected in proc.stdout, expected
+
+
+def test_build_script_refuses_an_unknown_line():
+    proc = subprocess.run(["bash", str(ROOT / "docker" / "build.sh"), "--dry-run"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable, LINE="nightly"))
+    assert proc.returncode == 2 and "unknown LINE 'nightly'" in proc.stderr and "pinned current" in proc.stderr
 
 
 def test_hadolint():

@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 from npu_flashrl.pins import load_pins, markdown_table  # noqa: E402
 
 PINS = load_pins()
+LINES = {"pinned": PINS, "current": load_pins(line="current")}
 SCRIPTS = sorted(list((ROOT / "scripts").glob("install_pinned.sh")) + list((ROOT / "docker").glob("*.sh"))
                  + list((ROOT / "tests" / "verl_examples").rglob("*.sh")))
 
@@ -27,21 +28,25 @@ def all_docs():
     return "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
 
 
-def test_pins_table_matches_pins_file():
+@pytest.mark.parametrize("line", sorted(LINES))
+def test_pins_table_matches_pins_file(line):
     text = doc("compatibility.md")
-    m = re.search(r"<!-- pins:begin -->\n(.*?)<!-- pins:end -->", text, re.S)
-    assert m, "pins markers missing in docs/compatibility.md"
-    assert m.group(1) == markdown_table(PINS), "regenerate with: python3 npu_flashrl/pins.py table"
+    marker = "pins" if line == "pinned" else f"pins:{line}"
+    m = re.search(rf"<!-- {marker}:begin -->\n(.*?)<!-- {marker}:end -->", text, re.S)
+    assert m, f"{marker} markers missing in docs/compatibility.md"
+    assert m.group(1) == markdown_table(LINES[line]), f"regenerate with: python3 npu_flashrl/pins.py --line {line} table"
 
 
-def test_every_pinned_commit_and_version_is_in_the_docs():
+@pytest.mark.parametrize("line", sorted(LINES))
+def test_every_pinned_commit_and_version_is_in_the_docs(line):
     text = doc("compatibility.md")
-    for name, spec in PINS["packages"].items():
+    pins = LINES[line]
+    for name, spec in pins["packages"].items():
         for field in ("commit", "ref", "version"):
             if field in spec:
                 assert str(spec[field]) in text, (name, field)
-    assert PINS["cann"] in text and PINS["python"] in text
-    for image in PINS["docker"].values():
+    assert pins["cann"] in text and pins["python"] in text
+    for image in pins["docker"].values():
         assert image in text
 
 
@@ -73,7 +78,8 @@ def test_runtime_env_and_cli_reference():
         assert row is not None, cmd
         for f in flags:
             assert f in row, (cmd, f)
-    for flag in ["--dry-run", "--workdir", "--log", "--only", "--skip-checks", "--allow-mismatch", "--no-verify"]:
+    for flag in ["--line pinned|current", "--dry-run", "--workdir", "--log", "--only", "--skip-checks",
+                 "--allow-mismatch", "--no-verify"]:
         assert flag in conf
     for key in ["rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "bypass_mode",
                 "use_policy_gradient", "calculate_log_probs", "actor_rollout_ref.rollout.mode"]:

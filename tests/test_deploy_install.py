@@ -5,7 +5,9 @@ Nothing here installs anything: every run is a --dry-run, or a real run that mus
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,12 @@ sys.path.insert(0, str(ROOT))
 from npu_flashrl import pins as pins_mod  # noqa: E402
 
 PINS = pins_mod.load_pins()
+CURRENT = pins_mod.load_pins(line="current")
+
+
+def one_line_copy(line="pinned"):
+    """A line's pins as a fresh dict, to change and write to another pins file."""
+    return copy.deepcopy(pins_mod.load_pins(line=line))
 
 
 def base_env(tmp_path, **extra):
@@ -66,7 +74,7 @@ def test_pins_cli_get_sh_and_env_override(tmp_path):
     sh = pins_mod.shell_assignments()
     assert f"PIN_PACKAGES_VERL_COMMIT={PINS['packages']['verl']['commit']}" in sh
     other = tmp_path / "pins.yaml"
-    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data = one_line_copy()  # written back in the one-line layout (still read as line pinned)
     data["packages"]["verl"]["commit"] = "f" * 40
     other.write_text(yaml.safe_dump(data))
     env = dict(os.environ, NPU_FLASHRL_PINS=str(other))
@@ -136,7 +144,7 @@ def test_checks_pass_with_cann_and_npu_smi(tmp_path):
 
 
 def test_changing_a_pin_changes_the_printed_commit(tmp_path):
-    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data = one_line_copy()  # written back in the one-line layout (still read as line pinned)
     new = "0123456789abcdef0123456789abcdef01234567"
     data["packages"]["vllm_ascend"]["commit"] = new
     data["packages"]["vllm"]["env"]["VLLM_TARGET_DEVICE"] = "other"
@@ -193,7 +201,7 @@ def test_idempotent_skip_at_pin_and_reinstall_at_wrong_commit(tmp_path):
     (wd / ".installed").mkdir(parents=True)
     (wd / ".installed" / "verl").write_text(first + "\n")
 
-    data = yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())
+    data = one_line_copy()  # written back in the one-line layout (still read as line pinned)
     data["packages"]["verl"]["commit"] = first
     pins_file = tmp_path / "pins.yaml"
     pins_file.write_text(yaml.safe_dump(data))
@@ -225,3 +233,196 @@ def test_help_and_bad_argument(tmp_path):
     assert h.returncode == 0 and "--dry-run" in h.stdout and "NPU_FLASHRL_PINS" in h.stdout
     bad = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--bogus" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------- lines
+def raw_line(name):
+    """A line as the YAML file says it, read without npu_flashrl.pins (an independent reading)."""
+    return yaml.safe_load((ROOT / "npu_flashrl" / "pins.yaml").read_text())["lines"][name]
+
+
+def raw_assignments(node, prefix="PIN"):
+    """PIN_<PATH> -> str(value) for every scalar, computed here, not by pins.py."""
+    out = {}
+    for k, v in node.items():
+        name = f"{prefix}_{''.join(c if c.isalnum() else '_' for c in str(k)).upper()}"
+        if isinstance(v, dict):
+            out.update(raw_assignments(v, name))
+        else:
+            out[name] = ("true" if v else "false") if isinstance(v, bool) else str(v)
+    return out
+
+
+def test_pins_file_has_both_lines_and_the_pinned_one_is_the_default():
+    assert pins_mod.line_names() == ["pinned", "current"]
+    assert PINS == raw_line("pinned")  # no line given: pinned, exactly as before
+    p = CURRENT["packages"]
+    assert (p["vllm"]["version"], p["vllm"]["ref"]) == ("0.23.0", "v0.23.0")
+    assert p["vllm"]["env"] == {"VLLM_TARGET_DEVICE": "empty"}
+    assert p["vllm_ascend"]["version"] == "0.23.0" and "commit" not in p["vllm_ascend"]
+    assert p["verl"] == {"version": "0.9.1"}
+    assert (p["torch"]["version"], p["torch_npu"]["version"]) == ("2.10.0", "2.10.0.post4")
+    assert p["transformers"]["version"] == "5.5.4"
+    assert p["mindspeed"]["ref"] == p["megatron_core"]["ref"] == "core_r0.16.0"
+    assert CURRENT["cann"] == "9.1.0"
+    assert CURRENT["docker"] == {"base_image_a2": "quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.12",
+                                 "base_image_a3": "quay.io/ascend/cann:9.1.0-a3-ubuntu22.04-py3.12"}
+
+
+def test_pins_cli_line_option_and_errors(tmp_path):
+    def cli(*args, **env):
+        return subprocess.run([sys.executable, str(ROOT / "npu_flashrl" / "pins.py"), *args],
+                              capture_output=True, text=True, env=dict(os.environ, **env))
+
+    assert cli("--line", "current", "get", "packages.vllm.version").stdout.strip() == "0.23.0"
+    assert cli("get", "packages.vllm.version").stdout.strip() == "0.10.1"
+    assert cli("lines").stdout.split() == ["pinned", "current"]
+    bad = cli("--line", "nightly", "get", "python")
+    assert bad.returncode == 2 and "unknown line 'nightly'" in bad.stderr and "pinned, current" in bad.stderr
+    # the one-line layout (a mirror's old pins file) is still read, as line pinned
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(raw_line("pinned")))
+    assert cli("--line", "pinned", "get", "python", NPU_FLASHRL_PINS=str(old)).stdout.strip() == "3.10"
+    assert cli("lines", NPU_FLASHRL_PINS=str(old)).stdout.split() == ["pinned"]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump({"default_line": "x", "lines": {"a": {"packages": {}}}}))
+    out = cli("get", "python", NPU_FLASHRL_PINS=str(broken))
+    assert out.returncode == 2 and "default_line 'x'" in out.stderr and str(broken) in out.stderr
+
+
+def test_dry_run_current_line_prints_exactly_the_current_pins(tmp_path):
+    proc = install(tmp_path, "--dry-run", "--line", "current")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("[install_pinned] pin: "):
+            key, _, value = line[len("[install_pinned] pin: "):].partition("=")
+            printed[key] = value.strip("'")
+    assert printed == raw_assignments(raw_line("current"))
+    assert "line current" in proc.stdout
+    lines, wd = steps(proc.stdout), tmp_path / "wd"
+    text = "\n".join(lines)
+    p = raw_line("current")["packages"]
+    assert f"torch=={p['torch']['version']}" in text and f"torch-npu=={p['torch_npu']['version']}" in text
+    assert f"+ git clone --filter=blob:none {p['vllm']['repo']} {wd / 'vllm'}" in lines
+    assert f"+ git -C {wd / 'vllm'} checkout --detach {p['vllm']['ref']}" in lines
+    assert "requirements/build/cuda.txt" in text and "env VLLM_TARGET_DEVICE=empty" in text
+
+    def release_step(dist, version):
+        """The pip step of a release, or None when this interpreter already has it (then skipped)."""
+        step = [s for s in lines if s.endswith(f" {dist}=={version}")]
+        assert step or f"skip: {dist} already {version}" in proc.stdout, dist
+        return step[0] if step else None
+
+    ascend = release_step("vllm-ascend", p["vllm_ascend"]["version"])
+    for url in p["vllm_ascend"]["extra_index_urls"].split() if ascend else []:
+        assert f"--extra-index-url {url}" in ascend
+    for name in ("mindspeed", "megatron_core"):
+        assert f"+ git -C {wd / name} checkout --detach {p[name]['ref']}" in lines, name
+        assert f"+ git clone --filter=blob:none {p[name]['repo']} {wd / name}" in lines, name
+    release_step("verl", p["verl"]["version"])
+    release_step("transformers", p["transformers"]["version"])
+    assert "requirements-npu.txt" not in text and "verl.git" not in text  # a release, not a checkout
+    assert "transformers.git" not in text
+    assert f"transformers=={p['transformers']['version']}" in proc.stdout  # constraint (and step, if not there)
+    for spec in PINS["packages"].values():  # nothing of the pinned line leaks in
+        for field in ("commit", "ref"):
+            if field in spec:
+                assert str(spec[field]) not in proc.stdout, spec[field]
+    assert lines[-1].endswith("npu-flashrl verify")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_unknown_line_and_unknown_component_are_refused(tmp_path):
+    for args, env in [(("--line", "nightly"), {}), ((), {"LINE": "nightly"})]:
+        proc = install(tmp_path, "--dry-run", *args, **env)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "unknown line 'nightly'" in proc.stderr and "pinned current" in proc.stderr
+        assert not steps(proc.stdout)
+    proc = install(tmp_path, "--dry-run", "--line", "current", "--only", "verl,vllm_ascnd")
+    assert proc.returncode == 2 and "unknown component 'vllm_ascnd'" in proc.stderr
+
+
+def test_branch_ref_is_checked_out_from_origin_and_skipped_when_there(tmp_path):
+    """A ref that is a branch of the remote only (MindSpeed / Megatron-LM core_r0.16.0) counts as
+    "at its pin" when the checkout is at origin/<branch>. verl stands in for the component (its
+    distribution must be installed for the skip; the 0.11 CPU stack has verl 0.6.1)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("verl is not installed in this interpreter")
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    git("init", "-q", "-b", "main", cwd=upstream)
+    (upstream / "a").write_text("1")
+    git("add", "a", cwd=upstream)
+    git("commit", "-q", "-m", "one", cwd=upstream)
+    git("checkout", "-q", "-b", "core_x", cwd=upstream)
+    (upstream / "a").write_text("2")
+    git("commit", "-q", "-am", "two", cwd=upstream)
+    git("checkout", "-q", "main", cwd=upstream)
+    wd = tmp_path / "wd"
+    git("clone", "-q", str(upstream), str(wd / "verl"), cwd=tmp_path)
+    git("checkout", "-q", "--detach", "origin/core_x", cwd=wd / "verl")
+    (wd / ".installed").mkdir(parents=True)
+    (wd / ".installed" / "verl").write_text("core_x\n")
+    data = one_line_copy("current")
+    data["packages"]["verl"] = {"repo": str(upstream), "ref": "core_x"}
+    pins_file = tmp_path / "pins.yaml"
+    pins_file.write_text(yaml.safe_dump(data))
+    proc = install(tmp_path, "--dry-run", "--only", "verl", "--no-verify", NPU_FLASHRL_PINS=str(pins_file))
+    assert "skip: verl already at core_x" in proc.stdout, proc.stdout
+    git("checkout", "-q", "--detach", "main", cwd=wd / "verl")  # moved off the branch: re-installed
+    proc = install(tmp_path, "--dry-run", "--only", "verl", "--no-verify", NPU_FLASHRL_PINS=str(pins_file))
+    assert f"+ git -C {wd / 'verl'} checkout --detach core_x" in steps(proc.stdout)
+
+
+# ------------------------------------------------------------------------------ verify: line match
+def fake_site(tmp_path, line_pins, **overrides):
+    """A directory of dist-info metadata (no code) for every package of a line, at its pins:
+    importlib.metadata finds these first when the directory leads PYTHONPATH."""
+    site = tmp_path / "site"
+    site.mkdir(parents=True)
+    for key, spec in line_pins["packages"].items():
+        dist = spec.get("dist") or key.replace("_", "-")
+        ref_version = re.search(r"\d+(\.\d+)*", str(spec.get("ref", "0"))).group()  # core_r0.16.0 -> 0.16.0
+        version = overrides.get(key) or spec.get("version") or ref_version
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        if "commit" in spec:
+            (info / "direct_url.json").write_text(
+                '{"url": "file:///src", "vcs_info": {"vcs": "git", "commit_id": "%s"}}' % spec["commit"])
+    return site
+
+
+@pytest.mark.parametrize("line", ["pinned", "current"])
+def test_verify_reports_the_line_the_installed_stack_matches(tmp_path, line):
+    """The real importlib.metadata lookups of npu_flashrl.pins.match_line and verify's `stack line`
+    row, over installed-package metadata made for the test (stand-in: dist-info directories without
+    code, since no interpreter here has either production stack)."""
+    probe = ("from npu_flashrl import cli; row, used = cli.line_row(); "
+             "print(row['status'], used); print(row['detail'])")
+
+    def run(site):
+        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
+        match = subprocess.run([sys.executable, "-m", "npu_flashrl.pins", "match"], env=env,
+                               capture_output=True, text=True)
+        row = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+        assert row.returncode == 0, row.stderr
+        return match, row.stdout.splitlines()
+
+    pins = pins_mod.load_pins(line=line)
+    match, row = run(fake_site(tmp_path / "ok", pins))
+    assert match.returncode == 0 and f"matches line '{line}'" in match.stdout, match.stdout
+    assert row[0] == f"ok {line}"
+
+    other = "current" if line == "pinned" else "pinned"
+    match, row = run(fake_site(tmp_path / "drift", pins, torch="2.13.0+cpu", vllm_ascend="0.11.0"))
+    assert match.returncode == 1 and "matches no line" in match.stdout
+    assert row[0] == f"warn {line}", row  # the closest line is the one the package rows use
+    detail = row[1]
+    assert f"{line}: 2 differ: torch 2.13.0+cpu (pins =={pins['packages']['torch']['version']})" in detail
+    assert "vllm-ascend 0.11.0" in detail and f"{other}: " in detail
