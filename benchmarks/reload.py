@@ -231,6 +231,9 @@ def kernel_throughput(cfg, repeats):
     res = {}
     for name, fn in (("bf16 copy", lambda: dst.copy_(w)),
                      ("per-channel int8 quantize", lambda: kernels.quantize_weight_per_channel(w)),
+                     # (b)'s path: the int8 produced in the processed [in, out] memory
+                     ("per-channel into [in, out]", lambda: kernels.quantize_weight_per_channel(
+                         w, transposed=True)),
                      ("transposed int8 write", lambda: dst_t.copy_(q.t()))):
         best = min(_once(fn) for _ in range(repeats + 1))
         res[name] = w.numel() * w.element_size() / best / 1e9

@@ -704,8 +704,9 @@ def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
     return [w for w in words if "=" in w and not w.startswith("-")], env
 
 
-def verl_rows(path: str) -> List[Dict[str, str]]:
-    """Check verl overrides (file, or '-' for stdin) the way verl 51d2104 would run them."""
+def verl_rows(path: str, verl: Optional[str] = None) -> List[Dict[str, str]]:
+    """Check verl overrides (file, or '-' for stdin) the way the verl line ``verl`` (None: the
+    installed verl's, 51d2104 when verl is absent; see compat.verl_line) would run them."""
     from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
                                            overrides_to_config)
 
@@ -722,13 +723,16 @@ def verl_rows(path: str) -> List[Dict[str, str]]:
     environ = dict(os.environ)
     environ.update(env)
     try:
-        warnings = check_rollout_mode(cfg, environ=environ)
+        warnings = check_rollout_mode(cfg, environ=environ, verl=verl)
     except (RolloutModeError, TisConfigError) as exc:
         msg, _, fix = str(exc).partition(" Fix: ")
         return [_row(label, FAIL, msg, fix)]
     if warnings:
         return [_row(label, WARN, w) for w in warnings]
-    return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl 51d2104")]
+    from npu_flashrl import compat
+
+    return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl "
+                 f"{compat.verl_line(verl)}")]
 
 
 def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,

@@ -330,3 +330,25 @@ def verl_server_mode() -> bool:
     return any(os.path.isfile(os.path.join(d, "workers", "rollout", "vllm_rollout",
                                            "bucketed_weight_transfer.py"))
                for d in spec.submodule_search_locations)
+
+
+# verl config lines, named by the release whose `algorithm.rollout_correction` schema they have:
+# "51d2104" (the pin; verl 0.6.x has the same schema: sync-mode rollout, `use_policy_gradient`)
+# and "0.9" (verl 0.7.1 .. 0.9.x: server-mode rollout, `use_policy_gradient` replaced by
+# `loss_type`, `rollout_rs_threshold_lower` / `rollout_token_veto_threshold` gone).
+VERL_LINES = ("51d2104", "0.9")
+_VERL_ALIASES = {"51d2104": "51d2104", "pinned": "51d2104", "0.6": "51d2104", "0.6.1": "51d2104",
+                 "0.11": "51d2104", "0.9": "0.9", "0.9.1": "0.9", "current": "0.9"}
+
+
+def verl_line(name: Optional[str] = None) -> str:
+    """The verl config line: `name` normalised ("0.9.1", "current" -> "0.9"; "0.6.1", "pinned"
+    -> "51d2104"), or when None the installed verl's line (the pin's when verl is absent, e.g. a
+    recipe generated on a machine without verl). ValueError names the accepted values."""
+    if name is None:
+        return "0.9" if verl_server_mode() else "51d2104"
+    try:
+        return _VERL_ALIASES[str(name).strip().lower()]
+    except KeyError:
+        raise ValueError(f"verl line {name!r} is not known; use one of {', '.join(VERL_LINES)} "
+                         f"(aliases: {', '.join(sorted(_VERL_ALIASES))})") from None

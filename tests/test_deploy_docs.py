@@ -117,11 +117,29 @@ def test_required_topics():
     for needed in ["vllm 0.11.0", "vllm-ascend 0.11.0", "no wheel", "Not verified on hardware", "8.2.rc1",
                    "ALLOW_MISMATCH"]:
         assert needed in c, needed
+    qc = doc("quickstart_current.md")
+    steps = re.findall(r"^(\d+)\. \*\*", qc, re.M)
+    assert [int(s) for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 8
+    for needed in ["Which line to choose", "why the pinned line still exists", "install_pinned.sh --line current",
+                   "grpo_qwen25_7b_fsdp_int8_A2_verl09.sh", "grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh", "--dry-run",
+                   "lint_overrides.py", "UPDATE_WEIGHTS_BUCKET_MB", "update_weights_bucket_megabytes",
+                   "+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG", "NNODES", "RAY_ADDRESS",
+                   "ray start", "patched verl_server_sync_end", "LINE=current", "Not verified on hardware"]:
+        assert needed in qc, needed
+    assert "quickstart_current.md" in doc("README.md") and "quickstart_current.md" in q  # next to each other
+    for needed in ["Rollout mode 'sync' has been removed", "VLLM_ASCEND_ENABLE_NZ", "weight_nz_mode",
+                   "only when the variable is unset", "actor_rollout_ref.rollout.quantization", "Drop one",
+                   "HDK >= 25.3.rc1", "CANN >= 8.3.RC1", "/dev/shm", "is too large to fit in the bucket",
+                   "UPDATE_WEIGHTS_BUCKET_MB", "NPU out of memory"]:
+        assert needed in t, needed
+    for needed in ["*_A2_verl09.sh", "verl 0.9.1's schema", "verl 51d2104's schema", "HDK >= 25.3.rc1",
+                   "grpo_qwen25_7b_fsdp_int8_A2_verl09.sh"]:
+        assert needed in c, needed
     mf = doc("megatron_vs_fsdp.md")
     assert "override_transformer_config" in mf and "mindspeed.megatron_adaptor" in mf
 
 
-@pytest.mark.parametrize("name", ["README.md", "quickstart_a2.md", "how_it_works.md", "configuration.md",
+@pytest.mark.parametrize("name", ["README.md", "quickstart_a2.md", "quickstart_current.md", "how_it_works.md", "configuration.md",
                                   "compatibility.md", "troubleshooting.md", "metrics.md", "megatron_vs_fsdp.md"])
 def test_doc_exists(name):
     assert (DOCS / name).stat().st_size > 500

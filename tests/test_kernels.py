@@ -217,6 +217,63 @@ def test_per_channel_rejects_bad_input():
         ref.quantize_weight_per_channel(torch.zeros(2, 2, dtype=torch.int8))
 
 
+def _per_channel_definition(w, compute_dtype=None):
+    """The per-channel semantics as one whole-tensor torch chain (what the strip-wise kernel
+    must reproduce bit for bit): absmax = max(amax, -amin) in the weight's dtype, scale =
+    absmax / 127 in fp32 (1.0 for an all-zero row), q = round_half_even(w / scale) in fp32."""
+    if compute_dtype is not None:
+        w = w.to(compute_dtype)
+    absmax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg()).float()
+    scale = torch.where(absmax > 1e-30, absmax / 127, torch.ones_like(absmax))
+    return torch.round(w.float() / scale[:, None]).to(torch.int8), scale
+
+
+def _tie_heavy_weight(rows, cols, dtype, seed):
+    """Random rows mixed with rows whose values sit exactly on half steps of their scale (ties
+    that round half to even), rows led by their negative extreme, all-zero and tiny rows: where
+    a reordered or reciprocal-multiplied division would give a different int8."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 0.1
+    k = torch.randint(-127, 127, (rows, cols), generator=g).float() + 0.5
+    ties = k * 2.0 ** torch.randint(-12, 3, (rows, 1), generator=g).float()
+    ties[:, 0] = 127 * ties[:, 1:].abs().amax(1) / 126.5  # a row max that makes scale a power-of-2 ratio
+    pick = torch.arange(rows) % 3 == 1
+    w[pick] = ties[pick]
+    w[torch.arange(rows) % 7 == 3] *= -1
+    w[5] = 0.0
+    w[6] = 1e-35
+    w[7, 3] = -w[7].abs().amax() * 2  # negative absmax
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("dtype,compute", [(torch.bfloat16, None), (torch.float16, None),
+                                           (torch.float32, None), (torch.float32, torch.bfloat16)],
+                         ids=["bf16", "fp16", "fp32", "fp32-as-bf16"])
+def test_per_channel_strips_bit_identical_to_definition(monkeypatch, dtype, compute, transposed):
+    """The strip-wise reference kernel equals the whole-tensor definition bit for bit (int8 and
+    scales), with several strips and a ragged last one (small strips forced)."""
+    monkeypatch.setattr(ref, "_BLOCK_ELEMS", 256)
+    w = _tie_heavy_weight(150, 96, dtype, seed=3)
+    q, s = ref.quantize_weight_per_channel(w, compute, transposed=transposed)
+    q_def, s_def = _per_channel_definition(w, compute)
+    assert torch.equal(s, s_def)
+    assert torch.equal(q, q_def)
+    assert (q.t().is_contiguous() if transposed else q.is_contiguous())
+    assert (q.abs() == 127).any(1)[s_def != 1.0].all()  # the data did reach the int8 extremes
+    assert ((w.float()[1::3] / s_def[1::3, None]).frac().abs() == 0.5).any()  # and exact ties
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_per_channel_refuses_nan_inf_in_any_strip(monkeypatch, bad, transposed):
+    monkeypatch.setattr(ref, "_BLOCK_ELEMS", 256)
+    w = torch.ones(150, 96, dtype=torch.bfloat16)
+    w[149, 95] = bad  # in the last (ragged) strip
+    with pytest.raises(ValueError, match="quantize_weight_per_channel: weight contains NaN or Inf"):
+        ref.quantize_weight_per_channel(w, transposed=transposed)
+
+
 # --------------------------------------------------------------------------- fixed scales (FlashRL)
 
 def test_with_scales_hand_computed():

@@ -58,10 +58,11 @@ def test_recipes_use_the_tis_overrides_of_the_adapter(script, tmp_path):
     assert proc.returncode == 0, proc.stderr
     overrides, _ = read_overrides(proc.stdout)
     recipe = sorted(o for o in overrides if o.startswith(RC))
-    want = sorted(o for o in ad.tis_overrides(**RECIPE_TIS) if o.startswith(RC))
+    want = sorted(o for o in ad.tis_overrides(**RECIPE_TIS, verl="51d2104") if o.startswith(RC))
     assert recipe == want
-    assert set(ad.tis_overrides(**RECIPE_TIS)) <= set(overrides)
-    ad.check_rollout_mode(ad.overrides_to_config(overrides), environ={"FLASHRL_CONFIG": "x"})
+    assert set(ad.tis_overrides(**RECIPE_TIS, verl="51d2104")) <= set(overrides)
+    ad.check_rollout_mode(ad.overrides_to_config(overrides), environ={"FLASHRL_CONFIG": "x"},
+                          verl="51d2104")
 
 
 @pytest.mark.parametrize("env, extra, needle", [
@@ -88,18 +89,18 @@ def test_verify_refuses_the_broken_overrides(tmp_path):
     proc = _dry_run("test_grpo_qwen25_7b_fsdp_int8_A2.sh", tmp_path)
     good = tmp_path / "good.txt"
     good.write_text(proc.stdout)
-    assert [r["status"] for r in verl_rows(str(good))] == [cli.OK]
+    assert [r["status"] for r in verl_rows(str(good), "51d2104")] == [cli.OK]
     bad = tmp_path / "bad.txt"
     bad.write_text("\n".join(BROKEN[:1] + (RC + "rollout_is=token",
                                            "actor_rollout_ref.rollout.mode=sync",
                                            "actor_rollout_ref.rollout.calculate_log_probs=True")))
-    rows = verl_rows(str(bad))
+    rows = verl_rows(str(bad), "51d2104")
     assert rows[0]["status"] == cli.FAIL and "computes no IS weights" in rows[0]["detail"]
     assert "bypass_mode=False" in rows[0]["fix"]
     with pytest.raises(ad.TisConfigError, match="use_policy_gradient=True"):
-        ad.tis_overrides(use_policy_gradient=True)
+        ad.tis_overrides(use_policy_gradient=True, verl="51d2104")
     with pytest.raises(ad.TisConfigError, match="bypass_mode=True"):
-        ad.tis_overrides(bypass_mode=True)
+        ad.tis_overrides(bypass_mode=True, verl="51d2104")
 
 
 # --------------------------------------------------------------------- verl 51d2104's own code
@@ -166,7 +167,7 @@ def test_decoupled_mode_multiplies_truncated_weights_into_the_actor_loss(verl_51
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 
     tis = dict(RECIPE_TIS, level=level)
-    cfg = _trainer_cfg(verl_51d2104, *ad.tis_overrides(**tis), *ACTOR_OVERRIDES)
+    cfg = _trainer_cfg(verl_51d2104, *ad.tis_overrides(**tis, verl="51d2104"), *ACTOR_OVERRIDES)
     rc = cfg.algorithm.rollout_correction
     assert not rc.bypass_mode  # ray_trainer.fit takes the decoupled branch and calls the driver function
     batch = _batch()
@@ -205,7 +206,7 @@ def test_published_bypass_policy_gradient_combination_computes_no_weights(verl_5
     cfg = _trainer_cfg(verl_51d2104, RC + "rollout_is=sequence", RC + "rollout_is_batch_normalize=True",
                        *BROKEN, *ACTOR_OVERRIDES)
     with pytest.raises(ad.TisConfigError):
-        ad.check_tis(cfg)
+        ad.check_tis(cfg, "51d2104")
     # the workers build their actor config at init (fsdp_workers: omega_conf_to_dataclass), before fit
     actor, actor_cfg = _actor(verl_51d2104, cfg, monkeypatch, tmp_path)
     batch = _batch()

@@ -115,14 +115,57 @@ def quantize_weight_per_channel(weight: torch.Tensor,
              f"weight dtype must be one of {_FLOAT_WEIGHTS}, got {weight.dtype}")
     if compute_dtype is not None and weight.dtype != compute_dtype:
         weight = weight.to(compute_dtype)
-    # max/min reduce without a temporary |w| tensor; NaN propagates, Inf shows as Inf.
-    absmax = torch.maximum(weight.amax(dim=1), weight.amin(dim=1).neg()).float()
+    q, absmax, scale = _per_channel_strips(weight, transposed)
+    # NaN propagates through amax/amin, -Inf shows as +Inf after the negation
     _require(all_finite(absmax), op, "weight contains NaN or Inf")
-    scale = torch.where(absmax > _ZERO_ROW_EPS, absmax / INT8_MAX, torch.ones_like(absmax))
-    def block(r0, r1, c0, c1, buf):
-        return torch.div(weight[r0:r1, c0:c1], scale[r0:r1, None], out=buf).round_()
+    return q, scale
 
-    return _quantize_blocks(weight, block, transposed), scale
+
+def _strip_rows(cols: int, transposed: bool) -> int:
+    # Strips of ~_BLOCK_ELEMS fp32 stay in cache between the reduction and the division. A
+    # transposed strip writes `rows` contiguous bytes into each [in, out] row: at least 64
+    # (a cache line), or most of each line the strip touches is written twice.
+    return max(64 if transposed else 8, _BLOCK_ELEMS // max(cols, 1))
+
+
+def _per_channel_strips(weight: torch.Tensor, transposed: bool):
+    """(q, absmax, scale) of `quantize_weight_per_channel`, one row strip at a time: the strip
+    is converted to fp32 once, its row extremes, the scales and the division all read that
+    cache-resident copy, so the weight is read from memory once (not once for amax, once for
+    amin and once for the division). Elementwise the same operations as the definition
+    (absmax = max(amax, -amin); scale = absmax / 127 or 1.0; q = round(w / scale) in fp32), so
+    the result is bit-identical to it (tests/test_kernels.py compares the two)."""
+    rows, cols = weight.shape
+    dev = weight.device
+    step = min(max(rows, 1), _strip_rows(cols, transposed))
+    buf = torch.empty((step, cols), dtype=torch.float32, device=dev)
+    hi = torch.empty(step, dtype=torch.float32, device=dev)
+    lo = torch.empty(step, dtype=torch.float32, device=dev)
+    absmax = torch.empty(rows, dtype=torch.float32, device=dev)
+    scale = torch.empty(rows, dtype=torch.float32, device=dev)
+    if transposed:
+        out = torch.empty((cols, rows), dtype=torch.int8, device=dev)
+        strip8 = torch.empty((step, cols), dtype=torch.int8, device=dev)
+    else:
+        out = torch.empty((rows, cols), dtype=torch.int8, device=dev)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        n = r1 - r0
+        b = buf[:n]
+        b.copy_(weight[r0:r1])  # exact: bf16/fp16 -> fp32
+        torch.amax(b, dim=1, out=hi[:n])
+        torch.amin(b, dim=1, out=lo[:n])
+        a = torch.maximum(hi[:n], lo[:n].neg_(), out=absmax[r0:r1])
+        s = torch.where(a > _ZERO_ROW_EPS, a / INT8_MAX, 1.0)
+        scale[r0:r1] = s
+        b.div_(s[:, None]).round_()  # |b| <= 127: the int8 cast below is exact
+        if transposed:
+            t = strip8[:n]
+            t.copy_(b)  # fp32 -> int8 first: a 4x smaller transpose
+            out[:, r0:r1].copy_(t.t())
+        else:
+            out[r0:r1].copy_(b)
+    return (out.t() if transposed else out), absmax, scale
 
 
 def quantize_weight_with_scales(weight: torch.Tensor,

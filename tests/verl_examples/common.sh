@@ -11,6 +11,18 @@ recipe_log() { printf '[%s] %s\n' "$(basename "$0" .sh)" "$*" >&2; }
 recipe_die() { printf '[%s] ERROR: %s\n' "$(basename "$0" .sh)" "$*" >&2; exit 1; }
 recipe_usage_die() { printf '[%s] ERROR: %s (see --help)\n' "$(basename "$0" .sh)" "$*" >&2; exit 2; }
 
+# print_header: the calling script's header comment (its --help).
+print_header() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+
+# recipe_help "$@": --help/-h anywhere prints the calling script's header and exits; for the scripts
+# that hand over to another one with exec (which would print its own header instead).
+recipe_help() {
+  local a
+  for a in "$@"; do
+    case "$a" in -h|--help) print_header; exit 0 ;; esac
+  done
+}
+
 # parse_recipe_args "$@": --dry-run / -n, --help / -h (prints the header comment); any other word
 # starting with '-' is refused (a typo such as --dryrun must not launch the real job; Hydra overrides
 # never start with '-'); the rest is kept in EXTRA_ARGS and appended to the verl command.
@@ -18,7 +30,7 @@ parse_recipe_args() {
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --dry-run|-n) DRY_RUN=1 ;;
-      -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+      -h|--help) print_header; exit 0 ;;
       -*) recipe_usage_die "unknown option '$1': this recipe knows --dry-run/-n and --help/-h; extra Hydra overrides are key=value words" ;;
       *) EXTRA_ARGS+=("$1") ;;
     esac
@@ -32,7 +44,7 @@ parse_recipe_args() {
 RECIPE_INT_VARS=(NNODES:1 NPUS_PER_NODE:1 MAX_PROMPT_LENGTH:1 MAX_RESPONSE_LENGTH:1 TRAIN_BATCH_SIZE:1
   PPO_MINI_BATCH_SIZE:1 ROLLOUT_N:1 PPO_MAX_TOKEN_LEN:1 ROLLOUT_TP:1 MICRO_BATCH_PER_NPU:1 TOTAL_EPOCHS:1
   SAVE_FREQ:-1 TEST_FREQ:-1 HCCL_CONNECT_TIMEOUT:1 HCCL_EXEC_TIMEOUT:1 TRAIN_TP:1 TRAIN_PP:1 TRAIN_CP:1
-  RECOMPUTE_NUM_LAYERS:1)
+  RECOMPUTE_NUM_LAYERS:1 UPDATE_WEIGHTS_BUCKET_MB:1)
 RECIPE_FLOAT_VARS=(LR KL_LOSS_COEF GPU_MEMORY_UTILIZATION)
 
 # check_numeric_vars: every set variable of the two lists above is a plain number (integers >= MIN).
@@ -96,6 +108,22 @@ run_or_print() {
 }
 
 # ---------------------------------------------------------------------------------------------------
+# The stack line a recipe is written for (set by the recipe, not by users; see docs/quickstart_current.md):
+#   pinned   verl 51d2104 + vLLM 0.10.1 / vllm-ascend v0.10.1rc1: rollout.mode=sync, in-process vLLM;
+#   current  verl 0.9.1 + vLLM / vllm-ascend 0.23.0: server mode (verl 0.7+ removed sync), weights
+#            arrive in buckets (rollout.checkpoint_engine.*), no use_policy_gradient key.
+# The recipes of both lines share everything else below; `recipe_line` is the one switch.
+recipe_line() {
+  RECIPE_LINE="${RECIPE_LINE:-pinned}"
+  case "$RECIPE_LINE" in
+    pinned) INSTALL_HINT="scripts/install_pinned.sh" ;;
+    current) INSTALL_HINT="scripts/install_pinned.sh --line current" ;;
+    *) recipe_die "RECIPE_LINE must be pinned or current, got '$RECIPE_LINE'" ;;
+  esac
+  export RECIPE_LINE
+}
+
+# ---------------------------------------------------------------------------------------------------
 # flashrl_entry CONFIG_SCRIPT ARGS...: the shared body of the flash_rl/*.sh entry recipes.
 #  1. preflight: model dir, data files, W8A8 checkpoint when a profile must be made, the CLI;
 #  2. `npu-flashrl profile` when the profile is missing (fn int8 only);
@@ -105,6 +133,7 @@ run_or_print() {
 flashrl_entry() {
   local config_script="$1"; shift
   parse_recipe_args "$@"
+  recipe_line
   check_numeric_vars  # the ones set now: the profile and setup steps run before the config script
 
   MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-7B-Instruct}"
@@ -144,7 +173,7 @@ flashrl_entry() {
     require_dir QUANT_MODEL_PATH "$QUANT_MODEL_PATH"
   fi
   if [[ "$DRY_RUN" == 0 && ( "$need_profile" == 1 || "$need_config" == 1 ) ]]; then
-    require_cmd "$NPU_FLASHRL_CLI" "install npu_flashrl (scripts/install_pinned.sh) or set NPU_FLASHRL_CLI"
+    require_cmd "$NPU_FLASHRL_CLI" "install npu_flashrl ($INSTALL_HINT) or set NPU_FLASHRL_CLI"
   fi
 
   # 2. profile
@@ -186,6 +215,7 @@ flashrl_entry() {
 # backends and the int8/bf16 variants differ only where they must. Variables are documented in
 # configs/test_grpo_qwen25_7b_fsdp_int8_A2.sh.
 grpo_defaults() {
+  recipe_line
   ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-int8}"
   MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-7B-Instruct}"
   DATASET="${DATASET:-gsm8k}"
@@ -216,21 +246,28 @@ grpo_defaults() {
   REF_PARAM_OFFLOAD="${REF_PARAM_OFFLOAD:-True}"
   ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-False}"
 
-  TIS_LEVEL="${TIS_LEVEL:-sequence}"
+  # pinned: sequence level as the published Ascend INT8 recipe; current: token level, the combination
+  # tests/test_verl091_tis.py runs through verl 0.9.1's own driver and loss code (sequence works too).
+  local tis_level_default=sequence line_suffix=""
+  if [[ "$RECIPE_LINE" == current ]]; then tis_level_default=token line_suffix=_verl09; fi
+  TIS_LEVEL="${TIS_LEVEL:-$tis_level_default}"
   TIS_THRESHOLD="${TIS_THRESHOLD:-2.0}"
   TIS_BATCH_NORMALIZE="${TIS_BATCH_NORMALIZE:-True}"
   # Decoupled mode: at verl 51d2104 the only combination whose truncated IS weights reach the loss
   # (bypass mode computes none; the policy-gradient switch never reaches the Ray workers). Kept as
   # variables so that the published recipe's True/True is refused with the reason (tis_preflight).
   TIS_BYPASS_MODE="${TIS_BYPASS_MODE:-False}"
-  TIS_USE_POLICY_GRADIENT="${TIS_USE_POLICY_GRADIENT:-False}"
+  TIS_USE_POLICY_GRADIENT="${TIS_USE_POLICY_GRADIENT:-False}"  # pinned only (verl 0.7 dropped the key)
+  # current only: the trainer->rollout sync buffer, one per trainer rank on the NPU (IPC) or in host
+  # shared memory (old HDK/CANN); verl's default. Larger = fewer buckets, more memory.
+  UPDATE_WEIGHTS_BUCKET_MB="${UPDATE_WEIGHTS_BUCKET_MB:-2048}"
 
   TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
   SAVE_FREQ="${SAVE_FREQ:--1}"
   TEST_FREQ="${TEST_FREQ:-5}"
   LOGGER="${LOGGER:-console}"
   PROJECT_NAME="${PROJECT_NAME:-npu_flashrl_grpo}"
-  EXPERIMENT_NAME="${EXPERIMENT_NAME:-$1_${ROLLOUT_PRECISION}_A2}"
+  EXPERIMENT_NAME="${EXPERIMENT_NAME:-$1_${ROLLOUT_PRECISION}_A2$line_suffix}"
   CKPT_DIR="${CKPT_DIR:-$HOME/npu_flashrl_runs/ckpts/$PROJECT_NAME/$EXPERIMENT_NAME}"
   PYTHON="${PYTHON:-python3}"
 
@@ -245,19 +282,48 @@ grpo_defaults() {
   HCCL_NPU_SOCKET_PORT_RANGE="${HCCL_NPU_SOCKET_PORT_RANGE:-61000-61050}"
 }
 
-# tis_preflight: refuse the algorithm.rollout_correction combinations that do no TIS at verl 51d2104
-# (same rule as npu_flashrl.adapters.verl.check_tis). Extra Hydra overrides count, last one wins.
+# tis_preflight: refuse the algorithm.rollout_correction combinations that do no TIS on the recipe's
+# verl (pinned: the rule of npu_flashrl.adapters.verl.check_tis at 51d2104; current: verl 0.9.1, see
+# docs/verl_server_mode.md "TIS on verl 0.9.1"). Extra Hydra overrides count, last one wins.
 tis_preflight() {
   local level="$TIS_LEVEL" bypass="$TIS_BYPASS_MODE" pg="$TIS_USE_POLICY_GRADIENT" a
+  local loss_type=ppo_clip worker_loss_mode=vanilla worker_loss_type="" worker_level=null
   for a in "${EXTRA_ARGS[@]}"; do
     case "$a" in
       algorithm.rollout_correction.rollout_is=*|+algorithm.rollout_correction.rollout_is=*) level="${a#*=}" ;;
       algorithm.rollout_correction.bypass_mode=*|+algorithm.rollout_correction.bypass_mode=*) bypass="${a#*=}" ;;
       algorithm.rollout_correction.use_policy_gradient=*|+algorithm.rollout_correction.use_policy_gradient=*) pg="${a#*=}" ;;
+      algorithm.rollout_correction.loss_type=*) loss_type="${a#*=}" ;;
+      actor_rollout_ref.actor.policy_loss.loss_mode=*|+actor_rollout_ref.actor.policy_loss.loss_mode=*) worker_loss_mode="${a#*=}" ;;
+      *actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type=*) worker_loss_type="${a#*=}" ;;
+      *actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=*) worker_level="${a#*=}" ;;
     esac
   done
   case "${bypass,,}" in true|false) ;; *) recipe_die "TIS_BYPASS_MODE (algorithm.rollout_correction.bypass_mode) must be True or False, got '$bypass'" ;; esac
   case "${pg,,}" in true|false) ;; *) recipe_die "TIS_USE_POLICY_GRADIENT (algorithm.rollout_correction.use_policy_gradient) must be True or False, got '$pg'" ;; esac
+  if [[ "$RECIPE_LINE" == current ]]; then
+    # the rules of npu_flashrl.adapters.verl.tis_091.problems (verl 0.9.1)
+    local fix="fix: TIS_BYPASS_MODE=False (decoupled mode: verl 0.9.1's driver computes the truncated IS weights and the workers' vanilla PPO loss multiplies them in)"
+    local wl=actor_rollout_ref.actor.policy_loss
+    if [[ "${pg,,}" == true ]]; then
+      recipe_die "TIS_USE_POLICY_GRADIENT=$pg / algorithm.rollout_correction.use_policy_gradient: verl 0.7+ has no such key (replaced by algorithm.rollout_correction.loss_type, bypass mode only); $fix"
+    fi
+    if [[ "${bypass,,}" == true && "$loss_type" != ppo_clip && "$loss_type" != reinforce ]]; then
+      recipe_die "algorithm.rollout_correction.loss_type=$loss_type: verl 0.9.1's bypass loss takes ppo_clip or reinforce"
+    fi
+    if [[ "${bypass,,}" == true && "$level" != null ]]; then
+      if [[ "$loss_type" == ppo_clip ]]; then
+        recipe_die "algorithm.rollout_correction.bypass_mode=$bypass with rollout_is=$level and loss_type=ppo_clip: at verl 0.9.1 bypass mode with ppo_clip computes the IS weights for metrics only and leaves them out of the loss; $fix"
+      elif [[ "$worker_loss_mode" != bypass_mode || "$worker_loss_type" != reinforce || "$worker_level" == null ]]; then
+        recipe_die "algorithm.rollout_correction.bypass_mode=$bypass loss_type=reinforce: verl 0.9.1's apply_bypass_mode switches the loss on the DRIVER's config copy only; the Ray workers keep $wl.loss_mode=$worker_loss_mode without IS weights unless they start with $wl.loss_mode=bypass_mode +$wl.rollout_correction.loss_type=reinforce +$wl.rollout_correction.rollout_is=$level; $fix"
+      fi
+      recipe_log "WARNING: bypass mode + loss_type=reinforce with the workers' $wl.* set: read from verl 0.9.1's source, not run through Ray"
+    fi
+    if [[ "${bypass,,}" == false && "$worker_loss_mode" == bypass_mode ]]; then
+      recipe_die "$wl.loss_mode=bypass_mode with algorithm.rollout_correction.bypass_mode=False: that loss ignores the batch's rollout_is_weights and takes the trainer's old_log_probs for the rollout's; $fix"
+    fi
+    return 0
+  fi
   local fix="fix: TIS_BYPASS_MODE=False TIS_USE_POLICY_GRADIENT=False (decoupled mode: verl multiplies the truncated IS weights into the PPO loss)"
   if [[ "${pg,,}" == true ]]; then
     recipe_die "algorithm.rollout_correction.use_policy_gradient=$pg: at verl 51d2104 the policy-gradient loss switch is made on the driver's config copy only and never reaches the Ray workers, which keep PPO-clip without IS weights (verl issue #4912); $fix"
@@ -279,6 +345,7 @@ grpo_preflight() {
     *) recipe_die "TIS_LEVEL must be null, token or sequence (algorithm.rollout_correction.rollout_is), got '$TIS_LEVEL'" ;;
   esac
   tis_preflight
+  if [[ "$RECIPE_LINE" == current ]]; then server_mode_preflight; fi
   require_dir MODEL_PATH "$MODEL_PATH"
   require_file MODEL_PATH/config.json "$MODEL_PATH/config.json"
   require_file TRAIN_FILE "$TRAIN_FILE"
@@ -294,11 +361,75 @@ grpo_preflight() {
     recipe_die "ROLLOUT_TP=$ROLLOUT_TP exceeds NPUS_PER_NODE=$NPUS_PER_NODE"
   fi
   if [[ "$DRY_RUN" == 0 ]]; then
-    require_cmd "$PYTHON" "set PYTHON to the interpreter of the pinned stack"
+    require_cmd "$PYTHON" "set PYTHON to the interpreter of the $RECIPE_LINE stack"
+    verl_line_preflight
     if [[ -n "$FLASHRL_CONFIG" ]]; then
       "$PYTHON" -c 'import npu_flashrl' 2>/dev/null \
-        || recipe_die "npu_flashrl is not importable by $PYTHON (run scripts/install_pinned.sh)"
+        || recipe_die "npu_flashrl is not importable by $PYTHON (run $INSTALL_HINT)"
     fi
+  fi
+}
+
+# verl_line_preflight: the verl that $PYTHON imports runs the recipe's line. verl 0.7+ refuses
+# rollout.mode=sync only inside the TaskRunner, after Ray started; 51d2104 has no server-mode sync.
+# Decided without importing verl (the file verl 0.7.1+ sends bucketed weights from, as
+# npu_flashrl.compat.verl_server_mode does).
+verl_line_preflight() {
+  local found
+  found="$("$PYTHON" -c 'import importlib.util as u, os
+s = u.find_spec("verl")
+if s is None or not s.submodule_search_locations:
+    print("missing")
+else:
+    d = list(s.submodule_search_locations)[0]
+    f = os.path.join(d, "workers", "rollout", "vllm_rollout", "bucketed_weight_transfer.py")
+    print("current" if os.path.isfile(f) else "pinned")' 2>/dev/null)" || found=missing
+  if [[ "$found" == missing ]]; then
+    recipe_die "verl is not importable by $PYTHON (run $INSTALL_HINT, or set PYTHON)"
+  fi
+  if [[ "$found" != "$RECIPE_LINE" ]]; then
+    if [[ "$RECIPE_LINE" == current ]]; then
+      recipe_die "this recipe is for verl 0.9 server mode, but $PYTHON imports a verl without it (verl 51d2104 or older: use the pinned recipe without _verl09, or install the current line: $INSTALL_HINT)"
+    fi
+    recipe_die "this recipe is for verl 51d2104 (rollout.mode=sync), but $PYTHON imports verl 0.7+ (server mode, which refuses sync): use the _verl09 recipe"
+  fi
+}
+
+# nz_refuse WHERE VALUE: vllm-ascend 0.23's NPUWorker.wake_up (verl's sleep mode, every step) refuses
+# FRACTAL_NZ weights; verl's worker extension sets VLLM_ASCEND_ENABLE_NZ=0 only when it is unset.
+nz_refuse() {
+  case "$2" in
+    0|"") ;;
+    *) recipe_die "$1: VLLM_ASCEND_ENABLE_NZ=$2 reaches verl's vLLM workers (verl sets 0 only when unset) and vllm-ascend 0.23 refuses to wake the engine from sleep mode with FRACTAL_NZ weights ('FRACTAL_NZ mode is enabled ...'); unset it or set 0" ;;
+  esac
+}
+
+# server_mode_preflight (current line): what verl 0.9.1 would only report after Ray and the vLLM
+# servers started, or never (docs/troubleshooting.md).
+server_mode_preflight() {
+  local a key value
+  for a in "${EXTRA_ARGS[@]}"; do
+    key="${a%%=*}"; key="${key#+}"; key="${key#+}"; value="${a#*=}"
+    case "$key" in
+      actor_rollout_ref.rollout.mode)
+        [[ "$value" == sync ]] && recipe_die "$a: verl 0.7+ removed the sync rollout mode (RolloutConfig refuses it); server mode is the only one and npu_flashrl follows the syncs there (docs/verl_server_mode.md)" ;;
+      actor_rollout_ref.rollout.quantization|actor_rollout_ref.rollout.engine_kwargs.vllm.quantization)
+        if [[ -n "$FLASHRL_CONFIG" ]]; then
+          case "${value,,}" in null|none|"") ;; *) recipe_die "$a next to FLASHRL_CONFIG: verl would quantize the rollout itself and npu_flashrl's INT8 rollout cannot apply as well; drop $key (or unset FLASHRL_CONFIG for verl's own)" ;; esac
+        fi ;;
+      ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_NZ)
+        nz_refuse "$a" "${value//\'/}" ;;
+      actor_rollout_ref.rollout.qat.enable)
+        if [[ -n "$FLASHRL_CONFIG" && "${value,,}" == true ]]; then
+          recipe_die "$a next to FLASHRL_CONFIG: verl's QAT rollout quantizes the engine itself; drop $key (or unset FLASHRL_CONFIG)"
+        fi ;;
+    esac
+  done
+  if [[ -n "${VLLM_ASCEND_ENABLE_NZ:-}" ]]; then nz_refuse "VLLM_ASCEND_ENABLE_NZ in this shell" "$VLLM_ASCEND_ENABLE_NZ"; fi
+  # VLLM_PLUGINS (a list) turns off every vLLM general plugin not in it; npu_flashrl reaches verl's
+  # vLLM server, EngineCore and worker processes only as one (docs/verl_server_mode.md).
+  if [[ -n "$FLASHRL_CONFIG" && -n "${VLLM_PLUGINS:-}" && ",${VLLM_PLUGINS// /}," != *,npu_flashrl,* ]]; then
+    recipe_die "VLLM_PLUGINS='$VLLM_PLUGINS' leaves out npu_flashrl: verl's vLLM processes would build a bf16 engine; add npu_flashrl to it or unset VLLM_PLUGINS"
   fi
 }
 
@@ -334,8 +465,20 @@ grpo_worker_env() {
   if [[ -n "$RAY_ADDRESS" ]]; then WORKER_ENV+=("RAY_ADDRESS=$RAY_ADDRESS"); fi
 }
 
-# SHARED_OVERRIDES: the Hydra overrides both trainer backends use (verl 51d2104 key names).
+# SHARED_OVERRIDES: the Hydra overrides both trainer backends and both lines use; LINE_OVERRIDES,
+# appended to them, the keys of one line (51d2104 or 0.9.1 names).
 grpo_shared_overrides() {
+  if [[ "$RECIPE_LINE" == current ]]; then
+    LINE_OVERRIDES=(
+      # no rollout.mode: server mode (async) is verl 0.9's only one
+      "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=$UPDATE_WEIGHTS_BUCKET_MB"
+    )
+  else
+    LINE_OVERRIDES=(
+      actor_rollout_ref.rollout.mode=sync
+      "algorithm.rollout_correction.use_policy_gradient=$TIS_USE_POLICY_GRADIENT"
+    )
+  fi
   SHARED_OVERRIDES=(
     algorithm.adv_estimator=grpo
     algorithm.use_kl_in_reward=False
@@ -357,7 +500,6 @@ grpo_shared_overrides() {
     "actor_rollout_ref.actor.kl_loss_type=$KL_LOSS_TYPE"
     actor_rollout_ref.actor.entropy_coeff=0
     actor_rollout_ref.rollout.name=vllm
-    actor_rollout_ref.rollout.mode=sync
     "actor_rollout_ref.rollout.n=$ROLLOUT_N"
     "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
     "actor_rollout_ref.rollout.gpu_memory_utilization=$GPU_MEMORY_UTILIZATION"
@@ -371,7 +513,6 @@ grpo_shared_overrides() {
     "algorithm.rollout_correction.rollout_is_threshold=$TIS_THRESHOLD"
     "algorithm.rollout_correction.rollout_is_batch_normalize=$TIS_BATCH_NORMALIZE"
     "algorithm.rollout_correction.bypass_mode=$TIS_BYPASS_MODE"
-    "algorithm.rollout_correction.use_policy_gradient=$TIS_USE_POLICY_GRADIENT"
     trainer.critic_warmup=0
     "trainer.logger=$LOGGER"
     "trainer.project_name=$PROJECT_NAME"
@@ -383,5 +524,6 @@ grpo_shared_overrides() {
     "trainer.test_freq=$TEST_FREQ"
     "trainer.total_epochs=$TOTAL_EPOCHS"
     trainer.device=npu
+    "${LINE_OVERRIDES[@]}"
   )
 }

@@ -1,9 +1,10 @@
 """verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
 strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104` (verl 0.7+ server
-mode: :mod:`.server_091`).
+mode: :mod:`.server_091`; TIS keys of verl 0.7+: :mod:`.tis_091`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
-the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions.
+the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions, verl
+0.9.1 the same function names and argument order (its TIS keys: :mod:`.tis_091`).
 
 Where the metrics hook attaches (and why)
 -----------------------------------------
@@ -12,7 +13,9 @@ every caller imports those functions *at call time* (``from verl.trainer.ppo.rol
 import ...`` inside the function body), so replacing the module attributes is enough:
 
 * ``verl_rollout_corr_metrics`` wraps ``compute_rollout_correction_and_add_to_batch``: the driver
-  (``RayPPOTrainer.fit``) calls it once per step in *decoupled* mode (``bypass_mode=false``) when the
+  (``RayPPOTrainer.fit``; on verl 0.9 also the default v1 trainer, ``trainer.use_v1=true``,
+  ``verl/trainer/ppo/v1/trainer_base.py``, which imports the function at module level, so its copy
+  is re-pointed when that module is imported) calls it once per step in *decoupled* mode (``bypass_mode=false``) when the
   batch has ``rollout_log_probs`` (``actor_rollout_ref.rollout.calculate_log_probs=True``); the
   ``algorithm.rollout_correction`` group is in verl's default config, so it runs whether or not TIS is
   on. There ``old_log_probs`` are the trainer's log-probs of the rollout policy's weights: exactly the
@@ -20,9 +23,11 @@ import ...`` inside the function body), so replacing the module attributes is en
   *before* verl's rejection sampling changes it), next to verl's ``rollout_corr/*``.
 * ``verl_actor_rollout_corr_metrics`` wraps ``compute_rollout_corr_metrics_from_logprobs`` (called by
   ``dp_actor``/``megatron_actor`` ``update_policy`` per micro-batch with the *current* policy's
-  log-probs) and ``compute_rollout_correction_and_rejection_mask`` when it is called from the policy
-  loss (``bypass_mode=true, use_policy_gradient=true``, the published Ascend INT8 recipe, which at
-  51d2104 does no TIS: :func:`check_tis` refuses it). In bypass mode no separate trainer forward
+  log-probs, up to 51d2104; verl 0.9 has no caller) and ``compute_rollout_correction_and_rejection_mask``
+  when it is called from the policy loss (51d2104: ``bypass_mode=true, use_policy_gradient=true``,
+  the published Ascend INT8 recipe, which does no TIS there: :func:`check_tis` refuses it; verl 0.9:
+  ``core_algos.compute_policy_loss_bypass_mode``, the workers' ``loss_mode=bypass_mode``, both
+  ``loss_type`` values). In bypass mode no separate trainer forward
   exists before the update, so this is the only place trainer log-probs meet the rollout's. These keys are ``npu_flashrl/actor/*`` (means over micro-batches, as
   verl reduces them); the first micro-batch of an on-policy step equals the pure mismatch.
   These patches must be applied inside the Ray worker processes (``install_verl_hooks()`` from the
@@ -39,7 +44,7 @@ import contextvars
 import math
 import os
 import time
-from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, MutableMapping, Optional, Union
 
 import torch
 
@@ -76,14 +81,6 @@ __all__ = [
     "PATCH_ACTOR",
     "PATCH_SYNC_END",
 ]
-
-
-class RolloutModeError(ValueError):
-    """The verl config cannot work with a FlashRL/npu_flashrl INT8 rollout."""
-
-
-class TisConfigError(ValueError):
-    """An ``algorithm.rollout_correction`` combination that silently does no TIS at verl 51d2104."""
 
 
 # ----------------------------------------------------------------------------------------- warnings
@@ -185,6 +182,17 @@ def add_mismatch_metrics(batch_or_tensors: Any, metrics: Optional[MutableMapping
 
 # ------------------------------------------------------------------------------ registered patches
 
+def _threshold_value(value: Any, default: float = 2.0) -> float:
+    """The TIS upper bound of a ``rollout_is_threshold``: a number, or verl 0.9's IcePop
+    ``"lower_upper"`` string (its upper bound); ``default`` for anything else."""
+    if isinstance(value, str) and "_" in value:
+        value = value.rpartition("_")[2]
+    try:
+        return float(value) if value is not None and float(value) > 0 else default
+    except (TypeError, ValueError):
+        return default
+
+
 def _threshold_of(cfg: Any, default: float = 2.0) -> float:
     value = None
     if cfg is not None:
@@ -192,10 +200,7 @@ def _threshold_of(cfg: Any, default: float = 2.0) -> float:
             value = cfg.get("rollout_is_threshold", None)
         except Exception:  # noqa: BLE001 - a config object without .get
             value = getattr(cfg, "rollout_is_threshold", None)
-    try:
-        return float(value) if value is not None and float(value) > 0 else default
-    except (TypeError, ValueError):
-        return default
+    return _threshold_value(value, default)
 
 
 _in_driver_hook: contextvars.ContextVar[bool] = contextvars.ContextVar("npu_flashrl_in_driver_hook",
@@ -258,8 +263,7 @@ def _make_actor_loss_wrapper(original):
                                                    *args, **kwargs)
         if _in_driver_hook.get():  # the driver wrapper reports these under npu_flashrl/
             return weights, new_mask, verl_metrics
-        threshold = kwargs.get("rollout_is_threshold", args[1] if len(args) > 1 else 2.0)
-        threshold = float(threshold) if threshold else 2.0
+        threshold = _threshold_value(kwargs.get("rollout_is_threshold", args[1] if len(args) > 1 else None))
         ours = _safe_metrics(old_log_prob, rollout_log_prob, response_mask, threshold, ACTOR_PREFIX)
         _maybe_warn(ours, ACTOR_PREFIX, "verl actor policy loss, current policy vs rollout",
                     min_interval_s=ACTOR_WARN_INTERVAL_S)
@@ -272,13 +276,35 @@ def _make_actor_loss_wrapper(original):
     return compute_rollout_correction_and_rejection_mask
 
 
-@register(PATCH_DRIVER, f"{_HELPER}:compute_rollout_correction_and_add_to_batch", "verl 0.6.1 .. 51d2104",
-          doc="npu_flashrl/* mismatch metrics once per step in the driver (decoupled mode)")
+# Modules that bind the driver function at import (``from rollout_corr_helper import ...`` at
+# module level) instead of at call time: verl 0.9's v1 trainer (``trainer.use_v1=true``, its
+# default), which imports transfer_queue and is imported in the TaskRunner only.
+_DRIVER_IMPORTERS = ("verl.trainer.ppo.v1.trainer_base",)
+_DRIVER_FN = "compute_rollout_correction_and_add_to_batch"
+
+
+def _rebind_driver(module) -> None:
+    """Point ``module``'s own copy of the driver function at our wrapper (the helper's attribute),
+    unless it already is ours or is something else than verl's original."""
+    import importlib
+
+    ours = getattr(importlib.import_module(_HELPER), _DRIVER_FN)
+    current = getattr(module, _DRIVER_FN, None)
+    if current is not None and current is not ours and current is patches.original(ours):
+        setattr(module, _DRIVER_FN, ours)
+        logger.debug("npu_flashrl: %s.%s -> mismatch-metrics wrapper", module.__name__, _DRIVER_FN)
+
+
+@register(PATCH_DRIVER, f"{_HELPER}:{_DRIVER_FN}", "verl 0.6.1 .. 0.9.1",
+          doc="npu_flashrl/* mismatch metrics once per step in the driver (decoupled mode; "
+              "verl 0.9's v1 trainer included)")
 def _apply_driver_patch() -> None:
-    patches.replace(f"{_HELPER}:compute_rollout_correction_and_add_to_batch", _make_driver_wrapper)
+    patches.replace(f"{_HELPER}:{_DRIVER_FN}", _make_driver_wrapper)
+    for name in _DRIVER_IMPORTERS:
+        patches.when_imported(name, _rebind_driver)
 
 
-@register(PATCH_ACTOR, f"{_HELPER}:compute_rollout_corr_metrics_from_logprobs", "verl 0.6.1 .. 51d2104",
+@register(PATCH_ACTOR, f"{_HELPER}:compute_rollout_corr_metrics_from_logprobs", "verl 0.6.1 .. 0.9.1",
           doc="npu_flashrl/actor/* mismatch metrics in the actor update (bypass mode included)")
 def _apply_actor_patch() -> None:
     # resolve both before replacing either, so a missing target leaves nothing half-applied
@@ -294,228 +320,6 @@ def install_verl_hooks(driver: bool = True, actor: bool = True) -> Dict[str, boo
     return patches.apply_patches(names)
 
 
-# --------------------------------------------------------------------------------- config checking
-
-_MISSING = object()
-_KEY_RC = "algorithm.rollout_correction."
-
-
-def _select(config: Any, dotted: str, default: Any = _MISSING) -> Any:
-    """Read ``a.b.c`` from an OmegaConf DictConfig, a dict, or an attribute object."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "keys"):
-            try:
-                if part not in node:
-                    return default
-                node = node[part]
-                continue
-            except Exception:  # noqa: BLE001 - e.g. omegaconf MissingMandatoryValue
-                return default
-        if hasattr(node, part):
-            node = getattr(node, part)
-        else:
-            return default
-    return node
-
-
-def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
-    return bool((environ.get("FLASHRL_CONFIG") or "").strip())
-
-
-def _truthy(value: Any) -> bool:
-    return value is True or str(value).strip().lower() == "true"
-
-
-def _tis_level(config: Any) -> Optional[str]:
-    level = _select(config, "algorithm.rollout_correction.rollout_is", None)
-    if level is None or str(level).strip().lower() in ("", "null", "none"):
-        return None
-    return str(level)
-
-
-def check_tis(config: Any) -> None:
-    """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS at verl 51d2104.
-
-    Read from verl 51d2104's source (``ray_trainer.py``, ``rollout_corr_helper.py``,
-    ``dp_actor.py``/``megatron_actor.py``, ``core_algos.py``):
-
-    * ``bypass_mode=True`` with ``rollout_is`` set: the trainer only sets ``old_log_probs =
-      rollout_log_probs`` (``apply_rollout_correction``) and skips
-      ``compute_rollout_correction_and_add_to_batch``, so no ``rollout_is_weights`` reach the loss.
-    * ``use_policy_gradient=True``: the switch to the ``rollout_correction`` loss is written into the
-      DRIVER's copy of ``actor.policy_loss`` (and only in bypass mode); the Ray workers built their
-      actor config at init, so they keep the PPO-clip loss without IS weights (verl #4912, PR #4930).
-
-    What does work: decoupled mode (``bypass_mode=False``, ``use_policy_gradient=False``,
-    ``rollout_is=token|sequence``): the driver computes truncated ``rollout_is_weights`` and both
-    actors' policy loss (``core_algos.compute_policy_loss_vanilla`` through ``get_policy_loss_fn``)
-    multiply them in. Raises :class:`TisConfigError` naming the key and the fix.
-    """
-    level = _tis_level(config)
-    bypass = _truthy(_select(config, _KEY_RC + "bypass_mode", False))
-    pg = _truthy(_select(config, _KEY_RC + "use_policy_gradient", False))
-    problems = []
-    if pg:
-        problems.append(
-            f"{_KEY_RC}use_policy_gradient=True: at verl 51d2104 the switch to the policy-gradient loss "
-            "is made on the driver's copy of actor.policy_loss only and never reaches the Ray workers, "
-            "which keep PPO-clip without IS weights (verl issue #4912)")
-    if bypass and level is not None:
-        problems.append(
-            f"{_KEY_RC}bypass_mode=True with rollout_is={level}: at verl 51d2104 bypass mode computes no "
-            "IS weights (ray_trainer.py skips compute_rollout_correction_and_add_to_batch), so the TIS "
-            "threshold, level and batch normalisation do nothing")
-    if problems:
-        raise TisConfigError(
-            "; ".join(problems) + f". Fix: {_KEY_RC}bypass_mode=False {_KEY_RC}use_policy_gradient=False "
-            "(decoupled mode: truncated IS weights multiplied into the PPO loss; "
-            "npu_flashrl.adapters.verl.tis_overrides writes them)")
-
-
-def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
-    """A nested dict from Hydra override strings (``a.b=v``, ``+a.b=v``; ``~a.b`` deletes), values read
-    as YAML (``True``, ``null``, ``2.0``). Later overrides win, as in Hydra."""
-    import yaml
-
-    out: Dict[str, Any] = {}
-    for ov in overrides:
-        key, sep, raw = ov.partition("=")
-        delete = key.startswith("~")
-        key = key.lstrip("+~")
-        if not key or (not sep and not delete):
-            continue
-        parts = key.split(".")
-        node = out
-        for part in parts[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        if delete:
-            node.pop(parts[-1], None)
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        node[parts[-1]] = value
-    return out
-
-
-def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
-                       environ: Optional[Mapping[str, str]] = None) -> List[str]:
-    """Check a verl config (OmegaConf or dict) for an INT8 (FlashRL-style) rollout.
-
-    * ``FLASHRL_CONFIG`` set and ``actor_rollout_ref.rollout.mode != "sync"`` -> :class:`RolloutModeError`:
-      verl's async rollout (the default at verl 51d2104; a missing key counts as that default) never
-      calls ``vllm.LLM.__init__``, so the INT8 load path would silently not run.
-      Fix: ``actor_rollout_ref.rollout.mode=sync``.
-    * quantized rollout (``quantized`` or, when None, ``FLASHRL_CONFIG`` set) with
-      ``algorithm.rollout_correction.rollout_is`` null -> WARNING: TIS is off.
-    * quantized rollout and ``actor_rollout_ref.rollout.calculate_log_probs`` not true -> WARNING: verl
-      has no rollout log-probs, so TIS/metrics silently do nothing.
-    * any config: a rollout-correction combination that does no TIS at verl 51d2104 ->
-      :class:`TisConfigError` (see :func:`check_tis`).
-
-    Returns the warning messages (also logged). ``environ`` defaults to ``os.environ``.
-    """
-    env = os.environ if environ is None else environ
-    flashrl = _flashrl_config_set(env)
-    if quantized is None:
-        quantized = flashrl
-    from npu_flashrl import compat
-
-    if flashrl and compat.verl_server_mode():  # verl 0.7+: server mode only (adapters.verl.server_091)
-        from npu_flashrl.adapters.verl import server_091
-
-        try:
-            server_091.check_verl_config(lambda key: _select(config, key, None))
-        except server_091.ServerModeError as exc:
-            raise RolloutModeError(str(exc)) from None
-    elif flashrl:
-        mode = _select(config, "actor_rollout_ref.rollout.mode", None)
-        if mode is None or str(mode).strip().lower() != "sync":
-            shown = "unset (verl 51d2104 default: async)" if mode is None else repr(str(mode))
-            raise RolloutModeError(
-                f"FLASHRL_CONFIG is set but actor_rollout_ref.rollout.mode is {shown}: verl's async "
-                "rollout never builds vllm.LLM, so the INT8 rollout (and its weight reload) would silently "
-                "not be used. Fix: add the override actor_rollout_ref.rollout.mode=sync")
-    check_tis(config)
-    warnings: List[str] = []
-    if quantized:
-        rollout_is = _select(config, "algorithm.rollout_correction.rollout_is", None)
-        calc = _select(config, "actor_rollout_ref.rollout.calculate_log_probs", None)
-        calc_on = calc is True or str(calc).strip().lower() == "true"
-        if rollout_is is None or str(rollout_is).strip().lower() in ("", "null", "none"):
-            msg = ("quantized rollout with algorithm.rollout_correction.rollout_is=null: truncated importance "
-                   "sampling (TIS) is OFF, so the INT8-vs-trainer mismatch is not corrected. Enable it with "
-                   "algorithm.rollout_correction.rollout_is=token (or sequence) and "
-                   "actor_rollout_ref.rollout.calculate_log_probs=True (see npu_flashrl.adapters.verl.tis_overrides)")
-            warnings.append(msg)
-        elif not calc_on:
-            msg = (f"algorithm.rollout_correction.rollout_is={rollout_is} but "
-                   "actor_rollout_ref.rollout.calculate_log_probs is not True: verl gets no rollout log-probs "
-                   "and silently skips TIS. Fix: actor_rollout_ref.rollout.calculate_log_probs=True")
-            warnings.append(msg)
-    for msg in warnings:
-        logger.warning(msg)
-    return warnings
-
-
-# ------------------------------------------------------------------------------ override strings
-
-
-def _hydra_value(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "True" if v else "False"
-    return str(v)
-
-
-def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
-                  calculate_log_probs: bool = True, sync_mode: bool = True,
-                  batch_normalize: Optional[bool] = None, rs: Optional[str] = None,
-                  rs_threshold: Optional[float] = None, rs_threshold_lower: Optional[float] = None,
-                  token_veto_threshold: Optional[float] = None,
-                  bypass_mode: bool = False, use_policy_gradient: bool = False) -> List[str]:
-    """Hydra overrides (verl 51d2104 / 0.6.1 key names) turning on truncated IS for an INT8 rollout.
-
-    Always decoupled mode: ``bypass_mode=False`` and ``use_policy_gradient=False`` are written out,
-    the only combination that multiplies the truncated IS weights into the loss at verl 51d2104 (see
-    :func:`check_tis`; asking for another one raises :class:`TisConfigError`). The recipes'
-    ``algorithm.rollout_correction.*`` overrides are these (tests/test_verl_51d2104_tis.py checks it).
-
-    ``level``: "token" | "sequence" | None (None writes ``rollout_is=null``, TIS off). Options left at
-    None are not written (verl's default stays). ``sync_mode`` adds ``actor_rollout_ref.rollout.mode=sync``
-    (required with FLASHRL_CONFIG). Example: ``tis_overrides()`` ->
-    ``['algorithm.rollout_correction.rollout_is=token', 'algorithm.rollout_correction.rollout_is_threshold=2.0',
-    'algorithm.rollout_correction.bypass_mode=False', 'algorithm.rollout_correction.use_policy_gradient=False',
-    'actor_rollout_ref.rollout.calculate_log_probs=True', 'actor_rollout_ref.rollout.mode=sync']``.
-    """
-    if level not in ("token", "sequence", None):
-        raise ValueError(f"level must be 'token', 'sequence' or None, got {level!r}")
-    if not (isinstance(threshold, (int, float)) and threshold > 0):
-        raise ValueError(f"threshold must be a positive number, got {threshold!r}")
-    if rs not in (None, "token", "sequence", "geometric"):
-        raise ValueError(f"rs must be None, 'token', 'sequence' or 'geometric', got {rs!r}")
-    check_tis({"algorithm": {"rollout_correction": {
-        "rollout_is": level, "bypass_mode": bool(bypass_mode), "use_policy_gradient": bool(use_policy_gradient)}}})
-    out = [f"{_KEY_RC}rollout_is={_hydra_value(level)}",
-           f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}",
-           f"{_KEY_RC}bypass_mode={_hydra_value(bool(bypass_mode))}",
-           f"{_KEY_RC}use_policy_gradient={_hydra_value(bool(use_policy_gradient))}"]
-    optional = (("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
-                ("rollout_rs_threshold", None if rs_threshold is None else float(rs_threshold)),
-                ("rollout_rs_threshold_lower", None if rs_threshold_lower is None else float(rs_threshold_lower)),
-                ("rollout_token_veto_threshold",
-                 None if token_veto_threshold is None else float(token_veto_threshold)))
-    out += [f"{_KEY_RC}{k}={_hydra_value(v)}" for k, v in optional if v is not None]
-    if calculate_log_probs:
-        out.append("actor_rollout_ref.rollout.calculate_log_probs=True")
-    if sync_mode:
-        out.append("actor_rollout_ref.rollout.mode=sync")
-    return out
+# config checks and override strings live in .config_check (re-exported here)
+from npu_flashrl.adapters.verl.config_check import (  # noqa: E402
+    RolloutModeError, TisConfigError, check_rollout_mode, check_tis, overrides_to_config, tis_overrides)

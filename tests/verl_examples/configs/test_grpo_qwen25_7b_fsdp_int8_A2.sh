@@ -58,5 +58,5 @@ CMD=(
   "${EXTRA_ARGS[@]}"
 )
 
-recipe_log "FSDP, rollout=$ROLLOUT_PRECISION model=$MODEL_PATH data=$TRAIN_FILE nodes=$NNODES x $NPUS_PER_NODE NPUs"
+recipe_log "FSDP, line=$RECIPE_LINE rollout=$ROLLOUT_PRECISION model=$MODEL_PATH data=$TRAIN_FILE nodes=$NNODES x $NPUS_PER_NODE NPUs"
 run_or_print "${CMD[@]}"

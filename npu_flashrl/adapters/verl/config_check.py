@@ -1,0 +1,297 @@
+"""verl config checks and override strings for an INT8 rollout: rollout mode (sync at 51d2104,
+server mode on verl 0.7+), TIS (``algorithm.rollout_correction``) per verl line, Hydra override
+parsing. Re-exported by :mod:`npu_flashrl.adapters.verl`; the TIS rules of verl 0.7+ are in
+:mod:`.tis_091`."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("adapters.verl")
+
+
+class RolloutModeError(ValueError):
+    """The verl config cannot work with a FlashRL/npu_flashrl INT8 rollout."""
+
+
+class TisConfigError(ValueError):
+    """An ``algorithm.rollout_correction`` combination that silently does no TIS on the verl line
+    (51d2104 or 0.9, :func:`check_tis`)."""
+
+
+# --------------------------------------------------------------------------------- config checking
+
+_MISSING = object()
+_KEY_RC = "algorithm.rollout_correction."
+
+
+def _select(config: Any, dotted: str, default: Any = _MISSING) -> Any:
+    """Read ``a.b.c`` from an OmegaConf DictConfig, a dict, or an attribute object."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or hasattr(node, "keys"):
+            try:
+                if part not in node:
+                    return default
+                node = node[part]
+                continue
+            except Exception:  # noqa: BLE001 - e.g. omegaconf MissingMandatoryValue
+                return default
+        if hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
+    return bool((environ.get("FLASHRL_CONFIG") or "").strip())
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).strip().lower() == "true"
+
+
+def _tis_level(config: Any) -> Optional[str]:
+    level = _select(config, "algorithm.rollout_correction.rollout_is", None)
+    if level is None or str(level).strip().lower() in ("", "null", "none"):
+        return None
+    return str(level)
+
+
+def check_tis(config: Any, verl: Optional[str] = None) -> None:
+    """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS on the verl line
+    ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.compat.verl_line`; None: the
+    installed verl's). Raises :class:`TisConfigError` naming the key and the fix.
+
+    verl 0.7 .. 0.9: see :mod:`.tis_091` (``use_policy_gradient`` is gone, bypass mode dispatches on
+    ``loss_type``). verl 51d2104 / 0.6.x, read from its source (``ray_trainer.py``,
+    ``rollout_corr_helper.py``, ``dp_actor.py``/``megatron_actor.py``, ``core_algos.py``):
+
+    * ``bypass_mode=True`` with ``rollout_is`` set: the trainer only sets ``old_log_probs =
+      rollout_log_probs`` (``apply_rollout_correction``) and skips
+      ``compute_rollout_correction_and_add_to_batch``, so no ``rollout_is_weights`` reach the loss.
+    * ``use_policy_gradient=True``: the switch to the ``rollout_correction`` loss is written into the
+      DRIVER's copy of ``actor.policy_loss`` (and only in bypass mode); the Ray workers built their
+      actor config at init, so they keep the PPO-clip loss without IS weights (verl #4912, PR #4930).
+
+    What works on both lines: decoupled mode (``bypass_mode=False``, at 51d2104 also
+    ``use_policy_gradient=False``, ``rollout_is=token|sequence``): the driver computes truncated
+    ``rollout_is_weights`` and the actors' policy loss (``core_algos.compute_policy_loss_vanilla``
+    through ``get_policy_loss_fn``) multiplies them in.
+    """
+    from npu_flashrl import compat
+
+    if compat.verl_line(verl) == "0.9":
+        from npu_flashrl.adapters.verl import tis_091
+
+        problems = tis_091.problems(lambda key, default: _select(config, key, default), _MISSING)
+        if problems:
+            raise TisConfigError("; ".join(problems) + f". Fix: {tis_091.FIX}")
+        return
+    level = _tis_level(config)
+    bypass = _truthy(_select(config, _KEY_RC + "bypass_mode", False))
+    pg = _truthy(_select(config, _KEY_RC + "use_policy_gradient", False))
+    problems = []
+    if pg:
+        problems.append(
+            f"{_KEY_RC}use_policy_gradient=True: at verl 51d2104 the switch to the policy-gradient loss "
+            "is made on the driver's copy of actor.policy_loss only and never reaches the Ray workers, "
+            "which keep PPO-clip without IS weights (verl issue #4912)")
+    if bypass and level is not None:
+        problems.append(
+            f"{_KEY_RC}bypass_mode=True with rollout_is={level}: at verl 51d2104 bypass mode computes no "
+            "IS weights (ray_trainer.py skips compute_rollout_correction_and_add_to_batch), so the TIS "
+            "threshold, level and batch normalisation do nothing")
+    if problems:
+        raise TisConfigError(
+            "; ".join(problems) + f". Fix: {_KEY_RC}bypass_mode=False {_KEY_RC}use_policy_gradient=False "
+            "(decoupled mode: truncated IS weights multiplied into the PPO loss; "
+            "npu_flashrl.adapters.verl.tis_overrides writes them)")
+
+
+def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
+    """A nested dict from Hydra override strings (``a.b=v``, ``+a.b=v``; ``~a.b`` deletes), values read
+    as YAML (``True``, ``null``, ``2.0``). Later overrides win, as in Hydra."""
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for ov in overrides:
+        key, sep, raw = ov.partition("=")
+        delete = key.startswith("~")
+        key = key.lstrip("+~")
+        if not key or (not sep and not delete):
+            continue
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if delete:
+            node.pop(parts[-1], None)
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node[parts[-1]] = value
+    return out
+
+
+def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
+                       environ: Optional[Mapping[str, str]] = None,
+                       verl: Optional[str] = None) -> List[str]:
+    """Check a verl config (OmegaConf or dict) for an INT8 (FlashRL-style) rollout.
+
+    * ``FLASHRL_CONFIG`` set and ``actor_rollout_ref.rollout.mode != "sync"`` -> :class:`RolloutModeError`:
+      verl's async rollout (the default at verl 51d2104; a missing key counts as that default) never
+      calls ``vllm.LLM.__init__``, so the INT8 load path would silently not run.
+      Fix: ``actor_rollout_ref.rollout.mode=sync``.
+    * quantized rollout (``quantized`` or, when None, ``FLASHRL_CONFIG`` set) with
+      ``algorithm.rollout_correction.rollout_is`` null -> WARNING: TIS is off.
+    * quantized rollout and ``actor_rollout_ref.rollout.calculate_log_probs`` not true -> WARNING: verl
+      has no rollout log-probs, so TIS/metrics silently do nothing.
+    * any config: a rollout-correction combination that does no TIS on the verl line ->
+      :class:`TisConfigError` (see :func:`check_tis`).
+
+    On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
+    server-mode one (:func:`.server_091.check_verl_config`). Returns the warning messages (also
+    logged). ``environ`` defaults to ``os.environ``.
+    """
+    env = os.environ if environ is None else environ
+    flashrl = _flashrl_config_set(env)
+    if quantized is None:
+        quantized = flashrl
+    from npu_flashrl import compat
+
+    line = compat.verl_line(verl)
+    if flashrl and line == "0.9":  # verl 0.7+: server mode only (adapters.verl.server_091)
+        from npu_flashrl.adapters.verl import server_091
+
+        try:
+            server_091.check_verl_config(lambda key: _select(config, key, None), env)
+        except server_091.ServerModeError as exc:
+            raise RolloutModeError(str(exc)) from None
+    elif flashrl:
+        mode = _select(config, "actor_rollout_ref.rollout.mode", None)
+        if mode is None or str(mode).strip().lower() != "sync":
+            shown = "unset (verl 51d2104 default: async)" if mode is None else repr(str(mode))
+            raise RolloutModeError(
+                f"FLASHRL_CONFIG is set but actor_rollout_ref.rollout.mode is {shown}: verl's async "
+                "rollout never builds vllm.LLM, so the INT8 rollout (and its weight reload) would silently "
+                "not be used. Fix: add the override actor_rollout_ref.rollout.mode=sync")
+    check_tis(config, line)
+    warnings: List[str] = []
+    if quantized:
+        rollout_is = _select(config, "algorithm.rollout_correction.rollout_is", None)
+        calc = _select(config, "actor_rollout_ref.rollout.calculate_log_probs", None)
+        calc_on = calc is True or str(calc).strip().lower() == "true"
+        if rollout_is is None or str(rollout_is).strip().lower() in ("", "null", "none"):
+            msg = ("quantized rollout with algorithm.rollout_correction.rollout_is=null: truncated importance "
+                   "sampling (TIS) is OFF, so the INT8-vs-trainer mismatch is not corrected. Enable it with "
+                   "algorithm.rollout_correction.rollout_is=token (or sequence) and "
+                   "actor_rollout_ref.rollout.calculate_log_probs=True (see npu_flashrl.adapters.verl.tis_overrides)")
+            warnings.append(msg)
+        elif not calc_on:
+            msg = (f"algorithm.rollout_correction.rollout_is={rollout_is} but "
+                   "actor_rollout_ref.rollout.calculate_log_probs is not True: verl gets no rollout log-probs "
+                   "and silently skips TIS. Fix: actor_rollout_ref.rollout.calculate_log_probs=True")
+            warnings.append(msg)
+    for msg in warnings:
+        logger.warning(msg)
+    return warnings
+
+
+# ------------------------------------------------------------------------------ override strings
+
+
+def _hydra_value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    return str(v)
+
+
+def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
+                  calculate_log_probs: bool = True, sync_mode: Optional[bool] = None,
+                  batch_normalize: Optional[bool] = None, rs: Optional[str] = None,
+                  rs_threshold: Optional[float] = None, rs_threshold_lower: Optional[float] = None,
+                  token_veto_threshold: Optional[float] = None,
+                  bypass_mode: bool = False, use_policy_gradient: bool = False,
+                  verl: Optional[str] = None) -> List[str]:
+    """Hydra overrides turning on truncated IS for an INT8 rollout, in the key names of the verl
+    line ``verl`` (``"51d2104"``: the pin and 0.6.x; ``"0.9"``: verl 0.7.1 .. 0.9.x; None: the
+    installed verl's, the pin's without verl; see :func:`npu_flashrl.compat.verl_line`).
+
+    Always decoupled mode, the combination that multiplies the truncated IS weights into the loss
+    on both lines (see :func:`check_tis`; asking for another one raises :class:`TisConfigError`):
+    ``bypass_mode=False`` is written out, at 51d2104 also ``use_policy_gradient=False``. The recipes'
+    ``algorithm.rollout_correction.*`` overrides are these (tests/test_verl_51d2104_tis.py and
+    tests/test_verl091_tis.py run them through verl's own loss code).
+
+    ``level``: "token" | "sequence" | None (None writes ``rollout_is=null``, TIS off). Options left at
+    None are not written (verl's default stays). ``rs``: at 51d2104 "token" | "sequence" |
+    "geometric", at 0.9 a comma-separated list of verl 0.9's modes ("token_k1", "seq_mean_k3", ...).
+    ``rs_threshold_lower`` and ``token_veto_threshold`` exist at 51d2104 only. ``sync_mode`` adds
+    ``actor_rollout_ref.rollout.mode=sync`` (None: True at 51d2104, where FLASHRL_CONFIG needs it;
+    verl 0.9 has no sync mode, so True is refused there). Example: ``tis_overrides(verl="51d2104")``
+    -> ``['algorithm.rollout_correction.rollout_is=token', 'algorithm.rollout_correction.rollout_is_threshold=2.0',
+    'algorithm.rollout_correction.bypass_mode=False', 'algorithm.rollout_correction.use_policy_gradient=False',
+    'actor_rollout_ref.rollout.calculate_log_probs=True', 'actor_rollout_ref.rollout.mode=sync']``;
+    ``tis_overrides(verl="0.9")`` -> the first three and ``calculate_log_probs=True``.
+    """
+    from npu_flashrl import compat
+
+    line = compat.verl_line(verl)
+    if level not in ("token", "sequence", None):
+        raise ValueError(f"level must be 'token', 'sequence' or None, got {level!r}")
+    if not (isinstance(threshold, (int, float)) and threshold > 0):
+        raise ValueError(f"threshold must be a positive number, got {threshold!r}")
+    if sync_mode is None:
+        sync_mode = line == "51d2104"
+    if line == "0.9":
+        from npu_flashrl.adapters.verl import tis_091
+
+        gone = [f"{name} (algorithm.rollout_correction.{key}; use {tis_091.REMOVED[key]})"
+                for name, key, v in (("rs_threshold_lower", "rollout_rs_threshold_lower", rs_threshold_lower),
+                                     ("token_veto_threshold", "rollout_token_veto_threshold",
+                                      token_veto_threshold))
+                if v is not None]
+        if gone:
+            raise ValueError(f"verl 0.9 has no {', '.join(gone)}")
+        if sync_mode:
+            raise ValueError("sync_mode=True: verl 0.7+ runs its rollout as a server only (no "
+                             "actor_rollout_ref.rollout.mode=sync); leave sync_mode unset")
+        rc = {"rollout_is": level, "bypass_mode": bool(bypass_mode)}
+        if use_policy_gradient:
+            rc["use_policy_gradient"] = True
+        check_tis({"algorithm": {"rollout_correction": rc}}, line)
+        out = tis_091.overrides(level, threshold, batch_normalize, rs, rs_threshold, _hydra_value)
+    else:
+        if rs not in (None, "token", "sequence", "geometric"):
+            raise ValueError(f"rs must be None, 'token', 'sequence' or 'geometric', got {rs!r}")
+        check_tis({"algorithm": {"rollout_correction": {
+            "rollout_is": level, "bypass_mode": bool(bypass_mode),
+            "use_policy_gradient": bool(use_policy_gradient)}}}, line)
+        out = [f"{_KEY_RC}rollout_is={_hydra_value(level)}",
+               f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}",
+               f"{_KEY_RC}bypass_mode={_hydra_value(bool(bypass_mode))}",
+               f"{_KEY_RC}use_policy_gradient={_hydra_value(bool(use_policy_gradient))}"]
+        optional = (("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
+                    ("rollout_rs_threshold", None if rs_threshold is None else float(rs_threshold)),
+                    ("rollout_rs_threshold_lower", None if rs_threshold_lower is None else float(rs_threshold_lower)),
+                    ("rollout_token_veto_threshold",
+                     None if token_veto_threshold is None else float(token_veto_threshold)))
+        out += [f"{_KEY_RC}{k}={_hydra_value(v)}" for k, v in optional if v is not None]
+    if calculate_log_probs:
+        out.append("actor_rollout_ref.rollout.calculate_log_probs=True")
+    if sync_mode:
+        out.append("actor_rollout_ref.rollout.mode=sync")
+    return out
