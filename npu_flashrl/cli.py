@@ -353,22 +353,9 @@ def _row(check: str, status: str, detail: str, fix: str = "") -> Dict[str, str]:
 
 
 def _dist_info(names: Sequence[str]):
-    from importlib.metadata import PackageNotFoundError, distribution
+    from npu_flashrl import pins as pins_mod
 
-    for name in names:
-        try:
-            dist = distribution(name)
-        except PackageNotFoundError:
-            continue
-        commit = None
-        try:
-            raw = dist.read_text("direct_url.json")
-            if raw:
-                commit = (json.loads(raw).get("vcs_info") or {}).get("commit_id")
-        except (OSError, ValueError):
-            pass
-        return dist.version, commit
-    return None, None
+    return pins_mod.installed_version(names)
 
 
 def _load_pins(line: Optional[str] = None):

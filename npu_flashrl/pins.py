@@ -153,7 +153,7 @@ def markdown_table(pins: Optional[Dict[str, Any]] = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def _installed(dist_names) -> Tuple[Optional[str], Optional[str]]:
+def installed_version(dist_names) -> Tuple[Optional[str], Optional[str]]:
     """(version, git commit or None) of the first installed distribution of ``dist_names``."""
     import importlib.metadata as md
     import json
@@ -174,7 +174,7 @@ def _installed(dist_names) -> Tuple[Optional[str], Optional[str]]:
     return None, None
 
 
-def line_differences(line_pins: Dict[str, Any], installed=_installed) -> list:
+def line_differences(line_pins: Dict[str, Any], installed=installed_version) -> list:
     """Packages of one line whose installed version (importlib.metadata) differs from its pin:
     ``[(dist, installed or "absent", wanted)]``, empty when the installed stack is that line.
 
@@ -203,7 +203,7 @@ def line_differences(line_pins: Dict[str, Any], installed=_installed) -> list:
     return out
 
 
-def match_line(path: Optional[os.PathLike] = None, installed=_installed) -> Tuple[Optional[str], Dict[str, list]]:
+def match_line(path: Optional[os.PathLike] = None, installed=installed_version) -> Tuple[Optional[str], Dict[str, list]]:
     """Which line the installed stack is: ``(name or None, {line: line_differences})``."""
     doc = load_document(path)
     diffs = {name: line_differences(line, installed) for name, line in doc["lines"].items()}
