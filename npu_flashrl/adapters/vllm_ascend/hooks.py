@@ -126,3 +126,29 @@ def attach_on_init(original):
                            "quantize", type(model).__name__)
         return model
     return initialize_model
+
+
+def declare_shared_patches(quant_config_class: Callable[[], type], override_target: str,
+                           vllm_versions: str, ascend_versions: str) -> None:
+    """Declare the three patches whose bodies are the same on every line (a layout module calls
+    this with its own targets): the quant-description redirect, the compressed-tensors override
+    and the INT8 loader attached at model build."""
+    from npu_flashrl import compat, patches
+
+    @patches.register("ascend_quant_description", compat.GET_QUANT_CONFIG_TARGET, vllm_versions,
+                      "bf16 and compressed-tensors w8a8 checkpoints load on vllm-ascend W8A8_DYNAMIC")
+    def _apply_redirect():
+        compat.check_vllm_ascend()
+        compat.import_quantization()
+        patches.replace(compat.GET_QUANT_CONFIG_TARGET, lambda orig: redirect(orig, quant_config_class))
+
+    @patches.register("ascend_claims_compressed_tensors", override_target, ascend_versions,
+                      "compressed-tensors w8a8 checkpoints go to 'ascend' on any platform that runs it")
+    def _apply_override():
+        compat.import_quantization()
+        patches.replace(override_target, override)
+
+    @patches.register("model_loader_int8_load_weights", compat.INITIALIZE_MODEL_TARGET, vllm_versions,
+                      "models built while active get the INT8 online-quantizing load_weights")
+    def _apply_attach():
+        patches.replace(compat.INITIALIZE_MODEL_TARGET, attach_on_init)

@@ -126,26 +126,7 @@ def _apply_static_once():
     patches.replace(STATIC_PWAL, lambda orig: _process_once(orig, after=_fold_checkpoint_bias))
 
 
-@patches.register("ascend_quant_description", compat.GET_QUANT_CONFIG_TARGET, "vllm 0.23.0",
-                  "bf16 and compressed-tensors w8a8 checkpoints load on vllm-ascend W8A8_DYNAMIC")
-def _apply_redirect():
-    compat.check_vllm_ascend()
-    compat.import_quantization()
-    patches.replace(compat.GET_QUANT_CONFIG_TARGET, lambda orig: hooks.redirect(orig, quant_config_class))
-
-
-@patches.register("ascend_claims_compressed_tensors", OVERRIDE_TARGET, _VERSIONS,
-                  "compressed-tensors w8a8 checkpoints go to 'ascend' on any platform that runs it")
-def _apply_override():
-    compat.import_quantization()
-    patches.replace(OVERRIDE_TARGET, hooks.override)
-
-
-@patches.register("model_loader_int8_load_weights", compat.INITIALIZE_MODEL_TARGET, "vllm 0.23.0",
-                  "models built while active get the INT8 online-quantizing load_weights")
-def _apply_attach():
-    patches.replace(compat.INITIALIZE_MODEL_TARGET, hooks.attach_on_init)
-
+hooks.declare_shared_patches(quant_config_class, OVERRIDE_TARGET, "vllm 0.23.0", _VERSIONS)
 
 PATCHES = ("ascend_w8a8_dynamic_process_once", "ascend_w8a8_static_process_once",
            "ascend_quant_description", "ascend_claims_compressed_tensors",
