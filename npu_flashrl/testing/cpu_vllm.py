@@ -38,6 +38,29 @@ def prepare_process(enable_nz: bool = True) -> None:
     compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     emulation.register_cpu_ops()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
+    _npu_device_on_gloo()
+
+
+def _npu_device_on_gloo() -> None:
+    """Stand-in for what torch_npu + HCCL give a process (idempotent): the "npu" device type
+    exists (torch_npu renames PrivateUse1 at import), and a gloo group asked for its NPU backend
+    answers with its CPU one. vllm-ascend's fused-MoE schemes ask the mc2 group's NPU backend for
+    its HCCL communicator name when they are built; gloo has none, so upstream takes its own
+    fallback for a group without MC2 metadata (an empty name; MC2 dispatch needs HCCL)."""
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    pg = torch._C._distributed_c10d.ProcessGroup
+    if getattr(pg._get_backend, "__npu_flashrl_gloo__", False):
+        return
+    original = pg._get_backend
+
+    def _get_backend(self, device):
+        if torch.device(device).type == "npu":
+            device = torch.device("cpu")
+        return original(self, device)
+
+    _get_backend.__npu_flashrl_gloo__ = True
+    pg._get_backend = _get_backend
 
 
 def _make_platform_cls():
@@ -136,6 +159,11 @@ class CpuVllm:
         from npu_flashrl import compat
 
         compat.init_vllm_ascend_config(self.vllm_config)
+        # vllm-ascend's own groups (mc2, ...), as its NPU worker creates them after vLLM's and
+        # its config: the fused-MoE schemes look them up when the model is built
+        from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel
+
+        init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
         from vllm.model_executor.model_loader import get_model
 
