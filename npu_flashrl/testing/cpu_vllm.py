@@ -8,7 +8,13 @@ What it does, following ../shared/docs/cpu-test-stack.md:
 - builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
   vLLM's model-parallel groups, and initialises vllm-ascend's own config;
 - builds the model with vLLM's own loader (`get_model`), so the load path is the one users run;
-- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU).
+- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU);
+- MoE models: builds vLLM's FusedMoE layers as vllm-ascend's AscendFusedMoE (registered as the
+  NPU platform registers it; `compat.register_ascend_moe_layers`) and runs every forward inside
+  vllm-ascend's own forward context (`compat.ascend_forward_context`: its
+  `set_ascend_forward_context`, with the MoE communication method its model runner picks; on one
+  device without expert parallelism that is ALLGATHER). The torch_npu / vllm-ascend kernels the
+  fused-MoE path calls are the emulation's reference kernels (`kernels.moe_reference`).
 """
 from __future__ import annotations
 
@@ -37,8 +43,28 @@ def prepare_process(enable_nz: bool = True) -> None:
 
     compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     emulation.register_cpu_ops()
+    _device_neutral_ops_on_cpu()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
     _npu_device_on_gloo()
+
+
+_cpu_libs: dict = {}
+
+
+def _device_neutral_ops_on_cpu() -> None:
+    """Stand-in for the NPU dispatch key (idempotent): vllm-ascend registers some custom ops whose
+    bodies are plain torch code (F.linear, a TP all-reduce) for the NPU only; the CPU gets the
+    same upstream body (`compat.device_neutral_ascend_ops`). Ops with an NPU kernel body get
+    reference kernels instead (`emulation.register_cpu_ops`)."""
+    from npu_flashrl import compat
+
+    for qual, fn in compat.device_neutral_ascend_ops().items():
+        ns, name = qual.split("::")
+        if qual in _cpu_libs or not hasattr(getattr(torch.ops, ns), name):
+            continue
+        lib = torch.library.Library(ns, "IMPL")
+        lib.impl(name, fn, "CPU")
+        _cpu_libs[qual] = lib  # the registration lives as long as the Library object
 
 
 def _npu_device_on_gloo() -> None:
@@ -165,6 +191,7 @@ class CpuVllm:
 
         init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
+        compat.register_ascend_moe_layers()
         from vllm.model_executor.model_loader import get_model
 
         default_dtype = torch.get_default_dtype()
@@ -183,15 +210,25 @@ class CpuVllm:
         self._stack.close()
 
     # ------------------------------------------------------------------ forward helpers
+    def forward_context(self, num_tokens: int):
+        """vllm-ascend's forward context for one forward of `num_tokens` tokens, as its model
+        runner sets it (vLLM's FusedMoE layers need one; see `compat.ascend_forward_context`).
+        Enter it around any direct call of the model's layers."""
+        from npu_flashrl import compat
+
+        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers."""
+        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers,
+        one sequence per forward (each inside vllm-ascend's forward context)."""
         from npu_flashrl import compat
 
         out = []
         for seq in input_ids:
             positions = torch.arange(seq.shape[0])
-            hidden = self.model.model(seq, positions)
+            with self.forward_context(seq.shape[0]):
+                hidden = self.model.model(seq, positions)
             out.append(compat.compute_logits(self.model, hidden).float())
         return torch.stack(out)
 
