@@ -188,6 +188,10 @@ def set_vllm_ascend_flags(is_310p: bool = False, enable_nz: bool = True) -> None
             cfg.weight_nz_mode = 1 if enable_nz else 0
         return
     utils._IS_310P = is_310p
+    # v0.10.1rc1 / 0.11 read the SoC generation from torch_npu at worker start
+    # (`init_ascend_soc_version`); the MoE dispatchers ask for it when they are built. An
+    # NPU-free process is an Atlas A2 (what 0.23 is told through `_ascend_device_type` above).
+    utils._ascend_soc_version = utils.AscendSocVersion.A2
     if nz == "utils_flag":
         utils._ENABLE_NZ = enable_nz
 
@@ -383,9 +387,14 @@ def register_ascend_moe_layers() -> list:
     registered now. Refuses a name another class was registered for."""
     from vllm.model_executor import custom_op
 
+    # vLLM 0.23 keeps the registry at module level (shared with PluggableLayer, which FusedMoE is
+    # now); 0.10 / 0.11 as a CustomOp class attribute
+    registry = getattr(custom_op, "op_registry_oot", None)
+    if registry is None:
+        registry = custom_op.CustomOp.op_registry_oot
     done = []
     for name, cls in ascend_moe_layer_classes().items():
-        have = custom_op.op_registry_oot.get(name)
+        have = registry.get(name)
         if have is cls:
             continue
         if have is not None:
@@ -399,49 +408,47 @@ def register_ascend_moe_layers() -> list:
 
 def moe_comm_type(vllm_config, num_tokens: int):
     """The MoE communication method vllm-ascend's model runner picks for a batch of
-    `num_tokens` tokens (a `MoECommType` member; None for a dense model), by vllm-ascend's own
-    selection: 0.23's `ascend_forward_context.select_moe_comm_method` (called inside
-    `set_ascend_forward_context`); 0.11's and v0.10.1rc1's `NPUModelRunner._select_moe_comm_method`
-    (a runner method; here called on a stand-in holding the three attributes it reads). Without
-    expert parallelism every line picks ALLGATHER (MC2 / ALLTOALL are expert-parallel
-    dispatches)."""
+    `num_tokens` tokens (a `MoECommType` member; None for a dense model).
+
+    0.23: vllm-ascend's own `ascend_forward_context.select_moe_comm_method` (which
+    `set_ascend_forward_context` also calls). 0.11 / v0.10.1rc1 pick it in
+    `NPUModelRunner._select_moe_comm_method` (worker/model_runner_v1.py), a runner method whose
+    module does not import on a CPU test stack (it needs numba); its first rule is the one an
+    NPU-free process can meet: no expert parallelism -> ALLGATHER (MC2 / all-to-all are
+    expert-parallel dispatches over HCCL). Expert parallelism is refused here."""
+    fc = importlib.import_module("vllm_ascend.ascend_forward_context")
     if line().layout == "023":
-        fc = importlib.import_module("vllm_ascend.ascend_forward_context")
         return fc.select_moe_comm_method(num_tokens, vllm_config)
-    runner = importlib.import_module("vllm_ascend.worker.model_runner_v1").NPUModelRunner
-    stand_in = type("_RunnerFields", (), {})()
-    stand_in.vllm_config = vllm_config
-    stand_in.parallel_config = vllm_config.parallel_config
-    stand_in.mc2_tokens_capacity = _mc2_tokens_capacity(vllm_config)
-    return runner._select_moe_comm_method(stand_in, num_tokens, True)
+    if line().name == "0.10.1rc1":
+        # its runner picks "mc2" for every batch within the MC2 token capacity, with or without
+        # expert parallelism, and MC2 dispatch needs HCCL
+        raise NotImplementedError("vllm-ascend v0.10.1rc1 dispatches small MoE batches with MC2 "
+                                  "(HCCL); the CPU harness runs the all-gather dispatch only")
+    if not _is_moe(vllm_config):
+        return None
+    if vllm_config.parallel_config.enable_expert_parallel:
+        raise NotImplementedError("expert parallelism: vllm-ascend's MC2 / all-to-all MoE dispatch "
+                                  "needs HCCL; the CPU harness runs the all-gather dispatch only")
+    return fc.MoECommType.ALLGATHER
 
 
-def _mc2_tokens_capacity(vllm_config) -> int:
-    # 0.11 NPUModelRunner.__init__: 512 tokens per TP rank (MC2's buffer), times the TP size
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    return 512 * tp
+def _is_moe(vllm_config) -> bool:
+    return bool(importlib.import_module("vllm_ascend.utils").is_moe_model(vllm_config))
 
 
 def ascend_forward_context(vllm_config, num_tokens: int, model=None):
     """vllm-ascend's forward context for one eager forward of `num_tokens` tokens with no
-    attention metadata, as its model runner enters it around `model(...)`. 0.23 picks the MoE
-    comm method inside; 0.11 / v0.10.1rc1 take the runner's pick as an argument (0.11:
-    `moe_comm_type=`, v0.10.1rc1: `moe_comm_method=` a string)."""
+    attention metadata, as its model runner enters it around `model(...)`: 0.23 picks the MoE
+    comm method inside `set_ascend_forward_context`; 0.11 takes the runner's pick as
+    `moe_comm_type=` (`moe_comm_type` above; v0.10.1rc1 is refused there)."""
     fc = importlib.import_module("vllm_ascend.ascend_forward_context")
     if line().layout == "023":
         return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
                                              model_instance=model)
     comm = moe_comm_type(vllm_config, num_tokens)
-    import inspect
-
-    params = inspect.signature(fc.set_ascend_forward_context).parameters
-    if "moe_comm_type" in params:
-        return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
-                                             with_prefill=True, moe_comm_type=comm,
-                                             model_instance=model)
     return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
-                                         with_prefill=True,
-                                         moe_comm_method=comm.name.lower() if comm else "")
+                                         with_prefill=True, moe_comm_type=comm,
+                                         model_instance=model)
 
 
 # vllm-ascend custom ops (torch.ops.vllm.*) registered for the NPU dispatch key only whose bodies

@@ -283,6 +283,12 @@ class _NpuNamespace(_EmulatedModule):
     def current_stream(device=None) -> _InOrderStream:
         return _STREAM
 
+    @staticmethod
+    def current_device() -> torch.device:
+        """The device tensors meant for "the current NPU" go to on the emulated machine: the
+        CPU (vllm-ascend 0.11's all-to-all dispatcher allocates its expert map there at build)."""
+        return torch.device("cpu")
+
     # torch.manual_seed seeds the PrivateUse1 device module too once the harness names that
     # backend "npu" (testing.cpu_vllm): there is no NPU generator to seed
     @staticmethod

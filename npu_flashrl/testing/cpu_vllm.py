@@ -67,14 +67,23 @@ def _device_neutral_ops_on_cpu() -> None:
         _cpu_libs[qual] = lib  # the registration lives as long as the Library object
 
 
+def _no_hccl_comm_name(self, rank) -> str:
+    return ""
+
+
 def _npu_device_on_gloo() -> None:
     """Stand-in for what torch_npu + HCCL give a process (idempotent): the "npu" device type
     exists (torch_npu renames PrivateUse1 at import), and a gloo group asked for its NPU backend
     answers with its CPU one. vllm-ascend's fused-MoE schemes ask the mc2 group's NPU backend for
-    its HCCL communicator name when they are built; gloo has none, so upstream takes its own
-    fallback for a group without MC2 metadata (an empty name; MC2 dispatch needs HCCL)."""
+    its HCCL communicator name when they are built; gloo has none: it answers with an empty name,
+    the value 0.23's W8A8_DYNAMIC scheme falls back to for a group without MC2 metadata (0.11
+    builds its MC2 dispatcher for every MoE layer and asks unguarded). Only MC2 / all-to-all
+    dispatch would use the name; with no expert parallelism vllm-ascend picks all-gather."""
     if torch._C._get_privateuse1_backend_name() != "npu":
         torch.utils.rename_privateuse1_backend("npu")
+    gloo = torch._C._distributed_c10d.ProcessGroupGloo
+    if not hasattr(gloo, "get_hccl_comm_name"):
+        gloo.get_hccl_comm_name = _no_hccl_comm_name
     pg = torch._C._distributed_c10d.ProcessGroup
     if getattr(pg._get_backend, "__npu_flashrl_gloo__", False):
         return
