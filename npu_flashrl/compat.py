@@ -471,3 +471,19 @@ def device_neutral_ascend_ops() -> dict:
     device-neutral torch code (see `_DEVICE_NEUTRAL_OPS`); importing the bodies' modules is what
     registers the ops."""
     return {name: _resolve(path) for name, path in _DEVICE_NEUTRAL_OPS[line().layout].items()}
+
+
+# Facts vllm-ascend caches per process about THE model its worker serves (module globals in
+# vllm_ascend.utils, filled on first use): 0.11 and 0.23 `_IS_MOE_MODEL`, 0.23 also
+# `_IS_DRAFTER_MOE_MODEL`; v0.10.1rc1 has neither.
+_PER_MODEL_CACHES = ("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL")
+
+
+def forget_served_model() -> None:
+    """Clear vllm-ascend's per-process model facts before another model is built in the same
+    process (the CPU harness builds several; on an NPU a worker serves one). Without this a MoE
+    model built after a dense one is taken for dense: no MoE comm method in its forward context."""
+    utils = importlib.import_module("vllm_ascend.utils")
+    for name in _PER_MODEL_CACHES:
+        if hasattr(utils, name):
+            setattr(utils, name, None)

@@ -194,6 +194,7 @@ class CpuVllm:
         from npu_flashrl import compat
 
         compat.init_vllm_ascend_config(self.vllm_config)
+        compat.forget_served_model()  # vllm-ascend caches "is MoE" per process: one model each
         # vllm-ascend's own groups (mc2, ...), as its NPU worker creates them after vLLM's and
         # its config: the fused-MoE schemes look them up when the model is built
         from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel
