@@ -155,7 +155,22 @@ def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[st
         world_size=tp_size, rank=rank, local_rank=rank,
         distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}", backend=backend)
     ps.initialize_model_parallel(tp_size, 1)
-    _dist_state.update(initialized=True, world_size=tp_size)
+    _dist_state.update(initialized=True, world_size=tp_size, backend=backend)
+
+
+def ensure_expert_parallel_group() -> None:
+    """vLLM's expert-parallel group for a MoE model, when this process's groups were made for a
+    dense one (idempotent). vLLM 0.23 creates it only if the model of the config current at
+    `initialize_model_parallel` is MoE: right for a worker that serves one model, not for a
+    process that builds several (tests). Same ranks as vLLM's (one pipeline stage, no DP / PCP:
+    the TP ranks). vLLM lines that always create it are left alone."""
+    from vllm.distributed import parallel_state as ps
+
+    if getattr(ps, "_EP", "always created") is not None:
+        return
+    ps._EP = ps.init_model_parallel_group(
+        [list(range(_dist_state["world_size"]))], ps.get_world_group().local_rank,
+        _dist_state.get("backend", "gloo"), group_name="ep")
 
 
 class CpuVllm:
@@ -191,6 +206,8 @@ class CpuVllm:
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)
+        if getattr(self.vllm_config.model_config, "is_moe", False):
+            ensure_expert_parallel_group()
         from npu_flashrl import compat
 
         compat.init_vllm_ascend_config(self.vllm_config)
