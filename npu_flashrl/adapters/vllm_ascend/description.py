@@ -46,6 +46,9 @@ class QuantDescription(dict):
             return FLOAT
         if key.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
             return self.rule_quantized
+        if key.endswith(".experts.weight"):
+            # v0.10.1rc1 asks for a fused-MoE layer as a whole ("<prefix>.experts.weight")
+            return self.rule_quantized
         return FLOAT
 
     def __missing__(self, key: str) -> str:
