@@ -50,6 +50,11 @@ class StackLine:
     def name(self) -> str:
         return self.vllm_ascend
 
+    @property
+    def moe_method(self) -> str:
+        """W8A8_DYNAMIC fused-MoE scheme: next to the linear one on every supported line."""
+        return self.dynamic_method.partition(":")[0] + ":AscendW8A8DynamicFusedMoEMethod"
+
 
 _Q = "vllm_ascend.quantization"
 _LINES = {
@@ -170,6 +175,12 @@ def quant_method_classes() -> Tuple[type, type, type]:
     import_quantization()
     ln = line()
     return _resolve(ln.linear_method), _resolve(ln.static_method), _resolve(ln.dynamic_method)
+
+
+def moe_method_class() -> type:
+    """vllm-ascend's W8A8_DYNAMIC fused-MoE scheme of the installed line."""
+    import_quantization()
+    return _resolve(line().moe_method)
 
 
 def set_vllm_ascend_flags(is_310p: bool = False, enable_nz: bool = True) -> None:

@@ -38,29 +38,38 @@ def prepare_process(enable_nz: bool = True) -> None:
     compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     emulation.register_cpu_ops()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
-    _npu_device_on_gloo()
+    _mc2_without_hccl()
 
 
-def _npu_device_on_gloo() -> None:
-    """Stand-in for what torch_npu + HCCL give a process (idempotent): the "npu" device type
-    exists (torch_npu renames PrivateUse1 at import), and a gloo group asked for its NPU backend
-    answers with its CPU one. vllm-ascend's fused-MoE schemes ask the mc2 group's NPU backend for
-    its HCCL communicator name when they are built; gloo has none, so upstream takes its own
-    fallback for a group without MC2 metadata (an empty name; MC2 dispatch needs HCCL)."""
-    if torch._C._get_privateuse1_backend_name() != "npu":
-        torch.utils.rename_privateuse1_backend("npu")
-    pg = torch._C._distributed_c10d.ProcessGroup
-    if getattr(pg._get_backend, "__npu_flashrl_gloo__", False):
+def _mc2_without_hccl() -> None:
+    """Stand-in for the HCCL side of vllm-ascend's mc2 group (idempotent): its W8A8_DYNAMIC
+    fused-MoE scheme asks the group's NPU backend for an HCCL communicator name when it is
+    built; on gloo there is none, so the scheme's module sees a group without a device group
+    and upstream takes its own fallback (an empty name, as for a group without MC2 metadata).
+    The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
+    import importlib
+
+    from npu_flashrl import compat
+
+    module = importlib.import_module(compat.line().moe_method.partition(":")[0])
+    original = getattr(module, "get_mc2_group", None)
+    if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return
-    original = pg._get_backend
 
-    def _get_backend(self, device):
-        if torch.device(device).type == "npu":
-            device = torch.device("cpu")
-        return original(self, device)
+    class _NoHccl:
+        def __init__(self, group):
+            self._group = group
 
-    _get_backend.__npu_flashrl_gloo__ = True
-    pg._get_backend = _get_backend
+        def __getattr__(self, item):
+            if item == "device_group":
+                raise AttributeError("device_group: no HCCL on the CPU harness")
+            return getattr(self._group, item)
+
+    def get_mc2_group():
+        return _NoHccl(original())
+
+    get_mc2_group.__npu_flashrl_stand_in__ = True
+    module.get_mc2_group = get_mc2_group
 
 
 def _make_platform_cls():

@@ -62,8 +62,8 @@ class QuantDescription(dict):
             return FLOAT
         last = module.rsplit(".", 1)[-1]
         if key.endswith(".weight") and (last in PROJECTIONS or last == FUSED_EXPERTS):
-            # `...mlp.experts.weight` is the FusedMoE layer itself (vllm-ascend 0.23 asks for it
-            # when the model type has no packed mapping): typed like the experts it fuses.
+            # `...mlp.experts.weight` is the FusedMoE layer itself (v0.10.1rc1 asks for it as a
+            # whole, 0.23 when the model type has no packed mapping): typed like its experts.
             return self.rule_quantized
         return FLOAT  # embeddings, norms, lm_head, the MoE router `mlp.gate`, shared_expert_gate
 
