@@ -247,3 +247,34 @@ def test_two_ranks_each_hold_their_part_of_the_experts(moe, tmp_path, expert_par
             assert torch.equal(st[f"{p}.w2_weight"], w2), (rank, i)
             torch.testing.assert_close(st[f"{p}.w13_weight_scale"].float(), s13, rtol=4e-3, atol=0)
     assert seen == set(range(EXPERTS))
+
+
+def test_vllm_layerwise_reload_of_the_moe_model_runs_through_the_run_once_guard(va, moe):
+    """vLLM 0.23's own layerwise reload restores every layer (the fused-MoE one included) to its
+    checkpoint layout and reruns post-processing: the run-once guard lets that run, the bf16
+    trainer weights are quantized on the way by npu_flashrl's loader, and the in-place sync works
+    again after it."""
+    reload = pytest.importorskip("vllm.model_executor.model_loader.reload",
+                                 reason="vLLM's layerwise reload (vLLM >= 0.16)")
+    dirs, models = moe
+    fresh = {}
+    for k in (1, 2):
+        with build(va, dirs[k]) as f:
+            fresh[k] = state(f.model)
+    with build(va, dirs[0]) as v:
+        m = v.model
+        before = ptrs(m)
+        reload.initialize_layerwise_reload(m)
+        buckets = random_buckets(trainer_weights(models[1]), seed=7, max_bytes=64 << 10)
+        buffer = BucketBuffer(bucket_bytes(buckets))
+        for bucket in buckets:
+            buffer.deliver(m, bucket)
+        reload.finalize_layerwise_reload(m, v.vllm_config.model_config)
+        assert_same_state(state(m), fresh[1])
+        check_experts(m, models[1])
+        assert ptrs(m) == before
+        m.load_weights(trainer_weights(models[2]))
+        va.end_weight_sync(m)
+        post_sync(v)
+        assert_same_state(state(m), fresh[2])
+        assert ptrs(m) == before
