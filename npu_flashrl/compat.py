@@ -50,6 +50,11 @@ class StackLine:
     def name(self) -> str:
         return self.vllm_ascend
 
+    @property
+    def moe_method(self) -> str:
+        """W8A8_DYNAMIC fused-MoE scheme: next to the linear one on every supported line."""
+        return self.dynamic_method.partition(":")[0] + ":AscendW8A8DynamicFusedMoEMethod"
+
 
 _Q = "vllm_ascend.quantization"
 _LINES = {
@@ -170,6 +175,12 @@ def quant_method_classes() -> Tuple[type, type, type]:
     import_quantization()
     ln = line()
     return _resolve(ln.linear_method), _resolve(ln.static_method), _resolve(ln.dynamic_method)
+
+
+def moe_method_class() -> type:
+    """vllm-ascend's W8A8_DYNAMIC fused-MoE scheme of the installed line."""
+    import_quantization()
+    return _resolve(line().moe_method)
 
 
 def set_vllm_ascend_flags(is_310p: bool = False, enable_nz: bool = True) -> None:
@@ -495,3 +506,15 @@ def forget_served_model() -> None:
     for name in _PER_MODEL_CACHES:
         if hasattr(utils, name):
             setattr(utils, name, None)
+
+
+def mc2_dispatcher_site() -> Optional[Tuple[str, str]]:
+    """(module, name) through which vllm-ascend's MoE comm methods construct the MC2 token
+    dispatcher when that happens for every MoE layer: 0.11 `ops/moe/moe_comm_method.py`
+    (`setup_moe_comm_method` builds all four comm methods, and TokenDispatcherWithMC2.__init__
+    asks `torch.device("npu")`'s HCCL backend for a communicator name). None where it is built
+    only under expert parallelism (0.23: `ep_size > 1`) or not by the fused-MoE layer at all
+    (v0.10.1rc1)."""
+    if line().name == "0.11.0":
+        return "vllm_ascend.ops.moe.moe_comm_method", "TokenDispatcherWithMC2"
+    return None

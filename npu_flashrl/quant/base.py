@@ -17,6 +17,7 @@ class OnlineQuantizer:
 
     name = ""
     writes_scales = True
+    dense_only = False  # True: cannot quantize fused-MoE experts (refused at engine build)
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16):
         self.compute_dtype = compute_dtype

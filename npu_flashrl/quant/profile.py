@@ -16,6 +16,7 @@ class ProfileQuantizer(OnlineQuantizer):
     smoothing, the up/down beta; same math as flash_rl 1.0.3 `linear_quantize`."""
 
     writes_scales = False
+    dense_only = True  # FlashRL's profile has entries for the seven dense projections only
 
     def __init__(self, profile: Dict[str, dict], compute_dtype: torch.dtype = torch.bfloat16):
         super().__init__(compute_dtype)

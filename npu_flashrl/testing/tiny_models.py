@@ -4,12 +4,15 @@ The default Qwen2 shape exercises what real Qwen2 models have and what the INT8 
 right: q/k/v bias, grouped-query attention (4 heads, 2 KV heads), non-square projections
 (intermediate != hidden), several decoder layers, untied lm_head. The Qwen3 one is the dense
 Qwen3 layout: no q/k/v bias, per-head q_norm / k_norm, head_dim set apart from hidden / heads.
+The Qwen3-MoE one (vLLM's Qwen3MoeForCausalLM) has the dense Qwen3 attention and a sparse MLP in
+every layer: a router `mlp.gate` [num_experts, hidden] and per-expert
+`mlp.experts.E.{gate,up,down}_proj`, top-2 of 8 with renormalized top-k weights.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -47,6 +50,26 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**kwargs)
 
 
+TINY_QWEN3_MOE = dict(
+    TINY_QWEN3,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,      # != hidden: expert projections are not square
+    norm_topk_prob=True,
+    decoder_sparse_step=1,         # every layer is sparse ...
+    mlp_only_layers=[],            # ... none is kept dense
+    output_router_logits=False,
+)
+
+
+def tiny_qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kwargs = dict(TINY_QWEN3_MOE)
+    kwargs.update(overrides)
+    return Qwen3MoeConfig(**kwargs)
+
+
 def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                      config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Qwen2 causal LM in `out_dir` (safetensors) and return the HF model.
@@ -69,15 +92,79 @@ def build_tiny_qwen3(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: in
                   dtype, seed, tokenizer)
 
 
+def build_tiny_qwen3_moe(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                         config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny Qwen3-MoE causal LM in `out_dir` (see build_tiny_qwen2).
+
+    transformers 4.57 holds one nn.Linear per expert; transformers 5 holds the experts fused
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and writes the
+    per-expert names on save. Either way every expert output row gets its own spread. The same
+    seed gives different numbers on the two lines (the parameters are drawn in a different order
+    and shape); tests compare within one line.
+    """
+    from transformers import Qwen3MoeForCausalLM
+
+    return _build(Qwen3MoeForCausalLM, tiny_qwen3_moe_config(**(config_overrides or {})), out_dir,
+                  dtype, seed, tokenizer)
+
+
+def trainer_weights(model) -> List[Tuple[str, torch.Tensor]]:
+    """The HF model's weights as the trainer pushes them to the rollout: checkpoint (per-expert)
+    names, in state_dict order.
+
+    On transformers 5 the experts are fused 3-D parameters; verl 0.9's FSDP engine sends
+    `state_dict()` through `verl.workers.engine.fsdp.utils.unfuse_moe_params` (its
+    `get_per_tensor_param`), and so does this. On transformers 4.x (the 0.11 line, verl 0.6) the
+    state dict already has one tensor per expert projection and is sent as it is.
+    """
+    state = model.state_dict()
+    if not any(".mlp.experts." in n and t.dim() == 3 for n, t in state.items()):
+        return list(state.items())
+    unfuse_moe_params = _verl_unfuse_moe_params()
+    return list(unfuse_moe_params(state.items(), getattr(model.config, "model_type", None)))
+
+
+def _verl_unfuse_moe_params():
+    """verl 0.9's `unfuse_moe_params`. Its package (`verl.workers.engine.fsdp`) imports peft and
+    the FSDP engines at module level, which the CPU stack may lack; the function's own file needs
+    only torch and verl.utils, so it is then loaded alone, from the installed verl."""
+    try:
+        from verl.workers.engine.fsdp.utils import unfuse_moe_params
+        return unfuse_moe_params
+    except ImportError as exc:
+        first = exc
+    import importlib.util
+
+    try:
+        import verl
+    except ImportError:
+        raise RuntimeError("this model holds fused MoE experts (transformers 5): verl >= 0.9 is "
+                           f"needed to unfuse them as the trainer does ({first})") from None
+    path = os.path.join(os.path.dirname(verl.__file__), "workers", "engine", "fsdp", "utils.py")
+    if not os.path.exists(path):
+        raise RuntimeError(f"{path}: not in the installed verl {getattr(verl, '__version__', '?')} "
+                           "(verl >= 0.9 unfuses transformers 5's packed MoE experts there)")
+    spec = importlib.util.spec_from_file_location("npu_flashrl_verl_fsdp_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.unfuse_moe_params
+
+
+def _spread_(p: torch.Tensor) -> None:
+    """Random weights whose output rows have different magnitudes (as in trained LLMs). A 3-D
+    tensor is a stack of experts [E, out, in]: each expert's rows get their own scale."""
+    row_scale = torch.empty(*p.shape[:-1], 1).log_normal_(0.0, 0.5)
+    p.copy_(torch.randn_like(p) * 0.05 * row_scale)
+
+
 def _build(model_cls, config, out_dir, dtype, seed, tokenizer):
     torch.manual_seed(seed)
     config.torch_dtype = dtype
     model = model_cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
-                row_scale = torch.empty(p.shape[0], 1).log_normal_(0.0, 0.5)
-                p.copy_(torch.randn_like(p) * 0.05 * row_scale)
+            if p.dim() in (2, 3):
+                _spread_(p)
             elif name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.1)
             else:  # norms

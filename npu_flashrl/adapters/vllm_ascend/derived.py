@@ -57,3 +57,12 @@ def fold_checkpoint_bias(layer) -> None:
     layer.quant_bias.data.copy_(static_quant_bias(layer, deq))
     logger.debug("npu_flashrl: folded float bias into quant_bias of %s",
                  getattr(layer, "prefix", type(layer).__name__))
+
+
+@torch.no_grad()
+def commit_moe_extras(layer) -> None:
+    """After new expert scales were written: the fp32 copy the W8A8_DYNAMIC fused-MoE method
+    derives from the param-dtype w13 scale (every line has it)."""
+    fp32 = getattr(layer, "w13_weight_scale_fp32", None)
+    if isinstance(fp32, torch.Tensor):
+        fp32.copy_(layer.w13_weight_scale.data.to(torch.float32))

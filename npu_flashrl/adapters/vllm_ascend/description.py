@@ -6,6 +6,18 @@ description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC laye
 with every weight of the checkpoint also listed explicitly (vllm-ascend 0.23 skips its json
 lookup only for a non-empty description, and its `apply_vllm_mapper` copies it into a plain dict,
 dropping the rule). ModelSlim checkpoints with their own json are left alone.
+
+MoE (Qwen3-MoE / Qwen2-MoE names): every routed expert's `mlp.experts.E.{gate,up,down}_proj` (and
+a shared expert's projections) is W8A8_DYNAMIC, so vLLM's FusedMoE layer lands on vllm-ascend's
+W8A8 dynamic fused-MoE method; the router `mlp.gate` and `mlp.shared_expert_gate` are FLOAT (no
+llm-compressor MoE recipe quantizes them). What vllm-ascend asks for the FusedMoE layer
+`model.layers.N.mlp.experts`: with the model type's packed mapping (0.11 `quant_config.py` and
+0.23 `modelslim_config.py`, "qwen3_moe": `"experts": ["experts.0.gate_proj", "experts.0.up_proj",
+"experts.0.down_proj"]`) it reads `...mlp.experts.0.{gate,up,down}_proj.weight`, all three alike,
+both in `is_layer_skipped_ascend` and for the scheme; without a mapping, 0.23 reads
+`...mlp.experts.weight` (answered by the rule) and 0.11 every key containing the prefix. The router
+(a ReplicatedLinear given the quant config) is looked up as `...mlp.gate.weight` and must be FLOAT
+to stay unquantized.
 """
 from __future__ import annotations
 
@@ -14,8 +26,12 @@ import os
 import re
 from typing import List, Optional, Sequence
 
-# The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names).
+# The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names); MoE experts
+# (`mlp.experts.E.gate_proj`, ...) and shared experts end in the same names.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The module vLLM's FusedMoE layer is registered under (`model.layers.N.mlp.experts`).
+FUSED_EXPERTS = "experts"
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 W8A8_DYNAMIC = "W8A8_DYNAMIC"
 W8A8 = "W8A8"
 FLOAT = "FLOAT"
@@ -44,9 +60,12 @@ class QuantDescription(dict):
         module = key[: -len(".weight")] if key.endswith(".weight") else key
         if _ignored(module, self.ignore):
             return FLOAT
-        if key.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
+        last = module.rsplit(".", 1)[-1]
+        if key.endswith(".weight") and (last in PROJECTIONS or last == FUSED_EXPERTS):
+            # `...mlp.experts.weight` is the FusedMoE layer itself (v0.10.1rc1 asks for it as a
+            # whole, 0.23 when the model type has no packed mapping): typed like its experts.
             return self.rule_quantized
-        return FLOAT
+        return FLOAT  # embeddings, norms, lm_head, the MoE router `mlp.gate`, shared_expert_gate
 
     def __missing__(self, key: str) -> str:
         return self.quant_type(key)
@@ -108,13 +127,47 @@ def compressed_tensors_description(qcfg: dict, where: str = "quantization_config
         targets = group.get("targets") or []
         if targets and not all(t in ("Linear", "re:.*") for t in targets) and not all(
                 any(p in t for p in PROJECTIONS) or t.startswith("re:") for t in targets):
-            raise UnsupportedScheme(f"{loc}.targets = {targets!r}: only Linear targets are supported")
+            raise UnsupportedScheme(f"{loc}.targets = {targets!r}: only Linear targets (or 're:' "
+                                    "module patterns) are supported")
     fmt = qcfg.get("format")
     if fmt not in (None, "int-quantized", "naive-quantized"):
         raise UnsupportedScheme(f"{where}.format = {fmt!r}: expected 'int-quantized' (int8 weights "
                                 "stored unpacked)")
-    ignore = list(qcfg.get("ignore") or [])
-    return QuantDescription(W8A8_DYNAMIC, ignore=ignore, source="compressed-tensors")
+    ignore = qcfg.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise UnsupportedScheme(f"{where}.ignore = {ignore!r}: expected a list of module names or "
+                                "'re:' patterns")
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise UnsupportedScheme(f"{where}.ignore: {pattern!r} is not a valid regular "
+                                        f"expression ({exc})") from None
+    return QuantDescription(W8A8_DYNAMIC, ignore=list(ignore), source="compressed-tensors")
+
+
+def check_compressed_tensors_weights(desc: QuantDescription, weight_names, where: str) -> None:
+    """A compressed-tensors checkpoint's int8 weights carry a `weight_scale`; every one must be
+    typed W8A8_DYNAMIC and every W8A8_DYNAMIC weight must have one, or a layer would run int8
+    values as floats (a quantized MoE router, an expert the ignore list left out, ...)."""
+    names = set(weight_names)
+    for name in sorted(names):
+        if not name.endswith(".weight"):
+            continue
+        module = name[: -len(".weight")]
+        scaled = f"{module}.weight_scale" in names
+        typed = desc.quant_type(name)
+        if scaled and typed != W8A8_DYNAMIC:
+            raise UnsupportedScheme(
+                f"{where}: {name} is stored int8 (it has {module}.weight_scale) but vllm-ascend "
+                f"would run {module} as {typed} (a MoE router / shared_expert_gate stays float); "
+                "quantize it with it in quantization_config.ignore (llm-compressor: "
+                "ignore=['lm_head', 're:.*mlp.gate$'])")
+        if typed == W8A8_DYNAMIC and not scaled:
+            raise UnsupportedScheme(
+                f"{where}: {name} has no {module}.weight_scale, but quantization_config does not "
+                f"ignore {module}; add it to quantization_config.ignore or store it quantized")
 
 
 def read_hf_quant_config(model_dir: str) -> Optional[dict]:
@@ -131,8 +184,8 @@ def read_hf_quant_config(model_dir: str) -> Optional[dict]:
 
 def checkpoint_weight_names(model_dir: str) -> List[str]:
     """Tensor names of a checkpoint directory: the safetensors index, else the safetensors file
-    headers (no tensor data is read), else the dense decoder projections and lm_head that
-    config.json's `num_hidden_layers` implies (a config-only directory, e.g. load_format=dummy)."""
+    headers (no tensor data is read), else the decoder Linear weights and lm_head that config.json
+    implies (a config-only directory, e.g. load_format=dummy; see `config_weight_names`)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -146,11 +199,57 @@ def checkpoint_weight_names(model_dir: str) -> List[str]:
             with safe_open(os.path.join(model_dir, fname), framework="pt") as sf:
                 names += list(sf.keys())
         return sorted(names)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        layers = int(json.load(f).get("num_hidden_layers", 0))
-    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
-    return [f"model.layers.{i}.{'self_attn' if p in attn else 'mlp'}.{p}.weight"
-            for i in range(layers) for p in PROJECTIONS] + ["lm_head.weight"]
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        return config_weight_names(json.load(f), where=path)
+
+
+def _int_field(cfg: dict, key: str, default: int, where: str) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: {key} = {value!r}: expected a non-negative integer")
+    return value
+
+
+def config_weight_names(cfg: dict, where: str = "config.json") -> List[str]:
+    """The Linear weight names (HF checkpoint names) a Llama/Qwen-style config implies, plus
+    lm_head. A MoE config (`num_experts` / `num_local_experts` / `n_routed_experts` > 0) has, in each sparse layer,
+    the router `mlp.gate` and `mlp.experts.E.{gate,up,down}_proj` for every expert (plus
+    `mlp.shared_expert.*` and `mlp.shared_expert_gate` with `shared_expert_intermediate_size`,
+    `mlp.shared_experts.*` with `n_shared_experts`). A layer is sparse as vLLM's Qwen3-MoE / Qwen2-MoE
+    decide it: not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; DeepSeek-style
+    `first_k_dense_replace` keeps the first layers dense."""
+    layers = _int_field(cfg, "num_hidden_layers", 0, where)
+    # Qwen3-MoE's config.json says num_experts (transformers 4) or num_local_experts (transformers
+    # 5 saves it under its attribute_map name), DeepSeek n_routed_experts
+    experts = next((n for n in (_int_field(cfg, k, 0, where) for k in EXPERT_COUNT_KEYS) if n), 0)
+    step = _int_field(cfg, "decoder_sparse_step", 1, where) or 1
+    first_dense = _int_field(cfg, "first_k_dense_replace", 0, where)
+    mlp_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise ValueError(f"{where}: mlp_only_layers = {mlp_only!r}: expected a list of layer indices")
+    shared = (_int_field(cfg, "shared_expert_intermediate_size", 0, where) > 0,
+              _int_field(cfg, "n_shared_experts", 0, where) > 0)
+    attn = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    names: List[str] = []
+    for i in range(layers):
+        layer = f"model.layers.{i}"
+        names += [f"{layer}.{m}.weight" for m in attn]
+        sparse = experts > 0 and i not in mlp_only and (i + 1) % step == 0 and i >= first_dense
+        if not sparse:
+            names += [f"{layer}.mlp.{p}.weight" for p in mlp]
+            continue
+        names.append(f"{layer}.mlp.gate.weight")
+        names += [f"{layer}.mlp.experts.{e}.{p}.weight" for e in range(experts) for p in mlp]
+        if shared[0]:
+            names += [f"{layer}.mlp.shared_expert.{p}.weight" for p in mlp]
+            names.append(f"{layer}.mlp.shared_expert_gate.weight")
+        if shared[1]:
+            names += [f"{layer}.mlp.shared_experts.{p}.weight" for p in mlp]
+    return names + ["lm_head.weight"]
 
 
 def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
@@ -163,9 +262,12 @@ def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
         return profile_free_description().fill(checkpoint_weight_names(model_dir))
     method = qcfg.get("quant_method")
     if method == "compressed-tensors" or "config_groups" in qcfg:
-        return compressed_tensors_description(
-            qcfg, where=f"{os.path.join(model_dir, 'config.json')}: quantization_config"
-        ).fill(checkpoint_weight_names(model_dir))
+        where = f"{os.path.join(model_dir, 'config.json')}: quantization_config"
+        names = checkpoint_weight_names(model_dir)
+        desc = compressed_tensors_description(qcfg, where=where)
+        if any(n.endswith(".weight_scale") for n in names):  # not a config-only directory
+            check_compressed_tensors_weights(desc, names, where=model_dir)
+        return desc.fill(names)
     raise UnsupportedScheme(
         f"{os.path.join(model_dir, 'config.json')}: quantization_config.quant_method = {method!r} "
         "is not supported on Ascend; use a bf16 checkpoint (profile-free INT8), a "

@@ -15,6 +15,7 @@ from npu_flashrl.adapters.vllm_ascend import derived, hooks
 NAME = "011"
 DYNAMIC_PWAL = "vllm_ascend.quantization.w8a8_dynamic:AscendW8A8DynamicLinearMethod.process_weights_after_loading"
 STATIC_PWAL = "vllm_ascend.quantization.w8a8:AscendW8A8LinearMethod.process_weights_after_loading"
+MOE_PWAL = "vllm_ascend.quantization.w8a8_dynamic:AscendW8A8DynamicFusedMoEMethod.process_weights_after_loading"
 OVERRIDE_TARGET = "vllm_ascend.quantization.quant_config:AscendQuantConfig.override_quantization_method"
 _VERSIONS = "vllm-ascend 0.10.1rc1, 0.11.0"
 
@@ -55,6 +56,7 @@ def is_processed(layer) -> bool:
 
 
 commit_extras = derived.commit_extras
+commit_moe_extras = derived.commit_moe_extras
 refresh_static = derived.refresh_static
 static_quant_bias = derived.static_quant_bias
 fold_checkpoint_bias = derived.fold_checkpoint_bias
@@ -76,8 +78,16 @@ def _apply_static_once():
     patches.replace(STATIC_PWAL, lambda orig: hooks.process_once(orig, after=fold_checkpoint_bias))
 
 
+@patches.register("ascend_w8a8_dynamic_moe_process_once", MOE_PWAL, _VERSIONS,
+                  "fused-MoE post-processing runs once per layer (a second run re-transposes the experts)")
+def _apply_moe_once():
+    compat.import_quantization()
+    patches.replace(MOE_PWAL, lambda orig: hooks.process_once(orig))
+
+
 hooks.declare_shared_patches(quant_config_class, OVERRIDE_TARGET, "vllm 0.10.1, 0.11.0", _VERSIONS)
 
 PATCHES = ("ascend_w8a8_dynamic_process_once", "ascend_w8a8_static_process_once",
+           "ascend_w8a8_dynamic_moe_process_once",
            "ascend_quant_description", "ascend_claims_compressed_tensors",
            "model_loader_int8_load_weights")

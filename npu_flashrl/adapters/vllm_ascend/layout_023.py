@@ -32,11 +32,24 @@ NAME = "023"
 _M = "vllm_ascend.quantization"
 DYNAMIC_PWAL = f"{_M}.methods.w8a8_dynamic:AscendW8A8DynamicLinearMethod.process_weights_after_loading"
 STATIC_PWAL = f"{_M}.methods.w8a8_static:AscendW8A8LinearMethod.process_weights_after_loading"
+MOE_PWAL = f"{_M}.methods.w8a8_dynamic:AscendW8A8DynamicFusedMoEMethod.process_weights_after_loading"
 OVERRIDE_TARGET = f"{_M}.modelslim_config:AscendModelSlimConfig.override_quantization_method"
 COMPRESSED_TENSORS = "compressed-tensors"  # vllm_ascend.utils.COMPRESSED_TENSORS_METHOD
 _VERSIONS = "vllm-ascend 0.23.0"
 
 commit_extras = derived.commit_extras
+
+
+@torch.no_grad()
+def commit_moe_extras(layer) -> None:
+    """The fp32 w13 scale, and with `enable_fused_mc2` the int64 bit patterns of both scales
+    (`fused_w1_scale` / `fused_w2_scale`), derived with vllm-ascend's own converter."""
+    derived.commit_moe_extras(layer)
+    for which, name in (("w13", "fused_w1_scale"), ("w2", "fused_w2_scale")):
+        fused = getattr(layer, name, None)
+        if isinstance(fused, torch.Tensor):
+            convert = importlib.import_module(DYNAMIC_PWAL.split(":")[0]).scale_from_float_to_int64
+            fused.copy_(convert(getattr(layer, f"{which}_weight_scale").data).view(fused.shape))
 
 
 def method_classes():
@@ -67,8 +80,11 @@ def is_processed(layer) -> bool:
     """The layer holds post-processed tensors: marked by the guard and not put back into the
     checkpoint layout since (vLLM's layerwise reload restores [out, 1] scales)."""
     scale = getattr(layer, "weight_scale", None)
+    dims = 1  # linear: [out]; fused MoE: [E, 2I] (restored: [E, 2I, 1])
+    if scale is None:
+        scale, dims = getattr(layer, "w13_weight_scale", None), 2
     return bool(getattr(layer, "_npu_flashrl_processed", False)) and \
-        isinstance(scale, torch.Tensor) and scale.dim() == 1 and not scale.is_meta
+        isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
 
 def _from_compressed_tensors(layer) -> bool:
@@ -126,8 +142,16 @@ def _apply_static_once():
     patches.replace(STATIC_PWAL, lambda orig: _process_once(orig, after=_fold_checkpoint_bias))
 
 
+@patches.register("ascend_w8a8_dynamic_moe_process_once", MOE_PWAL, _VERSIONS,
+                  "fused-MoE post-processing runs once per layer (again after vLLM's layerwise restore)")
+def _apply_moe_once():
+    _import_quantization()
+    patches.replace(MOE_PWAL, _process_once)
+
+
 hooks.declare_shared_patches(quant_config_class, OVERRIDE_TARGET, "vllm 0.23.0", _VERSIONS)
 
 PATCHES = ("ascend_w8a8_dynamic_process_once", "ascend_w8a8_static_process_once",
+           "ascend_w8a8_dynamic_moe_process_once",
            "ascend_quant_description", "ascend_claims_compressed_tensors",
            "model_loader_int8_load_weights")

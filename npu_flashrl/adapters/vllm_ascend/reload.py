@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.adapters.vllm_ascend import experts as _experts
 from npu_flashrl.adapters.vllm_ascend import layout as _layout
 from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
@@ -35,6 +36,9 @@ class _Target:
     def hf_name(self, shard: str) -> str:
         return f"{self.path.rsplit('.', 1)[0]}.{shard}.weight"
 
+    def full_shape(self, name: str) -> Tuple[int, int]:
+        return self.full_shapes[self.shards.index(self.shard_of(name))]
+
     @staticmethod
     def shard_of(hf_name: str) -> str:
         """'model.layers.0.self_attn.q_proj.weight' -> 'q_proj'."""
@@ -47,6 +51,12 @@ class _Staging:
     weight: torch.nn.Parameter        # int8 [out_part, in_part] view of [in_part, out_part] memory
     scale: Optional[torch.nn.Parameter]
     received: Set[str] = dataclasses.field(default_factory=set)
+
+    def missing(self) -> List[str]:
+        return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
+
+    def buffers(self):
+        return (self.weight.data,) + (() if self.scale is None else (self.scale.data,))
 
 
 def _inner_method(layer):
@@ -132,10 +142,12 @@ class Int8WeightLoader:
         # cold stream must not transform it again.
         self.prequantized_checkpoint = prequantized_checkpoint
         self.targets = find_targets(model)
-        self._pending: Dict[str, _Staging] = {}
+        # fused-MoE experts (W8A8_DYNAMIC): HF expert name -> its layer
+        self.experts = _experts.find_expert_targets(model)
+        self._pending: Dict[str, object] = {}  # layer path -> _Staging / ExpertStaging
         self._params = dict(model.named_parameters())
         self._packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-        target_layers = {t.path for t in self.targets.values()}
+        target_layers = {t.path for t in self._layers().values()}
         # What a complete sync writes: every target layer and every float parameter outside
         # them (plus the targets' float biases); checkpoint-only tensors (scales) are not pushed.
         self._required_float = {n for n in self._params
@@ -147,14 +159,28 @@ class Int8WeightLoader:
         self.check_quantizer()
 
     # ------------------------------------------------------------------ public API
+    def _layers(self) -> Dict[str, object]:
+        """Every quantized layer (linear and fused-MoE) by path."""
+        out = {t.path: t for t in self.targets.values()}
+        out.update((t.path, t) for t in self.experts.values())
+        return out
+
     def processed(self) -> bool:
-        layers = {id(t.layer): t.layer for t in self.targets.values()}
+        layers = [t.layer for t in self._layers().values()]
         is_processed = _layout.current().is_processed
-        return bool(layers) and all(is_processed(l) for l in layers.values())
+        return bool(layers) and all(is_processed(l) for l in layers)
 
     def check_quantizer(self) -> None:
         """Refuse a quantizer that cannot handle every projection of this model (a profile made
-        for another model) now, before any sync writes anything."""
+        for another model, or FlashRL's dense-only profile on a MoE model) now, before any sync
+        writes anything."""
+        if self.experts and getattr(self.quantizer, "dense_only", False):
+            example = next(iter(self.experts))
+            raise WeightSyncError(
+                f"{example}: {type(self.model).__name__} is a MoE model and fn "
+                f"{self.quantizer.name!r} (FlashRL's int8 profile) knows the dense projections "
+                f"only ({len(self.experts)} expert weights have no profile entry); use fn "
+                "'int8_profile_free' (fresh per-channel scales per expert at every sync)")
         bad = []
         for name in self.targets:
             try:
@@ -191,9 +217,14 @@ class Int8WeightLoader:
             for i, item in enumerate(weights):
                 name, tensor = item if checked else self._item(i, item)
                 target = self.targets.get(name)
+                expert = self.experts.get(name)
                 if not checked:
                     # streamed: the quantizer finds NaN/Inf in projections during its own pass
-                    self._validate(name, tensor, values=target is None)
+                    self._validate(name, tensor, values=target is None and expert is None)
+                if expert is not None:
+                    if self._stage_expert(expert, name, tensor):
+                        loaded.add(name)
+                    continue
                 if target is None:
                     size = tensor.numel() * tensor.element_size()
                     if buffer and buffered + size > self.passthrough_buffer_bytes:
@@ -225,7 +256,7 @@ class Int8WeightLoader:
         never arrived (those layers keep their previous weights); returns [] otherwise."""
         missing = []
         for st in self._pending.values():
-            missing += [st.target.hf_name(s) for s in st.target.shards if s not in st.received]
+            missing += st.missing()
         self._pending.clear()
         failure, wrote = self._sync_failure, self._sync_wrote
         complete = (failure is None and not missing and self._required_layers <= self._sync_layers
@@ -252,6 +283,15 @@ class Int8WeightLoader:
     def pending(self) -> Dict[str, List[str]]:
         return {p: sorted(st.received) for p, st in self._pending.items()}
 
+    def staging_bytes(self) -> int:
+        """Bytes held by staged, uncommitted layers of this sync (MoE: one layer's int8 experts
+        per layer being received)."""
+        total = 0
+        for st in self._pending.values():
+            for t in getattr(st, "buffers", lambda: ())():
+                total += t.numel() * t.element_size()
+        return total
+
     # ------------------------------------------------------------------ sync state
     def _reset_sync(self) -> None:
         self._sync_failure: Optional[str] = None
@@ -271,7 +311,7 @@ class Int8WeightLoader:
             logger.error("npu_flashrl: weight sync failed part-way (%s); the model refuses to "
                          "generate until a complete sync succeeds", reason)
             check = self._refuse_forward
-            mods = [self.model] + list({id(t.layer): t.layer for t in self.targets.values()}.values())
+            mods = [self.model] + [t.layer for t in self._layers().values()]
             self._hooks = [m.register_forward_pre_hook(check) for m in mods]
 
     def _clear_inconsistent(self) -> None:
@@ -300,7 +340,7 @@ class Int8WeightLoader:
             if name.endswith(".weight_offset"):
                 seen_offsets.add(name)
                 missing_offsets.pop(name, None)
-            target = self.targets.get(name)
+            target = self.targets.get(name) or self.experts.get(name)
             if target is not None and tensor.is_floating_point():
                 self._validate(name, tensor, values=False)  # the quantizer checks values
                 q, scale = self.quantizer.quantize(name, tensor)
@@ -309,7 +349,8 @@ class Int8WeightLoader:
                     yield name[: -len("weight")] + "weight_scale", scale.unsqueeze(1)
                     yield name[: -len("weight")] + "weight_offset", torch.zeros_like(scale).unsqueeze(1)
                 continue
-            if name.endswith(".weight_scale") and name[: -len("_scale")] in self.targets:
+            weight_name = name[: -len("_scale")]
+            if name.endswith(".weight_scale") and (weight_name in self.targets or weight_name in self.experts):
                 yield name, tensor.clone() if copy else tensor
                 offset = name[: -len("weight_scale")] + "weight_offset"
                 if offset not in seen_offsets:
@@ -343,12 +384,12 @@ class Int8WeightLoader:
         rollout model will hold it (an fp32 1e5 is Inf in an fp16 model)."""
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        target = self.targets.get(name)
+        target = self.targets.get(name) or self.experts.get(name)
         if target is not None:
             if not tensor.is_floating_point():
                 raise WeightSyncError(f"{name}: expected a floating-point tensor (bf16/fp16/fp32) "
                                       f"to quantize online, got {tensor.dtype}")
-            want = target.full_shapes[target.shards.index(_Target.shard_of(name))]
+            want = target.full_shape(name)
             if tuple(tensor.shape) != tuple(want):
                 raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
             self.quantizer.check(name, tensor)
@@ -402,6 +443,9 @@ class Int8WeightLoader:
         if name == "lm_head.weight" and getattr(getattr(self.model, "config", None),
                                                 "tie_word_embeddings", False):
             return name  # vLLM drops it (tied to the embedding); its shape is still checked
+        expert = _experts.resolve_float_expert(self.model, name)  # unquantized (FLOAT) experts
+        if expert is not None and expert in self._params:
+            return expert
         return None
 
     def _stage(self, target: _Target, name: str, tensor: torch.Tensor) -> None:
@@ -436,6 +480,30 @@ class Int8WeightLoader:
         except AssertionError as exc:
             raise WeightSyncError(f"{name}: does not fit {target.path} ({exc})") from None
         st.received.add(shard)
+
+    def _stage_expert(self, target, name: str, tensor: torch.Tensor) -> bool:
+        """Stage one expert shard; commit its layer once every local shard arrived. False for an
+        expert this rank does not hold (expert parallel): checked, then dropped as vLLM does."""
+        if name not in target.local:
+            return False
+        try:
+            q, scale = self.quantizer.quantize(name, tensor, transposed=True)
+        except WeightSyncError:
+            raise
+        except ValueError as exc:
+            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
+        if scale is None:  # the profile quantizer keeps scales: refused at attach for MoE
+            raise WeightSyncError(f"{name}: {self.quantizer.name} gives no expert scales")
+        st = self._pending.get(target.path)
+        if st is None:
+            st = self._pending[target.path] = _experts.ExpertStaging(target)
+        st.stage(name, q, scale)
+        if st.complete():
+            self._pending.pop(target.path)
+            self._sync_wrote = True
+            self._sync_layers.add(target.path)
+            st.commit()
+        return True
 
     @torch.no_grad()
     def _commit(self, target: _Target) -> None:
