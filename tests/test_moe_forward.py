@@ -134,9 +134,20 @@ def vllm_moe(va, hf_moe):
     d, hf = hf_moe
     va.configure_online_quantization("int8_profile_free")
     with cpu_vllm.CpuVllm(d, quantization="ascend") as v:
+        # what npu_flashrl's cold load put there, for test_cold_loaded_experts_forward
+        v.cold_experts = [{n: t.detach().clone() for n, t in _expert_tensors(layer.mlp.experts).items()}
+                          for layer in v.model.model.layers]
         for i, layer in enumerate(v.model.model.layers):
             write_int8_experts(layer.mlp.experts, *hf_experts(hf.model.layers[i].mlp))
         yield v
+
+
+_EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
+                   "w13_weight_scale_fp32")
+
+
+def _expert_tensors(experts) -> dict:
+    return {n: getattr(experts, n) for n in _EXPERT_TENSORS}
 
 
 def _rel(a, b) -> float:
@@ -216,3 +227,31 @@ def test_full_model_logits_are_finite_and_close_to_bf16(vllm_moe, hf_moe):
     top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
     print(f"full-model logits rel. error vs bf16 {err:.4f}, top-1 agreement {top1:.3f}")
     assert err < LOGITS_RTOL
+
+
+def test_cold_loaded_experts_forward_like_the_reference_int8(vllm_moe, hf_moe):
+    """The experts npu_flashrl's cold load quantized from the bf16 checkpoint (kept aside by the
+    fixture before it wrote its own) run the same forward: the block output matches the one of
+    the reference-written experts (same per-channel INT8: identical up to a scale's last bf16
+    bit) and so the bf16 block within MOE_RTOL."""
+    _, hf = hf_moe
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(100)).to(torch.bfloat16)
+    experts = vllm_moe.model.model.layers[0].mlp.experts
+    live = _expert_tensors(experts)
+    mine = {n: t.detach().clone() for n, t in live.items()}
+    with torch.no_grad():
+        with vllm_moe.forward_context(x.shape[0]):
+            ref_int8 = vllm_moe.model.model.layers[0].mlp(x.clone())
+        try:
+            for n, t in vllm_moe.cold_experts[0].items():
+                live[n].copy_(t)
+            with vllm_moe.forward_context(x.shape[0]):
+                out = vllm_moe.model.model.layers[0].mlp(x.clone())
+        finally:
+            for n, t in mine.items():
+                live[n].copy_(t)
+        ref = hf_block_out(hf.model.layers[0].mlp, x)
+    assert torch.isfinite(out).all()
+    err_int8, err = _rel(out, ref_int8), _rel(out, ref)
+    print(f"cold-loaded experts: rel. error vs reference INT8 {err_int8:.5f}, vs bf16 {err:.4f}")
+    assert err_int8 < 0.01 and err < MOE_RTOL
