@@ -524,3 +524,16 @@ def hccl_token_dispatchers() -> Tuple[Tuple[str, str], ...]:
         return (("vllm_ascend.ops.fused_moe.moe_comm_method", "TokenDispatcherWithMC2"),
                 ("vllm_ascend.ops.fused_moe.moe_comm_method", "TokenDispatcherWithAll2AllV"))
     return ()
+
+
+def moe_gmm_swiglu_fusion_flag():
+    """(object, attribute) that makes vllm-ascend's all-gather MoE path use the fused
+    gate_up-matmul + swiglu + quant kernel (True) or npu_grouped_matmul, npu_swiglu and
+    npu_dynamic_quant (False), for tests to monkeypatch. 0.23: the comm method's
+    `use_fusion_ops`, read from additional_config `ascend_fusion_config.fusion_ops_gmmswigluquant`
+    (default True) when the comm methods are built. None on 0.11 (W8A8 MoE always fuses)."""
+    if line().layout != "023":
+        return None
+    mcm = importlib.import_module("vllm_ascend.ops.fused_moe.moe_comm_method")
+    fc = importlib.import_module("vllm_ascend.ascend_forward_context")
+    return mcm.get_moe_comm_method(fc.MoECommType.ALLGATHER), "use_fusion_ops"

@@ -193,6 +193,31 @@ def test_int8_moe_block_matches_bf16_block(vllm_moe, hf_moe, layer_idx):
     assert err < MOE_RTOL
 
 
+def test_unfused_gate_up_path_matches_bf16_block(vllm_moe, hf_moe, monkeypatch):
+    """vllm-ascend's other W8A8_DYNAMIC MoE MLP (ascend_fusion_config.fusion_ops_gmmswigluquant
+    off, 0.23): per-token npu_grouped_matmul for gate_up, npu_swiglu, npu_dynamic_quant."""
+    from npu_flashrl import compat
+
+    import torch_npu
+
+    flag = compat.moe_gmm_swiglu_fusion_flag()
+    if flag is None:
+        pytest.skip("this vllm-ascend line always fuses gate_up + swiglu + quant for W8A8 MoE")
+    monkeypatch.setattr(*flag, False)
+    calls = []
+    swiglu = torch_npu.npu_swiglu
+    monkeypatch.setattr(torch_npu, "npu_swiglu", lambda *a, **k: calls.append(1) or swiglu(*a, **k))
+    _, hf = hf_moe
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(100)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = hf_block_out(hf.model.layers[0].mlp, x)
+        with vllm_moe.forward_context(x.shape[0]):
+            out = vllm_moe.model.model.layers[0].mlp(x.clone())
+    err = _rel(out, ref)
+    print(f"unfused gate_up path: rel. error vs bf16 {err:.4f}")
+    assert calls and err < MOE_RTOL
+
+
 def test_wrong_expert_scale_fails_the_block_check(vllm_moe, hf_moe):
     """Negative control: the most-used expert's down-projection scales doubled (what a loader that
     kept a stale or mis-placed scale would leave) must fail the MOE_RTOL check."""
