@@ -14,6 +14,7 @@ the adapters' `layout_*` modules names no version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -375,8 +376,12 @@ def verl_line(name: Optional[str] = None) -> str:
 # `ascend_forward_context.set_ascend_forward_context`, which carries the MoE communication method
 # the fused-MoE layers dispatch through. Where each line keeps them:
 _MOE_LAYERS = {
-    # v0.10.1rc1 `utils.register_ascend_customop`: FusedMoE only
-    "0.10.1rc1": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE"},
+    # v0.10.1rc1 `utils.register_ascend_customop` registers common_fused_moe.AscendFusedMoE for
+    # FusedMoE, whose constructor allocates its comm methods' buffers on the NPU
+    # (distributed/moe_comm_method.py); the harness runs no MoE forward on this line
+    # (`cpu_moe_forward_unsupported`), so it keeps vLLM's FusedMoE there (with vllm-ascend's
+    # W8A8_DYNAMIC MoE scheme): the layer class differs from the NPU's on this line only.
+    "0.10.1rc1": {},
     # 0.11.0: FusedMoE and SharedFusedMoE (`utils.register_ascend_customop`, REGISTERED_ASCEND_OPS)
     "0.11.0": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE",
                "SharedFusedMoE": "vllm_ascend.ops.common_fused_moe:AscendSharedFusedMoE"},
@@ -455,6 +460,12 @@ def _is_moe(vllm_config) -> bool:
     return bool(importlib.import_module("vllm_ascend.utils").is_moe_model(vllm_config))
 
 
+def _config_is_moe(vllm_config) -> bool:
+    # v0.10.1rc1 has no `is_moe_model`; the expert-count keys of the MoE configs it serves
+    cfg = vllm_config.model_config.hf_config
+    return any(getattr(cfg, k, 0) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
 def ascend_forward_context(vllm_config, num_tokens: int, model=None):
     """vllm-ascend's forward context for one eager forward of `num_tokens` tokens with no
     attention metadata, as its model runner enters it around `model(...)`: 0.23 picks the MoE
@@ -464,6 +475,9 @@ def ascend_forward_context(vllm_config, num_tokens: int, model=None):
     if line().layout == "023":
         return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
                                              model_instance=model)
+    if line().name == "0.10.1rc1" and not _config_is_moe(vllm_config):
+        # a dense model's layers read nothing from it on this line; its MoE models are refused
+        return contextlib.nullcontext()
     comm = moe_comm_type(vllm_config, num_tokens)
     return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
                                          with_prefill=True, moe_comm_type=comm,
