@@ -17,6 +17,7 @@ import torch
 
 from npu_flashrl import compat, kernels
 from npu_flashrl.testing import cpu_vllm
+from npu_flashrl.testing.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
 from npu_flashrl.testing.tiny_models import build_tiny_qwen2, build_tiny_qwen3
 
 pytestmark = pytest.mark.every_line
@@ -67,20 +68,6 @@ def trainer_weights(model):
     return [(n, t.detach().clone()) for n, t in model.state_dict().items()]
 
 
-def state(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), f"{n} differs"
-
-
-def ptrs(model):
-    return {n: p.data_ptr() for n, p in model.named_parameters()}
-
-
 def check_against_reference(model, hf):
     """Every quantized layer holds the per-channel INT8 of the HF weights, [in, out]."""
     for i in range(hf.config.num_hidden_layers):
@@ -93,46 +80,6 @@ def check_against_reference(model, hf):
             assert torch.equal(layer.weight.data, torch.cat(qs).t()), f"layer {i} {path}"
             torch.testing.assert_close(layer.weight_scale.data.float(), torch.cat(ss), rtol=4e-3, atol=0)
             assert torch.equal(layer.weight_scale_fp32, layer.weight_scale.data.float())
-
-
-class BucketBuffer:
-    """verl's BucketedWeightSender in miniature: each bucket is packed into ONE reused byte
-    buffer and delivered as views of it; the buffer is overwritten (here: with NaN bytes) as
-    soon as `load_weights` returns, before the next bucket."""
-
-    def __init__(self, nbytes: int):
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
-
-    def deliver(self, model, bucket):
-        views, off = [], 0
-        for name, t in bucket:
-            n = t.numel() * t.element_size()
-            v = self.buf[off:off + n].view(t.dtype).view(t.shape)
-            v.copy_(t)
-            views.append((name, v))
-            off += (n + 63) // 64 * 64
-        assert off <= self.buf.numel(), "bucket larger than the buffer"
-        model.load_weights(views)
-        self.buf.fill_(0xFF)  # the next bucket reuses the memory: 0xFFFF is NaN in bf16
-
-
-def split_buckets(weights, nbytes):
-    buckets, cur, size = [], [], 0
-    for name, t in weights:
-        n = (t.numel() * t.element_size() + 63) // 64 * 64
-        if cur and size + n > nbytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append((name, t))
-        size += n
-    return buckets + ([cur] if cur else [])
-
-
-def post_sync(v):
-    """What verl 0.9 runs after the last bucket of every sync."""
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    process_weights_after_loading(v.model, v.vllm_config.model_config, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- models

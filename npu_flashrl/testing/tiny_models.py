@@ -120,42 +120,34 @@ def trainer_weights(model) -> List[Tuple[str, torch.Tensor]]:
     state = model.state_dict()
     if not any(".mlp.experts." in n and t.dim() == 3 for n, t in state.items()):
         return list(state.items())
-    unfuse = _verl_unfuse_moe_params()
-    return list(unfuse(state.items(), getattr(model.config, "model_type", None)))
-
-
-_VERL_FSDP_UTILS = "verl.workers.engine.fsdp.utils"
+    unfuse_moe_params = _verl_unfuse_moe_params()
+    return list(unfuse_moe_params(state.items(), getattr(model.config, "model_type", None)))
 
 
 def _verl_unfuse_moe_params():
-    """verl's own `unfuse_moe_params`. Stand-in for the import path only: verl's engine package
-    imports peft (LoRA) at module level, which the CPU test stacks lack; then the module file
-    `verl/workers/engine/fsdp/utils.py` is loaded on its own (its imports are torch and
-    verl.utils.device) and verl's function is used unchanged."""
-    import importlib
+    """verl 0.9's `unfuse_moe_params`. Its package (`verl.workers.engine.fsdp`) imports peft and
+    the FSDP engines at module level, which the CPU stack may lack; the function's own file needs
+    only torch and verl.utils, so it is then loaded alone, from the installed verl."""
+    try:
+        from verl.workers.engine.fsdp.utils import unfuse_moe_params
+        return unfuse_moe_params
+    except ImportError as exc:
+        first = exc
     import importlib.util
 
     try:
-        return importlib.import_module(_VERL_FSDP_UTILS).unfuse_moe_params
-    except (ImportError, AttributeError) as exc:
-        first = exc
-    spec = importlib.util.find_spec("verl")
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], "workers", "engine", "fsdp",
-                            "utils.py")
-    fn = None
-    if path and os.path.exists(path):
-        mod_spec = importlib.util.spec_from_file_location("_npu_flashrl_verl_fsdp_utils", path)
-        mod = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(mod)
-        fn = getattr(mod, "unfuse_moe_params", None)
-    if fn is None:
-        raise RuntimeError(
-            "this model holds fused MoE experts (transformers 5), but the installed verl has no "
-            f"{_VERL_FSDP_UTILS}.unfuse_moe_params (verl 0.9 has it) to unfuse them the way its "
-            f"FSDP engine does before a weight sync ({first})")
-    return fn
+        import verl
+    except ImportError:
+        raise RuntimeError("this model holds fused MoE experts (transformers 5): verl >= 0.9 is "
+                           f"needed to unfuse them as the trainer does ({first})") from None
+    path = os.path.join(os.path.dirname(verl.__file__), "workers", "engine", "fsdp", "utils.py")
+    if not os.path.exists(path):
+        raise RuntimeError(f"{path}: not in the installed verl {getattr(verl, '__version__', '?')} "
+                           "(verl >= 0.9 unfuses transformers 5's packed MoE experts there)")
+    spec = importlib.util.spec_from_file_location("npu_flashrl_verl_fsdp_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.unfuse_moe_params
 
 
 def _spread_(p: torch.Tensor) -> None:
