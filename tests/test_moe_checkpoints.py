@@ -165,9 +165,9 @@ def test_transformers_loads_the_moe_checkpoint(moe):
 
 # --------------------------------------------------------------------------- the description
 
-def _typing_oracle(name, t_bf16=None):
+def _typing_oracle(name):
     """Expected vllm-ascend type of a checkpoint weight name."""
-    if name.startswith("model.layers.") and (f".mlp.experts." in name or any(
+    if name.startswith("model.layers.") and (".mlp.experts." in name or any(
             f".self_attn.{p}." in name for p in ATTN)):
         return "W8A8_DYNAMIC"
     return "FLOAT"
@@ -245,8 +245,8 @@ def test_bad_compressed_tensors_moe_config_is_refused_naming_the_field(path, val
         compressed_tensors_description(cfg)
 
 
-def _rewrite(src, dst, drop=(), config=None):
-    """Copy checkpoint `src` to `dst` without the tensors `drop`; `config(dict)` edits config.json."""
+def _rewrite(src, dst, drop=()):
+    """Copy checkpoint `src` to `dst` without the tensors `drop`."""
     from safetensors.torch import load_file, save_file
 
     os.makedirs(dst)
@@ -256,13 +256,11 @@ def _rewrite(src, dst, drop=(), config=None):
             save_file({k: v for k, v in load_file(path).items() if k not in drop},
                       os.path.join(dst, f), metadata={"format": "pt"})
         elif f == "model.safetensors.index.json":
-            data = json.load(open(path))
+            with open(path) as fh:
+                data = json.load(fh)
             data["weight_map"] = {k: v for k, v in data["weight_map"].items() if k not in drop}
-            json.dump(data, open(os.path.join(dst, f), "w"))
-        elif f == "config.json" and config is not None:
-            data = json.load(open(path))
-            config(data)
-            json.dump(data, open(os.path.join(dst, f), "w"))
+            with open(os.path.join(dst, f), "w") as fh:
+                json.dump(data, fh)
         else:
             shutil.copy(path, os.path.join(dst, f))
     return dst
@@ -322,7 +320,8 @@ def test_vllm_loads_the_compressed_tensors_moe_experts_as_stored(va, moe):
                 gs, us, ds = (t[f"{pre}.{p}.weight_scale"] for p in PROJ)
                 assert torch.equal(ex.w13_weight[e], torch.cat([gate, up]).t()), pre
                 assert torch.equal(ex.w2_weight[e], down.t()), pre
-                assert torch.equal(ex.w13_weight_scale[e].float(), torch.cat([gs, us]).flatten().float()), pre
+                w13_scale = torch.cat([gs, us]).flatten().float()
+                assert torch.equal(ex.w13_weight_scale[e].float(), w13_scale), pre
                 assert torch.equal(ex.w2_weight_scale[e].float(), ds.flatten().float()), pre
             assert torch.equal(layer.mlp.gate.weight, t[f"model.layers.{i}.mlp.gate.weight"])
             assert torch.equal(layer.input_layernorm.weight, t[f"model.layers.{i}.input_layernorm.weight"])

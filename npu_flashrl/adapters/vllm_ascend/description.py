@@ -94,7 +94,8 @@ def _check_experts_uniform(desc: dict, where: str) -> None:
             types.setdefault(m.group(1), {}).setdefault(typ, []).append(name)
     for layer, by_type in sorted(types.items()):
         if len(by_type) > 1:
-            detail = "; ".join(f"{t}: {sorted(n)[0]} (+{len(n) - 1} more)" for t, n in sorted(by_type.items()))
+            detail = "; ".join(f"{t}: {sorted(n)[0]} (+{len(n) - 1} more)"
+                               for t, n in sorted(by_type.items()))
             raise UnsupportedScheme(
                 f"{where}: the experts of fused-MoE layer {layer} are not all quantized alike "
                 f"({detail}); vllm-ascend runs one method for the whole layer: quantize or ignore "
