@@ -195,6 +195,8 @@ def test_description_types_every_name(moe, kind):
 def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, kind):
     """vLLM builds Qwen3MoeForCausalLM under "ascend" (load_format=dummy: no weights are read) and
     vllm-ascend's own get_quant_method reads our description for every layer."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
     from npu_flashrl import compat
     from npu_flashrl.testing import cpu_vllm
 
@@ -208,7 +210,8 @@ def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, ki
             assert experts.w13_weight.dtype == torch.int8 and experts.w13_weight.shape[0] == E
             router = layer.mlp.gate
             assert router.weight.dtype == torch.bfloat16
-            assert getattr(router.quant_method, "quant_method", None) is None  # unquantized
+            # vllm-ascend's AscendUnquantizedLinearMethod (0.11, 0.23) or vLLM's (v0.10.1rc1)
+            assert isinstance(router.quant_method, UnquantizedLinearMethod)
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
                 assert isinstance(proj.quant_method.quant_method, dyn)
 
