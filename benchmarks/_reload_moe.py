@@ -250,6 +250,8 @@ def _run(args, cfg, layers, shape, ckpt, vllm_ascend, cpu_vllm):
                        "peak_extra_bytes": {k: v[1] for k, v in results.items() if not isinstance(v, str)},
                        "not_run": {k: v for k, v in results.items() if isinstance(v, str)},
                        "ratios": ratios, "throughput_GBps": tp,
+                       "same_int8_state_as_b": {"c": same_c, "d": notes[0][0] if notes else None},
+                       "keeps_data_pointers": {"c": kept_c, "d": notes[0][1] if notes else None},
                        "staging": {"peak_bytes": staging["peak"], "bound_bytes": target,
                                    "qwen3_30b_a3b_bound_bytes": {
                                        "tp1_ep1": expert_staging_bytes(real),
