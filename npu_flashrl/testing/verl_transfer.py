@@ -110,22 +110,25 @@ def fsdp_engine_params(model, dtype: torch.dtype = torch.float32):
     (`FSDPEngine.get_per_tensor_param` in verl/workers/engine/fsdp/transformer_impl.py, no LoRA,
     no QAT): the actor module's `state_dict()` in the actor's master dtype
     (`actor_rollout_ref.actor.fsdp_config.model_dtype`, default fp32, so the rollout receives
-    fp32 and casts or quantizes itself), keys through verl's `convert_weight_keys`, then verl's
-    `unfuse_moe_params` (transformers 5 packs a MoE layer's experts into 3-D `gate_up_proj` /
-    `down_proj`; verl streams per-expert checkpoint names). Both functions are verl's own.
+    fp32 and casts or quantizes itself), keys through verl's `convert_weight_keys`, transformers
+    5's packed MoE experts (3-D `gate_up_proj` / `down_proj`) expanded to per-expert checkpoint
+    names by verl's `unfuse_moe_params` (through `tiny_models.trainer_weights`). Both functions
+    are verl's own. verl renames keys before unfusing; the conversion mapping renames module
+    prefixes only, so applying it after gives the same names.
 
-    Stand-in: the FSDP-wrapped actor module. This takes the unwrapped HF `model`; on one trainer
-    rank an FSDP2 DTensor's `full_tensor()` (what the engine yields) is the whole parameter,
-    which is what the plain state dict holds. `dtype` is the master dtype the actor would keep.
+    Stand-in: the FSDP-wrapped actor module. This takes the unwrapped HF `model` (a copy is cast
+    to `dtype`, the master dtype the actor would keep); on one trainer rank an FSDP2 DTensor's
+    `full_tensor()` (what the engine yields) is the whole parameter, which is what the plain
+    state dict holds.
     """
+    import copy
+
     from verl.utils.model import convert_weight_keys
 
-    from npu_flashrl.testing.tiny_models import _verl_unfuse_moe_params
+    from npu_flashrl.testing.tiny_models import trainer_weights
 
-    params = convert_weight_keys({n: t.detach().to(dtype) for n, t in model.state_dict().items()},
-                                 model)
-    model_type = getattr(model.config, "model_type", None)
-    return list(_verl_unfuse_moe_params()(params.items(), model_type))
+    master = copy.deepcopy(model).to(dtype)
+    return list(convert_weight_keys(dict(trainer_weights(master)), master).items())
 
 
 def save_weights(named_tensors, path: str) -> str:
