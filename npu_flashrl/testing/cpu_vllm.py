@@ -8,7 +8,13 @@ What it does, following ../shared/docs/cpu-test-stack.md:
 - builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
   vLLM's model-parallel groups, and initialises vllm-ascend's own config;
 - builds the model with vLLM's own loader (`get_model`), so the load path is the one users run;
-- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU).
+- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU);
+- MoE models: builds vLLM's FusedMoE layers as vllm-ascend's AscendFusedMoE (registered as the
+  NPU platform registers it; `compat.register_ascend_moe_layers`) and runs every forward inside
+  vllm-ascend's own forward context (`compat.ascend_forward_context`: its
+  `set_ascend_forward_context`, with the MoE communication method its model runner picks; on one
+  device without expert parallelism that is ALLGATHER). The torch_npu / vllm-ascend kernels the
+  fused-MoE path calls are the emulation's reference kernels (`kernels.moe_reference`).
 """
 from __future__ import annotations
 
@@ -37,8 +43,29 @@ def prepare_process(enable_nz: bool = True) -> None:
 
     compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     emulation.register_cpu_ops()
+    _device_neutral_ops_on_cpu()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
     _mc2_without_hccl()
+    _mc2_dispatcher_without_hccl()
+
+
+_cpu_libs: dict = {}
+
+
+def _device_neutral_ops_on_cpu() -> None:
+    """Stand-in for the NPU dispatch key (idempotent): vllm-ascend registers some custom ops whose
+    bodies are plain torch code (F.linear, a TP all-reduce) for the NPU only; the CPU gets the
+    same upstream body (`compat.device_neutral_ascend_ops`). Ops with an NPU kernel body get
+    reference kernels instead (`emulation.register_cpu_ops`)."""
+    from npu_flashrl import compat
+
+    for qual, fn in compat.device_neutral_ascend_ops().items():
+        ns, name = qual.split("::")
+        if qual in _cpu_libs or not hasattr(getattr(torch.ops, ns), name):
+            continue
+        lib = torch.library.Library(ns, "IMPL")
+        lib.impl(name, fn, "CPU")
+        _cpu_libs[qual] = lib  # the registration lives as long as the Library object
 
 
 def _mc2_without_hccl() -> None:
@@ -70,6 +97,36 @@ def _mc2_without_hccl() -> None:
 
     get_mc2_group.__npu_flashrl_stand_in__ = True
     module.get_mc2_group = get_mc2_group
+
+
+class _Mc2DispatcherUnavailable:
+    """Stand-in for vllm-ascend's MC2 token dispatcher on the CPU harness: MC2 dispatch runs over
+    HCCL, which a gloo process does not have. vllm-ascend 0.11 builds one for every MoE layer
+    (with its other comm methods) and selects it only under expert parallelism; using it here
+    fails loudly."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, item):
+        raise NotImplementedError(f"MC2 token dispatcher .{item}: MC2 dispatch needs HCCL; the CPU "
+                                  "harness runs vllm-ascend's all-gather MoE dispatch only")
+
+
+def _mc2_dispatcher_without_hccl() -> None:
+    """Where vllm-ascend builds an MC2 dispatcher for every MoE layer (`compat.mc2_dispatcher_site`,
+    0.11), build `_Mc2DispatcherUnavailable` instead (idempotent). Its real constructor asks
+    `torch.device("npu")`'s HCCL backend for a communicator name: no such device or backend on a
+    CPU, and no HCCL in gloo."""
+    import importlib
+
+    from npu_flashrl import compat
+
+    site = compat.mc2_dispatcher_site()
+    if site is None:
+        return
+    module = importlib.import_module(site[0])
+    setattr(module, site[1], _Mc2DispatcherUnavailable)
 
 
 def _make_platform_cls():
@@ -129,7 +186,22 @@ def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[st
         world_size=tp_size, rank=rank, local_rank=rank,
         distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}", backend=backend)
     ps.initialize_model_parallel(tp_size, 1)
-    _dist_state.update(initialized=True, world_size=tp_size)
+    _dist_state.update(initialized=True, world_size=tp_size, backend=backend)
+
+
+def ensure_expert_parallel_group() -> None:
+    """vLLM's expert-parallel group for a MoE model, when this process's groups were made for a
+    dense one (idempotent). vLLM 0.23 creates it only if the model of the config current at
+    `initialize_model_parallel` is MoE: right for a worker that serves one model, not for a
+    process that builds several (tests). Same ranks as vLLM's (one pipeline stage, no DP / PCP:
+    the TP ranks). vLLM lines that always create it are left alone."""
+    from vllm.distributed import parallel_state as ps
+
+    if getattr(ps, "_EP", "always created") is not None:
+        return
+    ps._EP = ps.init_model_parallel_group(
+        [list(range(_dist_state["world_size"]))], ps.get_world_group().local_rank,
+        _dist_state.get("backend", "gloo"), group_name="ep")
 
 
 class CpuVllm:
@@ -165,15 +237,19 @@ class CpuVllm:
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)
+        if getattr(self.vllm_config.model_config, "is_moe", False):
+            ensure_expert_parallel_group()
         from npu_flashrl import compat
 
         compat.init_vllm_ascend_config(self.vllm_config)
+        compat.forget_served_model()  # vllm-ascend caches "is MoE" per process: one model each
         # vllm-ascend's own groups (mc2, ...), as its NPU worker creates them after vLLM's and
         # its config: the fused-MoE schemes look them up when the model is built
         from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel
 
         init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
+        compat.register_ascend_moe_layers()
         from vllm.model_executor.model_loader import get_model
 
         default_dtype = torch.get_default_dtype()
@@ -192,15 +268,25 @@ class CpuVllm:
         self._stack.close()
 
     # ------------------------------------------------------------------ forward helpers
+    def forward_context(self, num_tokens: int):
+        """vllm-ascend's forward context for one forward of `num_tokens` tokens, as its model
+        runner sets it (vLLM's FusedMoE layers need one; see `compat.ascend_forward_context`).
+        Enter it around any direct call of the model's layers."""
+        from npu_flashrl import compat
+
+        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers."""
+        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers,
+        one sequence per forward (each inside vllm-ascend's forward context)."""
         from npu_flashrl import compat
 
         out = []
         for seq in input_ids:
             positions = torch.arange(seq.shape[0])
-            hidden = self.model.model(seq, positions)
+            with self.forward_context(seq.shape[0]):
+                hidden = self.model.model(seq, positions)
             out.append(compat.compute_logits(self.model, hidden).float())
         return torch.stack(out)
 
