@@ -17,7 +17,10 @@ over several buckets. Stand-ins, each for something that needs a GPU/NPU:
 - the vLLM worker the extension is mixed into: an object carrying `model_runner.model`,
   `model_runner.vllm_config`, `device` and `local_rank` (`verl_transfer.make_worker`; verl's
   `__new__`, which sets a parent-death signal for vLLM's worker process, is not run);
-- attention: plain causal attention (`cpu_vllm.use_plain_attention`), torch_npu emulated.
+- attention: plain causal attention (`cpu_vllm.use_plain_attention`), torch_npu emulated;
+- MoE: the torch_npu / vllm-ascend fused-MoE kernels are the emulation's reference kernels
+  (`kernels.moe_reference`), the HCCL name of vllm-ascend's mc2 group and the expert-parallel
+  group of a process that built a dense model first are the CPU harness's (`cpu_vllm`).
 The engine-build test's stand-ins are listed in tests/verl_server_engine.py.
 """
 import json
@@ -134,25 +137,6 @@ def rig(int8_ready):
             os.environ[k] = v
 
 
-def _need_moe_groups(arch):
-    """vLLM 0.23 creates its expert-parallel group only when the model of the config current at
-    `initialize_model_parallel` is MoE; the CPU harness initialises the groups once per process.
-    A process that built a dense model first then needs the harness to add the group
-    (`cpu_vllm.ensure_expert_parallel_group`); without it the MoE build fails for a reason that is
-    the harness's, not the sync's: skip saying so."""
-    if arch != "qwen3_moe":
-        return
-    from vllm.distributed import parallel_state as ps
-
-    from npu_flashrl.testing import cpu_vllm
-
-    if (cpu_vllm._dist_state["initialized"] and getattr(ps, "_EP", "always created") is None
-            and not hasattr(cpu_vllm, "ensure_expert_parallel_group")):
-        pytest.skip("this process built a dense vLLM model first and the CPU harness cannot add "
-                    "vLLM's expert-parallel group afterwards (cpu_vllm.ensure_expert_parallel_group); "
-                    "run the MoE cases alone: -k moe")
-
-
 def _choice(fn):
     return {"fn": fn, "quantized": fn is not None, "profile": None, "rank": 0}
 
@@ -251,7 +235,6 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
     rewritten in place from fp32 per-expert tensors arriving over several buckets."""
     if fn:
         _need_int8(rig["int8_ready"])
-    _need_moe_groups(arch)
     dirs, files, _ = rig["archs"][arch]
     rig = dict(rig, dirs=dirs, files=files)
     syncs = (1, 2, 1) if arch == "qwen3" else (1, 2, 3)
@@ -301,7 +284,6 @@ def test_sync_missing_tensor_named(rig, arch):
     committed (an MoE layer keeps all its previous experts), the model refuses to generate with
     weights of two syncs, and the next complete sync brings it back to a fresh load's state."""
     _need_int8(rig["int8_ready"])
-    _need_moe_groups(arch)
     from npu_flashrl.adapters import vllm_ascend
 
     dirs, files, _ = rig["archs"][arch]
@@ -324,17 +306,7 @@ def test_sync_missing_tensor_named(rig, arch):
         _sync(rig, worker, 2, **opts)
         rig["sender"].expect("sent")
         _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
-        if arch != "qwen3_moe" or _moe_forward_on_cpu():
-            assert torch.isfinite(v.logits(torch.tensor([[1, 2, 3]]))).all()
-
-
-def _moe_forward_on_cpu() -> bool:
-    """Can the CPU harness run a fused-MoE forward on this checkout (vllm-ascend's MoE layer
-    inside its own forward context, `compat.ascend_forward_context`)? Without it only the state
-    after the sync is checked, which is what the logits would be computed from."""
-    from npu_flashrl import compat
-
-    return hasattr(compat, "ascend_forward_context")
+        assert torch.isfinite(v.logits(torch.tensor([[1, 2, 3]]))).all()
 
 
 def test_sync_into_model_without_loader_refused_and_drained(rig):
