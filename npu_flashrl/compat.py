@@ -376,12 +376,10 @@ def verl_line(name: Optional[str] = None) -> str:
 # `ascend_forward_context.set_ascend_forward_context`, which carries the MoE communication method
 # the fused-MoE layers dispatch through. Where each line keeps them:
 _MOE_LAYERS = {
-    # v0.10.1rc1 `utils.register_ascend_customop` registers common_fused_moe.AscendFusedMoE for
-    # FusedMoE, whose constructor allocates its comm methods' buffers on the NPU
-    # (distributed/moe_comm_method.py); the harness runs no MoE forward on this line
-    # (`cpu_moe_forward_unsupported`), so it keeps vLLM's FusedMoE there (with vllm-ascend's
-    # W8A8_DYNAMIC MoE scheme): the layer class differs from the NPU's on this line only.
-    "0.10.1rc1": {},
+    # v0.10.1rc1 `utils.register_ascend_customop`: FusedMoE only. Its constructor allocates the
+    # comm methods' buffers on the NPU (distributed/moe_comm_method.py): the CPU harness does not
+    # register it (`cpu_moe_forward_unsupported`), vLLM's FusedMoE holds the same parameters.
+    "0.10.1rc1": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE"},
     # 0.11.0: FusedMoE and SharedFusedMoE (`utils.register_ascend_customop`, REGISTERED_ASCEND_OPS)
     "0.11.0": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE",
                "SharedFusedMoE": "vllm_ascend.ops.common_fused_moe:AscendSharedFusedMoE"},
