@@ -5,7 +5,8 @@ These define the semantics the CPU emulation gives `torch_npu.*` and vllm-ascend
 follows the op's documentation, named in its docstring:
 
 - [torch_npu] Ascend op-plugin `docs/zh/custom_APIs/torch_npu/torch_npu-<op>.md`
-  (github.com/Ascend/op-plugin, the torch_npu API reference);
+  (github.com/Ascend/op-plugin, the torch_npu API reference; npu_grouped_matmul_swiglu_quant is
+  documented in its `codegen/templates/_op_plugin_docs.py` docstrings);
 - [aclnn] CANN `aclnnMoeTokenUnpermute` (hiascend.com CANNCommunityEdition 8.2.RC1 API reference);
 - [vllm-ascend] vllm-ascend v0.23.0 `csrc/torch_binding.cpp` (schemas),
   `csrc/gmm/grouped_matmul_swiglu_quant/README.md`, and the NumPy goldens of its op tests
@@ -403,7 +404,8 @@ def grouped_matmul_swiglu_quant(x: torch.Tensor, weight: torch.Tensor, weight_sc
                                 swiglu_limit: float = 0.0
                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[vllm-ascend] _C_ascend::grouped_matmul_swiglu_quant(_weight_nz) (README
-    csrc/gmm/grouped_matmul_swiglu_quant), also torch_npu.npu_grouped_matmul_swiglu_quant:
+    csrc/gmm/grouped_matmul_swiglu_quant), also [torch_npu] npu_grouped_matmul_swiglu_quant
+    (x, weight, group_list, weight_scale, x_scale; "valid up to group_list[-1]"):
     for group i (rows [groupList[i-1], groupList[i]) of the cumsum group_list),
     C = (X_i @ W_i) * x_scale_i * w_scale_i (int8 x [M, K], int8 W [E, K, N], fp32 x_scale [M],
     w_scale [E, N]); C_act, gate = split(C) in halves; S = swish(C_act) * gate;
