@@ -24,12 +24,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from npu_flashrl.kernels.reference import (
-    INT8_MAX,
-    _require,
-    npu_dynamic_quant,
-    require_same_device,
-)
+from npu_flashrl.kernels.reference import INT8_MAX, _require, require_same_device
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -265,7 +260,7 @@ def _group_bounds(group_list: torch.Tensor, group_list_type: int, groups: int, r
     return list(zip(starts, ends))
 
 
-def _expert_weights(weight: Sequence[torch.Tensor], groups_hint: Optional[int], op: str) -> List[torch.Tensor]:
+def _expert_weights(weight: Sequence[torch.Tensor], op: str) -> List[torch.Tensor]:
     """The per-group [K, N] weights: one 3-D [E, K, N] tensor, or a list of E 2-D tensors."""
     _require(isinstance(weight, (list, tuple)) and len(weight) >= 1, op,
              "weight must be a list of tensors")
@@ -337,7 +332,7 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
         raise _not_emulated(op, f"group_type={group_type} (0, m-axis groups, is)")
     _require(isinstance(group_list, torch.Tensor), op, "group_list must be a Tensor")
     _require(xs.dim() == 2, op, f"x[0] must be 2-D [M, K], got shape {tuple(xs.shape)}")
-    ws = _expert_weights(weight, None, op)
+    ws = _expert_weights(weight, op)
     groups = len(ws)
     m, kdim = xs.shape
     n = ws[0].shape[1]
@@ -510,4 +505,4 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 __all__ = ["moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2",
            "npu_moe_token_unpermute", "npu_grouped_matmul", "grouped_matmul_swiglu_quant",
-           "npu_dequant_swiglu_quant", "npu_swiglu", "npu_dynamic_quant"]
+           "npu_dequant_swiglu_quant", "npu_swiglu"]
