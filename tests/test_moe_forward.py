@@ -10,8 +10,12 @@ Stand-ins (all from `npu_flashrl.testing.cpu_vllm`, none touches the MoE arithme
   reference kernels of `kernels.moe_reference` (tests/test_emulation_moe.py checks each by
   hand), vllm-ascend's compiled `_C_ascend` MoE ops get the same kernels, the NPU stream is one
   in-order stream;
-- vLLM's CPU platform accepting "ascend"; gloo answering for HCCL (mc2 group, no MC2 dispatch);
+- vLLM's CPU platform accepting "ascend"; gloo for HCCL: the mc2 group has no HCCL
+  communicator, the MC2 / all-to-all token dispatchers vllm-ascend builds with each layer are
+  refusing stand-ins (never selected: one device, no expert parallelism -> all-gather);
   vllm-ascend's device-neutral custom ops (F.linear, TP all-reduce) registered for the CPU;
+  vllm-ascend's per-process "is MoE" cache cleared and vLLM's EP group added when the process
+  built a dense model first (one model per worker on an NPU, several per test process here);
 - plain causal attention for vLLM's attention backends.
 - The experts are written into the processed W8A8 parameters here (per-output-channel INT8 of
   the bf16 experts, `kernels.quantize_weight_per_channel`), so this checks the forward path on
