@@ -210,10 +210,8 @@ def _tp_worker(rank, port, dirs, out_dir, expert_parallel):
     new = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.bfloat16)
     vllm_config = cpu_vllm.make_vllm_config(dirs[0], quantization="ascend", tp_size=2)
     vllm_config.parallel_config.enable_expert_parallel = expert_parallel
-    # under EP, vLLM's own FusedMoE: vllm-ascend's all-to-all / MC2 dispatchers need HCCL at build
     with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", tp_size=2, rank=rank,
-                          init_method=f"tcp://127.0.0.1:{port}", vllm_config=vllm_config,
-                          ascend_moe_layers=not expert_parallel) as v:
+                          init_method=f"tcp://127.0.0.1:{port}", vllm_config=vllm_config) as v:
         layer = v.model.model.layers[0].mlp.experts
         ptr = layer.w13_weight.data_ptr()
         local = [e for e in range(EXPERTS) if layer._map_global_expert_id_to_local_expert_id(e) != -1]
@@ -225,10 +223,9 @@ def _tp_worker(rank, port, dirs, out_dir, expert_parallel):
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_two_ranks_each_hold_their_part_of_the_experts(moe, tmp_path, expert_parallel):
-    """TP=2: every rank holds every expert, half of its intermediate rows (vllm-ascend's
-    AscendFusedMoE). EP=2: each rank holds half of the experts, whole, by vLLM's expert map; the
-    layer is vLLM's own FusedMoE there (same parameters and weight_loader as AscendFusedMoE,
-    whose expert-parallel dispatchers need HCCL communicator names when it is built)."""
+    """TP=2: every rank holds every expert, half of its intermediate rows. EP=2: each rank holds
+    half of the experts, whole, by vLLM's expert map (vllm-ascend's AscendFusedMoE; its MC2 /
+    all-to-all dispatchers, which need HCCL, are refusing stand-ins: see cpu_vllm)."""
     import torch.multiprocessing as mp
 
     dirs, models = moe

@@ -207,9 +207,9 @@ class CpuVllm:
     Use as a context manager; `model` is the loaded (and post-processed) vLLM model.
     `ascend_moe_layers=False` (a fresh process only: the registration is process-wide) keeps
     vLLM's own FusedMoE: same parameters and the same `weight_loader` (vllm-ascend's AscendFusedMoE
-    inherits them), but no vllm-ascend dispatcher, whose expert-parallel (all-to-all / MC2)
-    variants ask HCCL for communicator names when the layer is built. For weight-loading tests
-    under expert parallelism; such a model cannot run its MoE forward on the CPU.
+    inherits them), none of vllm-ascend's MoE layer logic. For a weight-loading test of a setting
+    AscendFusedMoE itself refuses first (dynamic EPLB without expert parallelism); such a model
+    cannot run its MoE forward.
     """
 
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.bfloat16,
