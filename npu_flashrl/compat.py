@@ -199,6 +199,10 @@ def set_vllm_ascend_flags(is_310p: bool = False, enable_nz: bool = True) -> None
             cfg.weight_nz_mode = 1 if enable_nz else 0
         return
     utils._IS_310P = is_310p
+    # v0.10.1rc1 / 0.11 read the SoC generation from torch_npu at worker start
+    # (`init_ascend_soc_version`); the MoE dispatchers ask for it when they are built. An
+    # NPU-free process is an Atlas A2 (what 0.23 is told through `_ascend_device_type` above).
+    utils._ascend_soc_version = utils.AscendSocVersion.A2
     if nz == "utils_flag":
         utils._ENABLE_NZ = enable_nz
 
@@ -363,3 +367,118 @@ def verl_line(name: Optional[str] = None) -> str:
     except KeyError:
         raise ValueError(f"verl line {name!r} is not known; use one of {', '.join(VERL_LINES)} "
                          f"(aliases: {', '.join(sorted(_VERL_ALIASES))})") from None
+
+
+# --------------------------------------------------------------------------- MoE layers and forward
+# vllm-ascend replaces vLLM's FusedMoE layer by its own (a PluggableLayer / CustomOp out-of-tree
+# registration in `utils.register_ascend_customop`), and its model runner runs every forward inside
+# `ascend_forward_context.set_ascend_forward_context`, which carries the MoE communication method
+# the fused-MoE layers dispatch through. Where each line keeps them:
+_MOE_LAYERS = {
+    # v0.10.1rc1 `utils.register_ascend_customop`: FusedMoE only
+    "0.10.1rc1": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE"},
+    # 0.11.0: FusedMoE and SharedFusedMoE (`utils.register_ascend_customop`, REGISTERED_ASCEND_OPS)
+    "0.11.0": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE",
+               "SharedFusedMoE": "vllm_ascend.ops.common_fused_moe:AscendSharedFusedMoE"},
+    # 0.23.0: REGISTERED_ASCEND_OPS["FusedMoE"] when vLLM is 0.23.0 (SharedFusedMoE is gone)
+    "0.23.0": {"FusedMoE": "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE"},
+}
+
+
+def ascend_moe_layer_classes() -> dict:
+    """{vLLM layer name: vllm-ascend class} of the MoE layers the NPU platform swaps in."""
+    return {name: _resolve(path) for name, path in _MOE_LAYERS[line().name].items()}
+
+
+def register_ascend_moe_layers() -> list:
+    """Register vllm-ascend's MoE layers for vLLM's FusedMoE (and 0.11's SharedFusedMoE) the way
+    vllm-ascend's `register_ascend_customop` does on the NPU (`CustomOp.register_oot`), and only
+    those: its other custom ops are torch_npu kernels for norms, rotary embedding, linear
+    layers and the like that hold no weights of their own. Idempotent; returns the names
+    registered now. Refuses a name another class was registered for."""
+    from vllm.model_executor import custom_op
+
+    # vLLM 0.23 keeps the registry at module level (shared with PluggableLayer, which FusedMoE is
+    # now); 0.10 / 0.11 as a CustomOp class attribute
+    registry = getattr(custom_op, "op_registry_oot", None)
+    if registry is None:
+        registry = custom_op.CustomOp.op_registry_oot
+    done = []
+    for name, cls in ascend_moe_layer_classes().items():
+        have = registry.get(name)
+        if have is cls:
+            continue
+        if have is not None:
+            raise RuntimeError(f"vLLM's out-of-tree layer {name!r} is already registered as "
+                               f"{have.__module__}.{have.__qualname__}, not vllm-ascend's "
+                               f"{cls.__module__}.{cls.__qualname__}")
+        custom_op.CustomOp.register_oot(_decorated_op_cls=cls, name=name)
+        done.append(name)
+    return done
+
+
+def moe_comm_type(vllm_config, num_tokens: int):
+    """The MoE communication method vllm-ascend's model runner picks for a batch of
+    `num_tokens` tokens (a `MoECommType` member; None for a dense model).
+
+    0.23: vllm-ascend's own `ascend_forward_context.select_moe_comm_method` (which
+    `set_ascend_forward_context` also calls). 0.11 / v0.10.1rc1 pick it in
+    `NPUModelRunner._select_moe_comm_method` (worker/model_runner_v1.py), a runner method whose
+    module does not import on a CPU test stack (it needs numba); its first rule is the one an
+    NPU-free process can meet: no expert parallelism -> ALLGATHER (MC2 / all-to-all are
+    expert-parallel dispatches over HCCL). Expert parallelism is refused here."""
+    fc = importlib.import_module("vllm_ascend.ascend_forward_context")
+    if line().layout == "023":
+        return fc.select_moe_comm_method(num_tokens, vllm_config)
+    if line().name == "0.10.1rc1":
+        # its runner picks "mc2" for every batch within the MC2 token capacity, with or without
+        # expert parallelism, and MC2 dispatch needs HCCL
+        raise NotImplementedError("vllm-ascend v0.10.1rc1 dispatches small MoE batches with MC2 "
+                                  "(HCCL); the CPU harness runs the all-gather dispatch only")
+    if not _is_moe(vllm_config):
+        return None
+    if vllm_config.parallel_config.enable_expert_parallel:
+        raise NotImplementedError("expert parallelism: vllm-ascend's MC2 / all-to-all MoE dispatch "
+                                  "needs HCCL; the CPU harness runs the all-gather dispatch only")
+    return fc.MoECommType.ALLGATHER
+
+
+def _is_moe(vllm_config) -> bool:
+    return bool(importlib.import_module("vllm_ascend.utils").is_moe_model(vllm_config))
+
+
+def ascend_forward_context(vllm_config, num_tokens: int, model=None):
+    """vllm-ascend's forward context for one eager forward of `num_tokens` tokens with no
+    attention metadata, as its model runner enters it around `model(...)`: 0.23 picks the MoE
+    comm method inside `set_ascend_forward_context`; 0.11 takes the runner's pick as
+    `moe_comm_type=` (`moe_comm_type` above; v0.10.1rc1 is refused there)."""
+    fc = importlib.import_module("vllm_ascend.ascend_forward_context")
+    if line().layout == "023":
+        return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
+                                             model_instance=model)
+    comm = moe_comm_type(vllm_config, num_tokens)
+    return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
+                                         with_prefill=True, moe_comm_type=comm,
+                                         model_instance=model)
+
+
+# vllm-ascend custom ops (torch.ops.vllm.*) registered for the NPU dispatch key only whose bodies
+# are plain torch / torch.distributed code: on a CPU they run the same upstream body. By line:
+# "module:function" of the body, per qualified op name.
+_DEVICE_NEUTRAL_OPS = {
+    "023": {
+        # ops/linear.py: F.linear; AscendUnquantizedLinearMethod.apply (e.g. MoE router gates)
+        "vllm::unquantized_gemm": "vllm_ascend.ops.linear:unquantized_gemm",
+        # ops/register_custom_ops.py: TP all-reduce unless the comm method already reduced
+        "vllm::maybe_all_reduce_tensor_model_parallel":
+            "vllm_ascend.ops.register_custom_ops:_maybe_all_reduce_tensor_model_parallel_impl",
+    },
+    "011": {},
+}
+
+
+def device_neutral_ascend_ops() -> dict:
+    """{qualified op name: upstream body} of vllm-ascend's NPU-only custom ops whose bodies are
+    device-neutral torch code (see `_DEVICE_NEUTRAL_OPS`); importing the bodies' modules is what
+    registers the ops."""
+    return {name: _resolve(path) for name, path in _DEVICE_NEUTRAL_OPS[line().layout].items()}

@@ -2,7 +2,9 @@
 
 `install()` puts stand-in `torch_npu` and `torchair` packages in place through a meta-path finder
 so that vllm_ascend imports on a CPU. The quant ops vllm-ascend's W8A8 layers call are backed by
-the reference kernels (`npu_flashrl.kernels.reference`); every other attribute is a named
+the reference kernels (`npu_flashrl.kernels.reference`), the fused-MoE ops of its W8A8_DYNAMIC
+MoE path by `npu_flashrl.kernels.moe_reference` (torch_npu ops here; vllm-ascend's own compiled
+`torch.ops._C_ascend.*` MoE ops through `register_cpu_ops()`); every other attribute is a named
 stand-in: importing, subclassing or reading it works, CALLING it raises
 `NotImplementedError("torch_npu.<name> is not emulated")`. A `torch.npu` namespace is added the
 same way (it reports no device available).
@@ -21,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from npu_flashrl.kernels import reference
+from npu_flashrl.kernels import moe_reference, reference
 
 EMULATED_PACKAGES = ("torch_npu", "torchair")
 
@@ -33,7 +35,27 @@ _TORCH_NPU_OPS = {
     "npu_format_cast": reference.npu_format_cast,
     "npu_format_cast_": reference.npu_format_cast_,
     "get_npu_format": reference.get_npu_format,
+    # fused MoE (vllm-ascend 0.11 calls these torch_npu ops; 0.23 its own _C_ascend ops below
+    # for routing / gmm+swiglu+quant, and these for the grouped matmul and the unpermute)
+    "npu_moe_gating_top_k": lambda x, k, *, bias=None, input_ids=None, tid2eid=None, **kw:
+        _no_hash(x, k, bias, input_ids, tid2eid, **kw),
+    "npu_moe_gating_top_k_softmax": moe_reference.npu_moe_gating_top_k_softmax,
+    "npu_moe_init_routing_v2": moe_reference.npu_moe_init_routing_v2,
+    "npu_moe_token_unpermute": moe_reference.npu_moe_token_unpermute,
+    "npu_grouped_matmul": moe_reference.npu_grouped_matmul,
+    "npu_grouped_matmul_swiglu_quant": lambda x, weight, group_list, weight_scale, x_scale, *,
+        bias=None, offset=None: moe_reference.grouped_matmul_swiglu_quant(
+            x, weight, weight_scale, x_scale, group_list, bias=bias, offset=offset),
+    "npu_dequant_swiglu_quant": moe_reference.npu_dequant_swiglu_quant,
+    "npu_swiglu": moe_reference.npu_swiglu,
 }
+
+
+def _no_hash(x, k, bias, input_ids, tid2eid, **kw):
+    if input_ids is not None or tid2eid is not None:
+        raise NotImplementedError("torch_npu.npu_moe_gating_top_k: the hash mode (input_ids / "
+                                  "tid2eid) is not emulated")
+    return moe_reference.moe_gating_top_k(x, k, bias=bias, **kw)
 
 
 def _vllm_quantize(in_tensor, input_scale, input_scale_reciprocal, input_offset):
@@ -47,9 +69,82 @@ _CUSTOM_OPS = {("vllm", "quantize"): _vllm_quantize}
 _cpu_libs: Dict[str, object] = {}
 
 
+def _init_routing_custom(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+                         expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                         expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=0,
+                         active_expert_range=(), row_idx_type=0):
+    return moe_reference.npu_moe_init_routing_v2(
+        x, expert_idx, scale=scale, offset=offset, active_num=active_num,
+        expert_capacity=expert_capacity, expert_num=expert_num, drop_pad_mode=drop_pad_mode,
+        expert_tokens_num_type=expert_tokens_num_type,
+        expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
+        active_expert_range=active_expert_range, row_idx_type=row_idx_type)
+
+
+def _gating_top_k(x, k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
+                  routed_scaling_factor, eps, bias_opt=None):
+    return moe_reference.moe_gating_top_k(
+        x, k, bias=bias_opt, k_group=k_group, group_count=group_count,
+        group_select_mode=group_select_mode, renorm=renorm, norm_type=norm_type,
+        out_flag=out_flag, routed_scaling_factor=routed_scaling_factor, eps=eps)
+
+
+def _dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=None,
+                          quant_scale=None, quant_offset=None, group_index=None,
+                          activate_left=True, quant_mode=0, swiglu_mode=0, clamp_limit=0.0,
+                          glu_alpha=1.0, glu_bias=0.0):
+    return moe_reference.npu_dequant_swiglu_quant(
+        x, weight_scale=weight_scale, activation_scale=activation_scale, bias=bias,
+        quant_scale=quant_scale, quant_offset=quant_offset, group_index=group_index,
+        activate_left=activate_left, quant_mode=quant_mode, swiglu_mode=swiglu_mode,
+        clamp_limit=clamp_limit, glu_alpha=glu_alpha, glu_bias=glu_bias)
+
+
+_GMM_SWIGLU_QUANT_SCHEMA = ("(Tensor x, Tensor weight, Tensor weight_scale, Tensor x_scale, "
+                            "Tensor group_list, *, Tensor? bias=None, Tensor? offset=None, "
+                            "float swiglu_limit=0.0) -> (Tensor output, Tensor output_scale, "
+                            "Tensor output_offset)")
+# vllm-ascend's compiled MoE ops (`torch.ops._C_ascend.*`, vllm_ascend_C; never loaded on a CPU):
+# name -> (schema as vllm-ascend v0.23.0 csrc/torch_binding.cpp declares it, reference body).
+# `register_cpu_ops()` defines each one that does not exist and gives it a CPU kernel.
+_ASCEND_C_OPS = {
+    "moe_gating_top_k": (
+        "(Tensor x, int k, int k_group, int group_count, int group_select_mode, int renorm, "
+        "int norm_type, bool out_flag, float routed_scaling_factor, float eps, "
+        "Tensor? bias_opt=None) -> (Tensor y, Tensor expert_idx, Tensor out)", _gating_top_k),
+    "npu_moe_init_routing_custom": (
+        "(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=0, "
+        "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
+        _init_routing_custom),
+    "grouped_matmul_swiglu_quant": (_GMM_SWIGLU_QUANT_SCHEMA,
+                                    moe_reference.grouped_matmul_swiglu_quant),
+    # the NZ-weight variant: same values; the emulated NZ cast never changes a tensor's bytes
+    "grouped_matmul_swiglu_quant_weight_nz": (_GMM_SWIGLU_QUANT_SCHEMA,
+                                              moe_reference.grouped_matmul_swiglu_quant),
+    "npu_dequant_swiglu_quant": (
+        "(Tensor x, *, Tensor? weight_scale=None, Tensor? activation_scale=None, "
+        "Tensor? bias=None, Tensor? quant_scale=None, Tensor? quant_offset=None, "
+        "Tensor? group_index=None, bool activate_left=True, int quant_mode=0, "
+        "int swiglu_mode=0, float clamp_limit=0.0, float glu_alpha=1.0, float glu_bias=0.0) "
+        "-> (Tensor y, Tensor scale)", _dequant_swiglu_quant),
+}
+ASCEND_C_NAMESPACE = "_C_ascend"
+
+
+def _op_exists(ns: str, name: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel(f"{ns}::{name}") or \
+            bool(torch._C._dispatch_find_schema_or_throw(f"{ns}::{name}", ""))
+    except RuntimeError:
+        return False
+
+
 def register_cpu_ops() -> List[str]:
-    """Give the NPU-only custom ops that exist in this process a CPU kernel (idempotent; call
-    after vllm-ascend registered them). Returns the qualified names registered now."""
+    """Give the NPU-only custom ops that exist in this process a CPU kernel, and define
+    vllm-ascend's compiled MoE ops (`_ASCEND_C_OPS`) with their reference bodies (idempotent;
+    call after vllm-ascend registered its ops). Returns the qualified names registered now."""
     done = []
     for (ns, name), fn in _CUSTOM_OPS.items():
         qual = f"{ns}::{name}"
@@ -58,6 +153,20 @@ def register_cpu_ops() -> List[str]:
         lib = torch.library.Library(ns, "IMPL")
         lib.impl(name, fn, "CPU")
         _cpu_libs[qual] = lib  # the registration lives as long as the Library object
+        done.append(qual)
+    ns = ASCEND_C_NAMESPACE
+    for name, (schema, fn) in _ASCEND_C_OPS.items():
+        qual = f"{ns}::{name}"
+        if qual in _cpu_libs:
+            continue
+        if _op_exists(ns, name):
+            # defined by a loaded vllm_ascend_C: give it a CPU kernel only
+            lib = torch.library.Library(ns, "IMPL")
+        else:
+            lib = torch.library.Library(ns, "FRAGMENT")
+            lib.define(name + schema)
+        lib.impl(name, fn, "CPU")
+        _cpu_libs[qual] = lib
         done.append(qual)
     return done
 
@@ -123,8 +232,44 @@ class _EmulatedModule(types.ModuleType):
         return value
 
 
+class _CompletedEvent:
+    """An NPU event on the emulated machine: the CPU runs every op in order, so an event is
+    complete when it is recorded, and waiting for it is a no-op."""
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _InOrderStream:
+    """The current NPU stream on the emulated machine: one in-order stream (the CPU's), so the
+    events vllm-ascend's fused-MoE layers record around dispatch / gmm / combine are complete
+    when recorded and stream waits are no-ops."""
+
+    def record_event(self, event=None):
+        return event if event is not None else _CompletedEvent()
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_STREAM = _InOrderStream()
+
+
 class _NpuNamespace(_EmulatedModule):
-    """`torch.npu` / `torch_npu.npu`: no device is available on an emulated machine."""
+    """`torch.npu` / `torch_npu.npu`: no device is available on an emulated machine; the current
+    stream is the CPU's in-order one (`_InOrderStream`)."""
 
     @staticmethod
     def is_available() -> bool:
@@ -133,6 +278,26 @@ class _NpuNamespace(_EmulatedModule):
     @staticmethod
     def device_count() -> int:
         return 0
+
+    @staticmethod
+    def current_stream(device=None) -> _InOrderStream:
+        return _STREAM
+
+    @staticmethod
+    def current_device() -> torch.device:
+        """The device tensors meant for "the current NPU" go to on the emulated machine: the
+        CPU (vllm-ascend 0.11's all-to-all dispatcher allocates its expert map there at build)."""
+        return torch.device("cpu")
+
+    # torch.manual_seed seeds the PrivateUse1 device module too once the harness names that
+    # backend "npu" (testing.cpu_vllm): there is no NPU generator to seed
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        pass
 
 
 def _build_module(fullname: str) -> types.ModuleType:

@@ -8,7 +8,13 @@ What it does, following ../shared/docs/cpu-test-stack.md:
 - builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
   vLLM's model-parallel groups, and initialises vllm-ascend's own config;
 - builds the model with vLLM's own loader (`get_model`), so the load path is the one users run;
-- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU).
+- replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU);
+- MoE models: builds vLLM's FusedMoE layers as vllm-ascend's AscendFusedMoE (registered as the
+  NPU platform registers it; `compat.register_ascend_moe_layers`) and runs every forward inside
+  vllm-ascend's own forward context (`compat.ascend_forward_context`: its
+  `set_ascend_forward_context`, with the MoE communication method its model runner picks; on one
+  device without expert parallelism that is ALLGATHER). The torch_npu / vllm-ascend kernels the
+  fused-MoE path calls are the emulation's reference kernels (`kernels.moe_reference`).
 """
 from __future__ import annotations
 
@@ -37,39 +43,59 @@ def prepare_process(enable_nz: bool = True) -> None:
 
     compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     emulation.register_cpu_ops()
+    _device_neutral_ops_on_cpu()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
-    _mc2_without_hccl()
+    _npu_device_on_gloo()
 
 
-def _mc2_without_hccl() -> None:
-    """Stand-in for the HCCL side of vllm-ascend's mc2 group (idempotent): its W8A8_DYNAMIC
-    fused-MoE scheme asks the group's NPU backend for an HCCL communicator name when it is
-    built; on gloo there is none, so the scheme's module sees a group without a device group
-    and upstream takes its own fallback (an empty name, as for a group without MC2 metadata).
-    The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
-    import importlib
+_cpu_libs: dict = {}
 
+
+def _device_neutral_ops_on_cpu() -> None:
+    """Stand-in for the NPU dispatch key (idempotent): vllm-ascend registers some custom ops whose
+    bodies are plain torch code (F.linear, a TP all-reduce) for the NPU only; the CPU gets the
+    same upstream body (`compat.device_neutral_ascend_ops`). Ops with an NPU kernel body get
+    reference kernels instead (`emulation.register_cpu_ops`)."""
     from npu_flashrl import compat
 
-    module = importlib.import_module(compat.line().moe_method.partition(":")[0])
-    original = getattr(module, "get_mc2_group", None)
-    if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
+    for qual, fn in compat.device_neutral_ascend_ops().items():
+        ns, name = qual.split("::")
+        if qual in _cpu_libs or not hasattr(getattr(torch.ops, ns), name):
+            continue
+        lib = torch.library.Library(ns, "IMPL")
+        lib.impl(name, fn, "CPU")
+        _cpu_libs[qual] = lib  # the registration lives as long as the Library object
+
+
+def _no_hccl_comm_name(self, rank) -> str:
+    return ""
+
+
+def _npu_device_on_gloo() -> None:
+    """Stand-in for what torch_npu + HCCL give a process (idempotent): the "npu" device type
+    exists (torch_npu renames PrivateUse1 at import), and a gloo group asked for its NPU backend
+    answers with its CPU one. vllm-ascend's fused-MoE schemes ask the mc2 group's NPU backend for
+    its HCCL communicator name when they are built; gloo has none: it answers with an empty name,
+    the value 0.23's W8A8_DYNAMIC scheme falls back to for a group without MC2 metadata (0.11
+    builds its MC2 dispatcher for every MoE layer and asks unguarded). Only MC2 / all-to-all
+    dispatch would use the name; with no expert parallelism vllm-ascend picks all-gather."""
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    gloo = torch._C._distributed_c10d.ProcessGroupGloo
+    if not hasattr(gloo, "get_hccl_comm_name"):
+        gloo.get_hccl_comm_name = _no_hccl_comm_name
+    pg = torch._C._distributed_c10d.ProcessGroup
+    if getattr(pg._get_backend, "__npu_flashrl_gloo__", False):
         return
+    original = pg._get_backend
 
-    class _NoHccl:
-        def __init__(self, group):
-            self._group = group
+    def _get_backend(self, device):
+        if torch.device(device).type == "npu":
+            device = torch.device("cpu")
+        return original(self, device)
 
-        def __getattr__(self, item):
-            if item == "device_group":
-                raise AttributeError("device_group: no HCCL on the CPU harness")
-            return getattr(self._group, item)
-
-    def get_mc2_group():
-        return _NoHccl(original())
-
-    get_mc2_group.__npu_flashrl_stand_in__ = True
-    module.get_mc2_group = get_mc2_group
+    _get_backend.__npu_flashrl_gloo__ = True
+    pg._get_backend = _get_backend
 
 
 def _make_platform_cls():
@@ -174,6 +200,7 @@ class CpuVllm:
 
         init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
+        compat.register_ascend_moe_layers()
         from vllm.model_executor.model_loader import get_model
 
         default_dtype = torch.get_default_dtype()
@@ -192,15 +219,25 @@ class CpuVllm:
         self._stack.close()
 
     # ------------------------------------------------------------------ forward helpers
+    def forward_context(self, num_tokens: int):
+        """vllm-ascend's forward context for one forward of `num_tokens` tokens, as its model
+        runner sets it (vLLM's FusedMoE layers need one; see `compat.ascend_forward_context`).
+        Enter it around any direct call of the model's layers."""
+        from npu_flashrl import compat
+
+        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers."""
+        """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers,
+        one sequence per forward (each inside vllm-ascend's forward context)."""
         from npu_flashrl import compat
 
         out = []
         for seq in input_ids:
             positions = torch.arange(seq.shape[0])
-            hidden = self.model.model(seq, positions)
+            with self.forward_context(seq.shape[0]):
+                hidden = self.model.model(seq, positions)
             out.append(compat.compute_logits(self.model, hidden).float())
         return torch.stack(out)
 
