@@ -16,6 +16,10 @@ VARIANT_INT8 = "int8"
 VARIANT_INT8_FP32HEAD = "int8+fp32head"
 VARIANT_ORDER = {VARIANT_BF16: 0, VARIANT_INT8: 1, VARIANT_INT8_FP32HEAD: 2}
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+# --model only: mixture-of-experts decoders whose fused-MoE experts npu_flashrl reloads in INT8
+# (vllm-ascend W8A8_DYNAMIC fused MoE) and whose router / experts the state check knows.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 # Per-layer output error: fixed random activations of this many tokens per layer; the default bound
 # is ~4x the INT8 error measured on the tiny model (1.0-1.3%); broken layers are 10-100%.
