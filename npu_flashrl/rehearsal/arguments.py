@@ -31,7 +31,8 @@ def _number(kind, lo, lo_ok=True):
 
 def add_arguments(p) -> None:
     p.add_argument("--model", metavar="DIR",
-                   help="a local bf16/fp16 HF safetensors checkpoint of a dense Qwen2/Llama-style decoder "
+                   help="a local bf16/fp16 HF safetensors checkpoint of a dense Qwen2/Llama-style decoder or "
+                        "a Qwen3-MoE (fused-MoE experts checked per expert; --mode profile-free only) "
                         "(default: the built-in tiny Qwen2, pre-trained on a synthetic task and cached)")
     p.add_argument("--mode", choices=("profile-free", "profile"), default="profile-free",
                    help="profile-free: fn=int8_profile_free (fresh per-channel scales every sync); "

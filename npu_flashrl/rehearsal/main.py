@@ -8,9 +8,9 @@ from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal import faults
 from npu_flashrl.rehearsal.arguments import check_arguments
-from npu_flashrl.rehearsal.common import (VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_FP32HEAD, RehearsalError,
-                                          default_cache_root, json_safe, process_seconds, progress_bar,
-                                          versions)
+from npu_flashrl.rehearsal.common import (MOE_CONFIG_KEYS, VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_FP32HEAD,
+                                          RehearsalError, default_cache_root, json_safe, process_seconds,
+                                          progress_bar, versions)
 from npu_flashrl.rehearsal.device import prepare_environment, quiet_logs, resolve_device
 from npu_flashrl.rehearsal.model import check_model_dir, is_moe
 
@@ -76,7 +76,8 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
         model_info = {"source": "local", "dir": bf16_dir, "cache_hit": None, "trained_this_run": False,
                       "architectures": model_cfg.get("architectures"), "moe": is_moe(model_cfg)}
         if is_moe(model_cfg):
-            model_info.update(num_experts=model_cfg.get("num_experts"),
+            # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+            model_info.update(num_experts=next((model_cfg[k] for k in MOE_CONFIG_KEYS if k in model_cfg), None),
                               num_experts_per_tok=model_cfg.get("num_experts_per_tok"))
         step_lr = args.step_lr if args.step_lr is not None else 1e-5
     timings["model_s"] = time.perf_counter() - t
