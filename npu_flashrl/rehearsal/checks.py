@@ -62,8 +62,10 @@ def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_l
         if cat == "output":
             bad = [r for r in results if not r["output_rel_error"] <= max_layer_error]
             for r in bad:
+                ref = "the fp32 MoE from the pushed weights" if r.get("type") == "experts" else "the bf16 counterpart"
+                note = f" ({r['output_note']})" if r.get("output_note") else ""
                 r["problems"]["output"] = (f"output error {r['output_rel_error']:.4f} > {max_layer_error} "
-                                           "vs the bf16 counterpart")
+                                           f"vs {ref}{note}")
         else:
             bad = [r for r in results if r["problems"][cat]]
         fails = [f"step {r['step']} {r['layer']}: {r['problems'][cat]}" for r in bad]
