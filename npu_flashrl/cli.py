@@ -159,8 +159,11 @@ W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHa
 
 
 def _check_w8a8(model: str) -> None:
-    from npu_flashrl.profile import check_w8a8_checkpoint
+    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
 
+    moe = moe_profile_problem(model)
+    if moe:
+        raise CliError(f"--fn int8 -m {model}: {moe}\nfix: {MOE_FIX}")
     problems = check_w8a8_checkpoint(model)
     if problems:
         raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
@@ -597,8 +600,12 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                              "rollout passes dummy, which is refused at engine build for fn int8",
                              "load_format: auto"))
         if entry.model:
-            from npu_flashrl.profile import check_w8a8_checkpoint
+            from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
 
+            moe = moe_profile_problem(entry.model)
+            if moe:
+                rows.append(_row(check, FAIL, moe, MOE_FIX.replace("--fn ", "fn: ", 1)))
+                continue
             problems = check_w8a8_checkpoint(entry.model)
             if problems:
                 rows.append(_row(check, FAIL, "; ".join(problems), W8A8_FIX.replace("-m", "`model`", 1)))

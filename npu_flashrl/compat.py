@@ -430,17 +430,25 @@ def moe_comm_type(vllm_config, num_tokens: int):
     fc = importlib.import_module("vllm_ascend.ascend_forward_context")
     if line().layout == "023":
         return fc.select_moe_comm_method(num_tokens, vllm_config)
-    if line().name == "0.10.1rc1":
-        # its runner picks "mc2" for every batch within the MC2 token capacity, with or without
-        # expert parallelism, and MC2 dispatch needs HCCL
-        raise NotImplementedError("vllm-ascend v0.10.1rc1 dispatches small MoE batches with MC2 "
-                                  "(HCCL); the CPU harness runs the all-gather dispatch only")
+    unsupported = cpu_moe_forward_unsupported()
+    if unsupported:
+        raise NotImplementedError(unsupported)
     if not _is_moe(vllm_config):
         return None
     if vllm_config.parallel_config.enable_expert_parallel:
         raise NotImplementedError("expert parallelism: vllm-ascend's MC2 / all-to-all MoE dispatch "
                                   "needs HCCL; the CPU harness runs the all-gather dispatch only")
     return fc.MoECommType.ALLGATHER
+
+
+def cpu_moe_forward_unsupported() -> Optional[str]:
+    """Why the CPU harness cannot run a MoE forward on this line, or None when it can."""
+    if line().name == "0.10.1rc1":
+        return ("vllm-ascend v0.10.1rc1's model runner dispatches every MoE batch within the MC2 "
+                "token capacity with MC2 (HCCL collectives), expert parallelism or not; the CPU "
+                "harness runs the all-gather dispatch of 0.11 / 0.23 only (seen besides: its "
+                "built experts are not in the processed [E, H, 2I] layout; not investigated)")
+    return None
 
 
 def _is_moe(vllm_config) -> bool:
@@ -482,3 +490,31 @@ def device_neutral_ascend_ops() -> dict:
     device-neutral torch code (see `_DEVICE_NEUTRAL_OPS`); importing the bodies' modules is what
     registers the ops."""
     return {name: _resolve(path) for name, path in _DEVICE_NEUTRAL_OPS[line().layout].items()}
+
+
+# Facts vllm-ascend caches per process about THE model its worker serves (module globals in
+# vllm_ascend.utils, filled on first use): 0.11 and 0.23 `_IS_MOE_MODEL`, 0.23 also
+# `_IS_DRAFTER_MOE_MODEL`; v0.10.1rc1 has neither.
+_PER_MODEL_CACHES = ("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL")
+
+
+def forget_served_model() -> None:
+    """Clear vllm-ascend's per-process model facts before another model is built in the same
+    process (the CPU harness builds several; on an NPU a worker serves one). Without this a MoE
+    model built after a dense one is taken for dense: no MoE comm method in its forward context."""
+    utils = importlib.import_module("vllm_ascend.utils")
+    for name in _PER_MODEL_CACHES:
+        if hasattr(utils, name):
+            setattr(utils, name, None)
+
+
+def mc2_dispatcher_site() -> Optional[Tuple[str, str]]:
+    """(module, name) through which vllm-ascend's MoE comm methods construct the MC2 token
+    dispatcher when that happens for every MoE layer: 0.11 `ops/moe/moe_comm_method.py`
+    (`setup_moe_comm_method` builds all four comm methods, and TokenDispatcherWithMC2.__init__
+    asks `torch.device("npu")`'s HCCL backend for a communicator name). None where it is built
+    only under expert parallelism (0.23: `ep_size > 1`) or not by the fused-MoE layer at all
+    (v0.10.1rc1)."""
+    if line().name == "0.11.0":
+        return "vllm_ascend.ops.moe.moe_comm_method", "TokenDispatcherWithMC2"
+    return None

@@ -357,6 +357,9 @@ def make_profile(bf16_dir: str, w8a8_dir: str, output: str, fn: str = "int8",
     problem = output_path_problem(output)  # before reading two whole checkpoints
     if problem:
         raise ProfileError(f"-o {problem}")
+    moe = moe_profile_problem(bf16_dir)
+    if moe:
+        raise ProfileError(f"-m {moe}; a MoE rollout needs no profile: {MOE_FIX}")
     profile = compute_int8_profile(bf16_dir, w8a8_dir, progress=progress)
     save_profile(profile, output)
     logger.info("int8 profile with %d entries written to %s", len(profile), output)
@@ -453,6 +456,27 @@ def expected_profile_names(model_dir: str) -> List[str]:
 
 
 _PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+MOE_FIX = "use --fn int8_profile_free (fresh per-channel scales for every expert at every sync)"
+
+
+def moe_profile_problem(model_dir: str) -> Optional[str]:
+    """Why FlashRL's int8 profile cannot serve ``model_dir`` (None: a dense model): it has
+    entries for the seven dense projections only, and a MoE model's routed experts are not among
+    them. Read from the safetensors headers; an unreadable dir gives None (reported elsewhere)."""
+    try:
+        ckpt = SafetensorsCheckpoint(model_dir)
+    except ProfileError:
+        return None
+    try:
+        experts = [n for n in ckpt.names() if _EXPERT.search(n)]
+        if not experts:
+            return None
+        first = sorted(experts, key=_order_key)[0]
+        return (f"{ckpt.files[first]}: {first} is a MoE expert ({len(experts)} expert weights): "
+                "FlashRL's int8 profile covers the dense projections only")
+    finally:
+        ckpt.close()
 
 
 def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:

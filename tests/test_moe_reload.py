@@ -247,3 +247,92 @@ def test_two_ranks_each_hold_their_part_of_the_experts(moe, tmp_path, expert_par
             assert torch.equal(st[f"{p}.w2_weight"], w2), (rank, i)
             torch.testing.assert_close(st[f"{p}.w13_weight_scale"].float(), s13, rtol=4e-3, atol=0)
     assert seen == set(range(EXPERTS))
+
+
+def test_vllm_layerwise_reload_of_the_moe_model_runs_through_the_run_once_guard(va, moe):
+    """vLLM 0.23's own layerwise reload restores every layer (the fused-MoE one included) to its
+    checkpoint layout and reruns post-processing: the run-once guard lets that run, the bf16
+    trainer weights are quantized on the way by npu_flashrl's loader, and the in-place sync works
+    again after it."""
+    reload = pytest.importorskip("vllm.model_executor.model_loader.reload",
+                                 reason="vLLM's layerwise reload (vLLM >= 0.16)")
+    dirs, models = moe
+    fresh = {}
+    for k in (1, 2):
+        with build(va, dirs[k]) as f:
+            fresh[k] = state(f.model)
+    with build(va, dirs[0]) as v:
+        m = v.model
+        before = ptrs(m)
+        reload.initialize_layerwise_reload(m)
+        buckets = random_buckets(trainer_weights(models[1]), seed=7, max_bytes=64 << 10)
+        buffer = BucketBuffer(bucket_bytes(buckets))
+        for bucket in buckets:
+            buffer.deliver(m, bucket)
+        reload.finalize_layerwise_reload(m, v.vllm_config.model_config)
+        assert_same_state(state(m), fresh[1])
+        check_experts(m, models[1])
+        assert ptrs(m) == before
+        m.load_weights(trainer_weights(models[2]))
+        va.end_weight_sync(m)
+        post_sync(v)
+        assert_same_state(state(m), fresh[2])
+        assert ptrs(m) == before
+
+
+# --------------------------------------------------------------------------- vllm-ascend settings
+
+def _with_additional_config(model_dir, additional):
+    vllm_config = cpu_vllm.make_vllm_config(model_dir, quantization="ascend")
+    vllm_config.additional_config = dict(additional)
+    return vllm_config
+
+
+def test_fused_mc2_scales_follow_every_sync(va, moe):
+    """With `enable_fused_mc2`, vllm-ascend 0.23's post-processing keeps the int64 bit patterns of
+    both expert scales (`fused_w1_scale` / `fused_w2_scale`) for its fused MC2 kernel: each sync
+    rewrites them as a fresh load computes them (vllm-ascend's own converter)."""
+    if va.layout.current().NAME != "023":
+        pytest.skip("enable_fused_mc2 is a vllm-ascend 0.23 setting")
+    dirs, models = moe
+    cfg = {"enable_fused_mc2": 1}
+    va.configure_online_quantization("int8_profile_free")
+    with cpu_vllm.CpuVllm(dirs[1], quantization="ascend", vllm_config=_with_additional_config(dirs[1], cfg)) as f:
+        fresh = [(f.model.model.layers[i].mlp.experts.fused_w1_scale.clone(),
+              f.model.model.layers[i].mlp.experts.fused_w2_scale.clone()) for i in range(LAYERS)]
+    try:
+        with cpu_vllm.CpuVllm(dirs[0], quantization="ascend",
+                              vllm_config=_with_additional_config(dirs[0], cfg)) as v:
+            layers = [v.model.model.layers[i].mlp.experts for i in range(LAYERS)]
+            old = [l.fused_w1_scale.clone() for l in layers]
+            ptr = [l.fused_w1_scale.data_ptr() for l in layers]
+            v.model.load_weights(trainer_weights(models[1]))
+            va.end_weight_sync(v.model)
+            for i, layer in enumerate(layers):
+                assert layer.fused_w1_scale.dtype == torch.int64
+                assert not torch.equal(layer.fused_w1_scale, old[i])
+                assert torch.equal(layer.fused_w1_scale, fresh[i][0]), i
+                assert torch.equal(layer.fused_w2_scale, fresh[i][1]), i
+                assert layer.fused_w1_scale.data_ptr() == ptr[i]
+    finally:
+        with cpu_vllm.CpuVllm(dirs[0], quantization="ascend"):
+            pass  # vllm-ascend's config is per process: back to the defaults for the next test
+
+
+def test_dynamic_eplb_is_refused_by_name(va, moe, monkeypatch):
+    """Under dynamic EPLB vllm-ascend keeps the experts in per-expert copies that move between
+    slots at run time: refused when the engine is built, naming the setting."""
+    if va.layout.current().NAME != "023":
+        pytest.skip("eplb_config.dynamic_eplb is how vllm-ascend 0.23 spells it")
+    dirs, _ = moe
+    monkeypatch.setenv("DYNAMIC_EPLB", "true")  # vllm-ascend asserts it is set with dynamic_eplb
+    va.configure_online_quantization("int8_profile_free")
+    try:
+        with pytest.raises(va.UnsupportedScheme, match="dynamic EPLB"):
+            with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", vllm_config=_with_additional_config(
+                    dirs[0], {"eplb_config": {"dynamic_eplb": True}})):
+                pass
+    finally:
+        monkeypatch.delenv("DYNAMIC_EPLB")
+        with cpu_vllm.CpuVllm(dirs[0], quantization="ascend"):
+            pass

@@ -289,16 +289,6 @@ class _NpuNamespace(_EmulatedModule):
         CPU (vllm-ascend 0.11's all-to-all dispatcher allocates its expert map there at build)."""
         return torch.device("cpu")
 
-    # torch.manual_seed seeds the PrivateUse1 device module too once the harness names that
-    # backend "npu" (testing.cpu_vllm): there is no NPU generator to seed
-    @staticmethod
-    def _is_in_bad_fork() -> bool:
-        return False
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        pass
-
 
 def _build_module(fullname: str) -> types.ModuleType:
     if fullname in ("torch_npu.npu",):

@@ -45,7 +45,8 @@ def prepare_process(enable_nz: bool = True) -> None:
     emulation.register_cpu_ops()
     _device_neutral_ops_on_cpu()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
-    _npu_device_on_gloo()
+    _mc2_without_hccl()
+    _mc2_dispatcher_without_hccl()
 
 
 _cpu_libs: dict = {}
@@ -67,35 +68,65 @@ def _device_neutral_ops_on_cpu() -> None:
         _cpu_libs[qual] = lib  # the registration lives as long as the Library object
 
 
-def _no_hccl_comm_name(self, rank) -> str:
-    return ""
+def _mc2_without_hccl() -> None:
+    """Stand-in for the HCCL side of vllm-ascend's mc2 group (idempotent): its W8A8_DYNAMIC
+    fused-MoE scheme asks the group's NPU backend for an HCCL communicator name when it is
+    built; on gloo there is none, so the scheme's module sees a group without a device group
+    and upstream takes its own fallback (an empty name, as for a group without MC2 metadata).
+    The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
+    import importlib
 
+    from npu_flashrl import compat
 
-def _npu_device_on_gloo() -> None:
-    """Stand-in for what torch_npu + HCCL give a process (idempotent): the "npu" device type
-    exists (torch_npu renames PrivateUse1 at import), and a gloo group asked for its NPU backend
-    answers with its CPU one. vllm-ascend's fused-MoE schemes ask the mc2 group's NPU backend for
-    its HCCL communicator name when they are built; gloo has none: it answers with an empty name,
-    the value 0.23's W8A8_DYNAMIC scheme falls back to for a group without MC2 metadata (0.11
-    builds its MC2 dispatcher for every MoE layer and asks unguarded). Only MC2 / all-to-all
-    dispatch would use the name; with no expert parallelism vllm-ascend picks all-gather."""
-    if torch._C._get_privateuse1_backend_name() != "npu":
-        torch.utils.rename_privateuse1_backend("npu")
-    gloo = torch._C._distributed_c10d.ProcessGroupGloo
-    if not hasattr(gloo, "get_hccl_comm_name"):
-        gloo.get_hccl_comm_name = _no_hccl_comm_name
-    pg = torch._C._distributed_c10d.ProcessGroup
-    if getattr(pg._get_backend, "__npu_flashrl_gloo__", False):
+    module = importlib.import_module(compat.line().moe_method.partition(":")[0])
+    original = getattr(module, "get_mc2_group", None)
+    if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return
-    original = pg._get_backend
 
-    def _get_backend(self, device):
-        if torch.device(device).type == "npu":
-            device = torch.device("cpu")
-        return original(self, device)
+    class _NoHccl:
+        def __init__(self, group):
+            self._group = group
 
-    _get_backend.__npu_flashrl_gloo__ = True
-    pg._get_backend = _get_backend
+        def __getattr__(self, item):
+            if item == "device_group":
+                raise AttributeError("device_group: no HCCL on the CPU harness")
+            return getattr(self._group, item)
+
+    def get_mc2_group():
+        return _NoHccl(original())
+
+    get_mc2_group.__npu_flashrl_stand_in__ = True
+    module.get_mc2_group = get_mc2_group
+
+
+class _Mc2DispatcherUnavailable:
+    """Stand-in for vllm-ascend's MC2 token dispatcher on the CPU harness: MC2 dispatch runs over
+    HCCL, which a gloo process does not have. vllm-ascend 0.11 builds one for every MoE layer
+    (with its other comm methods) and selects it only under expert parallelism; using it here
+    fails loudly."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, item):
+        raise NotImplementedError(f"MC2 token dispatcher .{item}: MC2 dispatch needs HCCL; the CPU "
+                                  "harness runs vllm-ascend's all-gather MoE dispatch only")
+
+
+def _mc2_dispatcher_without_hccl() -> None:
+    """Where vllm-ascend builds an MC2 dispatcher for every MoE layer (`compat.mc2_dispatcher_site`,
+    0.11), build `_Mc2DispatcherUnavailable` instead (idempotent). Its real constructor asks
+    `torch.device("npu")`'s HCCL backend for a communicator name: no such device or backend on a
+    CPU, and no HCCL in gloo."""
+    import importlib
+
+    from npu_flashrl import compat
+
+    site = compat.mc2_dispatcher_site()
+    if site is None:
+        return
+    module = importlib.import_module(site[0])
+    setattr(module, site[1], _Mc2DispatcherUnavailable)
 
 
 def _make_platform_cls():
@@ -155,7 +186,22 @@ def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[st
         world_size=tp_size, rank=rank, local_rank=rank,
         distributed_init_method=init_method or f"tcp://127.0.0.1:{free_port()}", backend=backend)
     ps.initialize_model_parallel(tp_size, 1)
-    _dist_state.update(initialized=True, world_size=tp_size)
+    _dist_state.update(initialized=True, world_size=tp_size, backend=backend)
+
+
+def ensure_expert_parallel_group() -> None:
+    """vLLM's expert-parallel group for a MoE model, when this process's groups were made for a
+    dense one (idempotent). vLLM 0.23 creates it only if the model of the config current at
+    `initialize_model_parallel` is MoE: right for a worker that serves one model, not for a
+    process that builds several (tests). Same ranks as vLLM's (one pipeline stage, no DP / PCP:
+    the TP ranks). vLLM lines that always create it are left alone."""
+    from vllm.distributed import parallel_state as ps
+
+    if getattr(ps, "_EP", "always created") is not None:
+        return
+    ps._EP = ps.init_model_parallel_group(
+        [list(range(_dist_state["world_size"]))], ps.get_world_group().local_rank,
+        _dist_state.get("backend", "gloo"), group_name="ep")
 
 
 class CpuVllm:
@@ -191,9 +237,12 @@ class CpuVllm:
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)
+        if getattr(self.vllm_config.model_config, "is_moe", False):
+            ensure_expert_parallel_group()
         from npu_flashrl import compat
 
         compat.init_vllm_ascend_config(self.vllm_config)
+        compat.forget_served_model()  # vllm-ascend caches "is MoE" per process: one model each
         # vllm-ascend's own groups (mc2, ...), as its NPU worker creates them after vLLM's and
         # its config: the fused-MoE schemes look them up when the model is built
         from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel

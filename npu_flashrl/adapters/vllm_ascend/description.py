@@ -70,12 +70,36 @@ class QuantDescription(dict):
     def __missing__(self, key: str) -> str:
         return self.quant_type(key)
 
-    def fill(self, weight_names) -> "QuantDescription":
-        """List every `<module>.weight` of `weight_names` explicitly, typed by the rule."""
+    def fill(self, weight_names, where: str = "") -> "QuantDescription":
+        """List every `<module>.weight` of `weight_names` explicitly, typed by the rule. The
+        experts of one fused-MoE layer must share a type (one FusedMoE method runs them all)."""
         for name in weight_names:
             if name.endswith(".weight"):
                 self[name] = self.quant_type(name)
+        _check_experts_uniform(self, where or self.source)
         return self
+
+
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.[^.]+\.weight$")
+
+
+def _check_experts_uniform(desc: dict, where: str) -> None:
+    """vllm-ascend builds one method per FusedMoE layer from expert 0's entries (the packed
+    mapping): an expert typed otherwise would get its weights truncated into int8 or run int8
+    values as floats."""
+    types: dict = {}
+    for name, typ in desc.items():
+        m = _EXPERT_RE.match(name)
+        if m:
+            types.setdefault(m.group(1), {}).setdefault(typ, []).append(name)
+    for layer, by_type in sorted(types.items()):
+        if len(by_type) > 1:
+            detail = "; ".join(f"{t}: {sorted(n)[0]} (+{len(n) - 1} more)"
+                               for t, n in sorted(by_type.items()))
+            raise UnsupportedScheme(
+                f"{where}: the experts of fused-MoE layer {layer} are not all quantized alike "
+                f"({detail}); vllm-ascend runs one method for the whole layer: quantize or ignore "
+                "all its experts")
 
 
 def _ignored(module: str, ignore: Sequence[str]) -> bool:
@@ -215,12 +239,13 @@ def _int_field(cfg: dict, key: str, default: int, where: str) -> int:
 
 def config_weight_names(cfg: dict, where: str = "config.json") -> List[str]:
     """The Linear weight names (HF checkpoint names) a Llama/Qwen-style config implies, plus
-    lm_head. A MoE config (`num_experts` / `num_local_experts` / `n_routed_experts` > 0) has, in each sparse layer,
-    the router `mlp.gate` and `mlp.experts.E.{gate,up,down}_proj` for every expert (plus
-    `mlp.shared_expert.*` and `mlp.shared_expert_gate` with `shared_expert_intermediate_size`,
-    `mlp.shared_experts.*` with `n_shared_experts`). A layer is sparse as vLLM's Qwen3-MoE / Qwen2-MoE
-    decide it: not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; DeepSeek-style
-    `first_k_dense_replace` keeps the first layers dense."""
+    lm_head. A MoE config (`num_experts` / `num_local_experts` / `n_routed_experts` > 0) has, in
+    each sparse layer, the router `mlp.gate` and `mlp.experts.E.{gate,up,down}_proj` for every
+    expert (plus `mlp.shared_expert.*` and `mlp.shared_expert_gate` with
+    `shared_expert_intermediate_size`, `mlp.shared_experts.*` with `n_shared_experts`). A layer
+    is sparse as vLLM's Qwen3-MoE / Qwen2-MoE decide it: not in `mlp_only_layers` and
+    `(i + 1) % decoder_sparse_step == 0`; DeepSeek-style `first_k_dense_replace` keeps the first
+    layers dense."""
     layers = _int_field(cfg, "num_hidden_layers", 0, where)
     # Qwen3-MoE's config.json says num_experts (transformers 4) or num_local_experts (transformers
     # 5 saves it under its attribute_map name), DeepSeek n_routed_experts
@@ -259,7 +284,7 @@ def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
         return None
     qcfg = read_hf_quant_config(model_dir)
     if qcfg is None:
-        return profile_free_description().fill(checkpoint_weight_names(model_dir))
+        return profile_free_description().fill(checkpoint_weight_names(model_dir), where=model_dir)
     method = qcfg.get("quant_method")
     if method == "compressed-tensors" or "config_groups" in qcfg:
         where = f"{os.path.join(model_dir, 'config.json')}: quantization_config"
@@ -267,7 +292,7 @@ def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
         desc = compressed_tensors_description(qcfg, where=where)
         if any(n.endswith(".weight_scale") for n in names):  # not a config-only directory
             check_compressed_tensors_weights(desc, names, where=model_dir)
-        return desc.fill(names)
+        return desc.fill(names, where=where)
     raise UnsupportedScheme(
         f"{os.path.join(model_dir, 'config.json')}: quantization_config.quant_method = {method!r} "
         "is not supported on Ascend; use a bf16 checkpoint (profile-free INT8), a "
