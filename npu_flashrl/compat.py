@@ -508,13 +508,19 @@ def forget_served_model() -> None:
             setattr(utils, name, None)
 
 
-def mc2_dispatcher_site() -> Optional[Tuple[str, str]]:
-    """(module, name) through which vllm-ascend's MoE comm methods construct the MC2 token
-    dispatcher when that happens for every MoE layer: 0.11 `ops/moe/moe_comm_method.py`
-    (`setup_moe_comm_method` builds all four comm methods, and TokenDispatcherWithMC2.__init__
-    asks `torch.device("npu")`'s HCCL backend for a communicator name). None where it is built
-    only under expert parallelism (0.23: `ep_size > 1`) or not by the fused-MoE layer at all
-    (v0.10.1rc1)."""
+def hccl_token_dispatchers() -> Tuple[Tuple[str, str], ...]:
+    """(module, name) of each token dispatcher class vllm-ascend's fused-MoE layers construct
+    whose constructor asks `torch.device("npu")`'s HCCL backend for a communicator name, as
+    the comm-method module sees it (`setup_moe_comm_method` builds the comm methods with every
+    MoE layer):
+    - 0.11 `ops/moe/moe_comm_method.py`: TokenDispatcherWithMC2, built for every layer (its
+      all-to-all dispatcher needs no HCCL name);
+    - 0.23 `ops/fused_moe/moe_comm_method.py`: TokenDispatcherWithMC2 and
+      TokenDispatcherWithAll2AllV, built only with expert parallelism (`ep_size > 1`);
+    - v0.10.1rc1: none (its fused-MoE layer builds no comm methods)."""
     if line().name == "0.11.0":
-        return "vllm_ascend.ops.moe.moe_comm_method", "TokenDispatcherWithMC2"
-    return None
+        return (("vllm_ascend.ops.moe.moe_comm_method", "TokenDispatcherWithMC2"),)
+    if line().layout == "023":
+        return (("vllm_ascend.ops.fused_moe.moe_comm_method", "TokenDispatcherWithMC2"),
+                ("vllm_ascend.ops.fused_moe.moe_comm_method", "TokenDispatcherWithAll2AllV"))
+    return ()

@@ -46,7 +46,7 @@ def prepare_process(enable_nz: bool = True) -> None:
     _device_neutral_ops_on_cpu()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
     _mc2_without_hccl()
-    _mc2_dispatcher_without_hccl()
+    _hccl_dispatchers_unavailable()
 
 
 _cpu_libs: dict = {}
@@ -99,34 +99,31 @@ def _mc2_without_hccl() -> None:
     module.get_mc2_group = get_mc2_group
 
 
-class _Mc2DispatcherUnavailable:
-    """Stand-in for vllm-ascend's MC2 token dispatcher on the CPU harness: MC2 dispatch runs over
-    HCCL, which a gloo process does not have. vllm-ascend 0.11 builds one for every MoE layer
-    (with its other comm methods) and selects it only under expert parallelism; using it here
-    fails loudly."""
+class _HcclDispatcherUnavailable:
+    """Stand-in for vllm-ascend's MC2 / all-to-all token dispatchers on the CPU harness: they
+    dispatch over HCCL, which a gloo process does not have, and their constructors ask the NPU
+    backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (0.11:
+    MC2 always; 0.23: both under expert parallelism) and selects them only where all-gather
+    would not be picked (A2: MC2 from 16 EP ranks on); using one here fails loudly."""
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __getattr__(self, item):
-        raise NotImplementedError(f"MC2 token dispatcher .{item}: MC2 dispatch needs HCCL; the CPU "
-                                  "harness runs vllm-ascend's all-gather MoE dispatch only")
+        raise NotImplementedError(f"HCCL token dispatcher .{item}: MC2 / all-to-all dispatch needs "
+                                  "HCCL; the CPU harness runs vllm-ascend's all-gather MoE dispatch")
 
 
-def _mc2_dispatcher_without_hccl() -> None:
-    """Where vllm-ascend builds an MC2 dispatcher for every MoE layer (`compat.mc2_dispatcher_site`,
-    0.11), build `_Mc2DispatcherUnavailable` instead (idempotent). Its real constructor asks
-    `torch.device("npu")`'s HCCL backend for a communicator name: no such device or backend on a
-    CPU, and no HCCL in gloo."""
+def _hccl_dispatchers_unavailable() -> None:
+    """Where vllm-ascend's comm methods construct an HCCL token dispatcher
+    (`compat.hccl_token_dispatchers`), construct `_HcclDispatcherUnavailable` instead
+    (idempotent; the comm-method module's name only, the dispatcher module is untouched)."""
     import importlib
 
     from npu_flashrl import compat
 
-    site = compat.mc2_dispatcher_site()
-    if site is None:
-        return
-    module = importlib.import_module(site[0])
-    setattr(module, site[1], _Mc2DispatcherUnavailable)
+    for module_name, name in compat.hccl_token_dispatchers():
+        setattr(importlib.import_module(module_name), name, _HcclDispatcherUnavailable)
 
 
 def _make_platform_cls():
