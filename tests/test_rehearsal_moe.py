@@ -1,10 +1,11 @@
 """`npu-flashrl rehearse --model <tiny Qwen3-MoE>`: the rehearsal on a mixture-of-experts checkpoint.
 
 A tiny Qwen3-MoE (2 layers, 8 experts, top-2, `testing.tiny_models.build_tiny_qwen3_moe`, random
-weights, not pre-trained) is written to a tmp dir; ONE subprocess runs the rehearsal on it three
-times (2 syncs, 4 evaluation sequences of 24 tokens, no fp32-head variant): healthy, and with two
-expert faults of the test seam `npu_flashrl.rehearsal.faults` (one expert's down_proj scales at
-half; one expert left at the first sync's weights). Each run is the real path: transformers'
+weights, not pre-trained) is written to a tmp dir; ONE subprocess runs the rehearsal on it four
+times (2 syncs, 4 evaluation sequences of 24 tokens, no fp32-head variant): healthy (the line's
+transport, then `--transport direct`), and with two expert faults of the test seam
+`npu_flashrl.rehearsal.faults` (one expert's down_proj scales at half; one expert left at the
+first sync's weights). Each run is the real path: transformers'
 Qwen3MoeForCausalLM as the trainer (AdamW steps on the CPU), its weights pushed as verl's trainer
 sends them (per-expert names; transformers 5's fused experts through verl 0.9's own
 `unfuse_moe_params`), through the line's transport (current line: verl 0.9.1's real
@@ -34,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS, EXPERTS, HIDDEN, MOE_I = 2, 8, 128, 96
 EXPERT_LAYERS = {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)}
 L0 = "model.layers.0.mlp.experts"
-RUNS = ("healthy", "expert_scale_x0.5", "stale_expert")
+RUNS = ("healthy", "direct", "expert_scale_x0.5", "stale_expert")
 
 _DRIVER = r"""
 import json, os, sys
@@ -43,12 +44,13 @@ model, root = sys.argv[1], sys.argv[2]
 codes = {}
 for run in sys.argv[3:]:
     os.environ.pop("NPU_FLASHRL_REHEARSAL_FAULT", None)
-    if run != "healthy":
+    if run not in ("healthy", "direct"):
         os.environ["NPU_FLASHRL_REHEARSAL_FAULT"] = run
     print(f"===== {run}", flush=True)
+    extra = ["--transport", "direct"] if run == "direct" else []
     codes[run] = cli.main(["rehearse", "--model", model, "--no-progress", "--no-fp32-head", "--no-plot",
                            "--steps", "2", "--buckets", "3", "--num-seqs", "4", "--seq-len", "24",
-                           "--output-dir", os.path.join(root, run)])
+                           "--output-dir", os.path.join(root, run)] + extra)
 print("CODES " + json.dumps(codes), flush=True)
 """
 
@@ -122,6 +124,20 @@ def test_moe_rehearsal_passes_through_the_lines_transport(runs):
     # INT8 above the bf16 noise floor, which stays ~1 (the synced bf16 MoE equals transformers)
     base, int8 = _mean(r, "bf16"), _mean(r, "int8")
     assert 1.0 <= base <= 1.01 and int8 > base
+
+
+def test_direct_transport_leaves_the_same_models(runs):
+    """`--transport direct` (load_weights per bucket after verl's MoE weight-loader patch; the bf16
+    MoE re-post-processed once per sync) pushes the same tensors in the same order as the line's
+    transport: the same metrics, bf16 and INT8."""
+    a, b = runs["reports"]["healthy"], runs["reports"]["direct"]
+    assert runs["codes"]["direct"] == 0 and b["ok"] and b["transport"]["name"] == "direct"
+    key = lambda r: (r["step"], r["variant"])  # noqa: E731
+    ma = {key(r): r["metrics"] for r in a["steps"]}
+    mb = {key(r): r["metrics"] for r in b["steps"]}
+    assert ma.keys() == mb.keys() and len(ma) == 4
+    for k in ma:
+        assert ma[k]["token_mult_prob_error"] == pytest.approx(mb[k]["token_mult_prob_error"], rel=1e-6), k
 
 
 def test_state_checks_cover_every_expert_of_every_moe_layer(runs):
