@@ -121,9 +121,11 @@ def test_moe_rehearsal_passes_through_the_lines_transport(runs):
     assert info["layer0_w13_weight_dtype"] == "torch.int8"
     # 2 x (qkv, o) linear + 2 fused-MoE layers; the router stays bf16 (not a quantized layer)
     assert info["quantized_layers"] == 3 * LAYERS
-    # INT8 above the bf16 noise floor, which stays ~1 (the synced bf16 MoE equals transformers)
+    # INT8 above the bf16 noise floor, which stays ~1 (the synced bf16 MoE equals transformers up to
+    # rounding and a few near-tie tokens routed differently: the MoE default tolerance is 0.02)
+    assert r["resolved"]["baseline_tol"] == 0.02 and r["settings"]["baseline_tol"] == 0.02
     base, int8 = _mean(r, "bf16"), _mean(r, "int8")
-    assert 1.0 <= base <= 1.01 and int8 > base
+    assert 1.0 <= base <= 1.02 and int8 > base
 
 
 def test_direct_transport_leaves_the_same_models(runs):

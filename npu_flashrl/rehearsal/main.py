@@ -8,9 +8,9 @@ from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal import faults
 from npu_flashrl.rehearsal.arguments import check_arguments
-from npu_flashrl.rehearsal.common import (MOE_CONFIG_KEYS, VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_FP32HEAD,
-                                          RehearsalError, default_cache_root, json_safe, process_seconds,
-                                          progress_bar, versions)
+from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, MOE_BASELINE_TOL, MOE_CONFIG_KEYS, VARIANT_BF16,
+                                          VARIANT_INT8, VARIANT_INT8_FP32HEAD, RehearsalError, default_cache_root,
+                                          json_safe, process_seconds, progress_bar, versions)
 from npu_flashrl.rehearsal.device import prepare_environment, quiet_logs, resolve_device
 from npu_flashrl.rehearsal.model import check_model_dir, is_moe
 
@@ -20,6 +20,8 @@ def run(args) -> int:
     device, emulated = resolve_device(args.device)
     model_cfg = check_model_dir(args.model) if args.model is not None else None
     check_arguments(args)
+    if args.baseline_tol is None:
+        args.baseline_tol = MOE_BASELINE_TOL if is_moe(model_cfg) else DEFAULT_BASELINE_TOL
     if is_moe(model_cfg) and args.mode == "profile":
         raise RehearsalError(f"--mode profile with --model {args.model}: a mixture-of-experts model; FlashRL's "
                              "int8 profile covers dense layers only (npu_flashrl refuses it for MoE). Use "
@@ -195,6 +197,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
         "exit_code": 0 if ok else 1,
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "resolved": {"device": device, "emulated_torch_npu": emulated, "threads": threads, "step_lr": step_lr,
+                     "baseline_tol": args.baseline_tol,
                      "fn": setup["fn"], "entry": entry_info},
         "device": {"device": device, "emulated": emulated,
                    "note": ("CPU with emulated torch_npu kernels" if emulated
