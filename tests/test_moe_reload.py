@@ -210,8 +210,10 @@ def _tp_worker(rank, port, dirs, out_dir, expert_parallel):
     new = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.bfloat16)
     vllm_config = cpu_vllm.make_vllm_config(dirs[0], quantization="ascend", tp_size=2)
     vllm_config.parallel_config.enable_expert_parallel = expert_parallel
+    # under EP, vLLM's own FusedMoE: vllm-ascend's all-to-all / MC2 dispatchers need HCCL at build
     with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", tp_size=2, rank=rank,
-                          init_method=f"tcp://127.0.0.1:{port}", vllm_config=vllm_config) as v:
+                          init_method=f"tcp://127.0.0.1:{port}", vllm_config=vllm_config,
+                          ascend_moe_layers=not expert_parallel) as v:
         layer = v.model.model.layers[0].mlp.experts
         ptr = layer.w13_weight.data_ptr()
         local = [e for e in range(EXPERTS) if layer._map_global_expert_id_to_local_expert_id(e) != -1]
@@ -223,6 +225,10 @@ def _tp_worker(rank, port, dirs, out_dir, expert_parallel):
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_two_ranks_each_hold_their_part_of_the_experts(moe, tmp_path, expert_parallel):
+    """TP=2: every rank holds every expert, half of its intermediate rows (vllm-ascend's
+    AscendFusedMoE). EP=2: each rank holds half of the experts, whole, by vLLM's expert map; the
+    layer is vLLM's own FusedMoE there (same parameters and weight_loader as AscendFusedMoE,
+    whose expert-parallel dispatchers need HCCL communicator names when it is built)."""
     import torch.multiprocessing as mp
 
     dirs, models = moe
@@ -319,20 +325,39 @@ def test_fused_mc2_scales_follow_every_sync(va, moe):
             pass  # vllm-ascend's config is per process: back to the defaults for the next test
 
 
-def test_dynamic_eplb_is_refused_by_name(va, moe, monkeypatch):
+def _eplb_worker(rank, port, model_dir, out):
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    os.environ["VLLM_PLUGINS"] = "none"
+    os.environ["DYNAMIC_EPLB"] = "true"  # vllm-ascend asserts it is set with dynamic_eplb
+    cpu_vllm.prepare_process()
+    from npu_flashrl.adapters import vllm_ascend
+
+    patches.apply_patches(list(vllm_ascend.PATCHES))
+    vllm_ascend.configure_online_quantization("int8_profile_free")
+    vllm_config = _with_additional_config(model_dir, {"eplb_config": {"dynamic_eplb": True}})
+    try:
+        with cpu_vllm.CpuVllm(model_dir, quantization="ascend", vllm_config=vllm_config,
+                              init_method=f"tcp://127.0.0.1:{port}", ascend_moe_layers=False):
+            result = "built"
+    except vllm_ascend.UnsupportedScheme as exc:
+        result = f"refused: {exc}"
+    with open(out, "w") as f:
+        f.write(result)
+
+
+def test_dynamic_eplb_is_refused_by_name(va, moe, tmp_path):
     """Under dynamic EPLB vllm-ascend keeps the experts in per-expert copies that move between
-    slots at run time: refused when the engine is built, naming the setting."""
+    slots at run time: refused when the engine is built, naming the setting. (vllm-ascend's
+    AscendFusedMoE itself refuses dynamic EPLB without expert parallelism, which needs HCCL at
+    build on the CPU: vLLM's own FusedMoE carries the scheme here, in a fresh process.)"""
+    import torch.multiprocessing as mp
+
     if va.layout.current().NAME != "023":
         pytest.skip("eplb_config.dynamic_eplb is how vllm-ascend 0.23 spells it")
     dirs, _ = moe
-    monkeypatch.setenv("DYNAMIC_EPLB", "true")  # vllm-ascend asserts it is set with dynamic_eplb
-    va.configure_online_quantization("int8_profile_free")
-    try:
-        with pytest.raises(va.UnsupportedScheme, match="dynamic EPLB"):
-            with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", vllm_config=_with_additional_config(
-                    dirs[0], {"eplb_config": {"dynamic_eplb": True}})):
-                pass
-    finally:
-        monkeypatch.delenv("DYNAMIC_EPLB")
-        with cpu_vllm.CpuVllm(dirs[0], quantization="ascend"):
-            pass
+    out = str(tmp_path / "result.txt")
+    mp.start_processes(_eplb_worker, args=(cpu_vllm.free_port(), dirs[0], out), nprocs=1,
+                       start_method="spawn")
+    result = open(out).read()
+    assert result.startswith("refused:") and "dynamic EPLB" in result, result
+    assert "model.layers.0.mlp.experts" in result

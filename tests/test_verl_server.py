@@ -5,13 +5,22 @@ The sync tests run verl's real `BucketedWeightSender` in a separate process
 (`npu_flashrl.testing.verl_transfer`) and verl's real
 `vLLMColocateWorkerExtension.update_weights_from_ipc` (npu_flashrl's patches applied) in this
 one. They use POSIX shared memory with 1 MB buckets and push new weights into a vLLM model built on
-the CPU harness. Stand-ins, each for something that needs a GPU/NPU:
+the CPU harness. The tiny Qwen3-MoE (vLLM's Qwen3MoeForCausalLM on vllm-ascend's
+AscendW8A8DynamicFusedMoEMethod) is fed what verl 0.9.1's FSDP engine sends
+(`verl_transfer.fsdp_engine_params`: fp32 master weights, verl's own `convert_weight_keys` and
+`unfuse_moe_params`, i.e. per-expert names) in 256 KB buckets, so each layer's experts arrive
+over several buckets. Stand-ins, each for something that needs a GPU/NPU:
+- the FSDP-wrapped actor module behind `get_per_tensor_param`: the unwrapped HF model's state
+  dict (on one trainer rank `full_tensor()` is the whole parameter; `fsdp_engine_params`);
 - `get_torch_device` / `is_support_ipc` inside verl's `bucketed_weight_transfer`: the CPU device
   module and no IPC (`verl_transfer.use_cpu_device`; on a CPU verl picks its CUDA platform);
 - the vLLM worker the extension is mixed into: an object carrying `model_runner.model`,
   `model_runner.vllm_config`, `device` and `local_rank` (`verl_transfer.make_worker`; verl's
   `__new__`, which sets a parent-death signal for vLLM's worker process, is not run);
-- attention: plain causal attention (`cpu_vllm.use_plain_attention`), torch_npu emulated.
+- attention: plain causal attention (`cpu_vllm.use_plain_attention`), torch_npu emulated;
+- MoE: the torch_npu / vllm-ascend fused-MoE kernels are the emulation's reference kernels
+  (`kernels.moe_reference`), the HCCL name of vllm-ascend's mc2 group and the expert-parallel
+  group of a process that built a dense model first are the CPU harness's (`cpu_vllm`).
 The engine-build test's stand-ins are listed in tests/verl_server_engine.py.
 """
 import json
@@ -38,6 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(hidden_size=256, intermediate_size=704)
 BUCKET_MB = 1
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# the tiny Qwen3-MoE at its own shape (hidden 128, 8 experts of 96): one layer's experts are
+# 1.2 MB in the trainer's fp32, so 256 KB buckets spread them over about five buckets
+MOE_BUCKET_BYTES = 256 << 10
+MOE_LAYERS, MOE_EXPERTS = 2, 8
+SYNC_OPTS = {"qwen3_moe": {"bucket_bytes": MOE_BUCKET_BYTES}}
 TIMEOUT_S = 300
 
 
@@ -87,22 +101,27 @@ def rig(int8_ready):
     """Checkpoints w0..w3, their HF state dicts as the trainer sends them, the sender process,
     and this process set up as a vLLM worker with npu_flashrl's patches."""
     from npu_flashrl.testing import verl_transfer
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2, build_tiny_qwen3
+    from npu_flashrl.testing.tiny_models import (build_tiny_qwen2, build_tiny_qwen3,
+                                                 build_tiny_qwen3_moe)
 
     saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
     os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-test-{os.getpid()}"
     os.environ["VERL_REPLICA_RANK"] = "0"
     root = tempfile.mkdtemp(prefix="npu_flashrl_verl_server_")
     archs = {}
-    for arch, build in (("qwen2", build_tiny_qwen2), ("qwen3", build_tiny_qwen3)):
+    # (builder, checkpoints, config overrides, what the trainer sends)
+    setups = {"qwen2": (build_tiny_qwen2, 4, SHAPE, lambda m: m.named_parameters()),
+              "qwen3": (build_tiny_qwen3, 3, SHAPE, lambda m: m.named_parameters()),
+              "qwen3_moe": (build_tiny_qwen3_moe, 4, None, verl_transfer.fsdp_engine_params)}
+    for arch, (build, n, shape, sent) in setups.items():
         dirs, files, hf = [], [], []
-        for seed in range(4 if arch == "qwen2" else 3):
+        for seed in range(n):
             d = os.path.join(root, f"{arch}_w{seed}")
-            model = build(d, seed=seed, config_overrides=SHAPE, tokenizer=False)
+            model = build(d, seed=seed, config_overrides=shape, tokenizer=False)
             dirs.append(d)
             hf.append(model)
             files.append(verl_transfer.save_weights(
-                model.named_parameters(), os.path.join(root, f"{arch}_w{seed}.safetensors")))
+                sent(model), os.path.join(root, f"{arch}_w{seed}.safetensors")))
         archs[arch] = (dirs, files, hf)
     dirs, files, hf = archs["qwen2"]
     handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
@@ -134,14 +153,17 @@ def _build(rig, i, fn=None, choice=True):
 
 
 def _tensors(model):
-    """Everything a forward reads: parameters, buffers, and the derived `weight_scale_fp32` of
-    vllm-ascend's W8A8 layers (a plain attribute, not a parameter)."""
+    """Everything a forward reads: parameters, buffers, and the tensors vllm-ascend derives as
+    plain attributes (not parameters): `weight_scale_fp32` of its W8A8 linear layers,
+    `w13_weight_scale_fp32` of its fused-MoE layers (and `fused_w1_scale` / `fused_w2_scale`
+    with fused MC2)."""
     out = dict(model.named_parameters())
     out.update((f"buffer:{n}", b) for n, b in model.named_buffers())
     for name, mod in model.named_modules():
-        t = getattr(mod, "weight_scale_fp32", None)
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-            out[f"{name}.weight_scale_fp32"] = t
+        for attr, t in vars(mod).items():
+            if (attr.endswith("scale_fp32") or attr.startswith("fused_w")) and \
+                    isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                out[f"{name}.{attr}"] = t
     return out
 
 
@@ -180,6 +202,21 @@ def _sync(rig, worker, i, **opts):
             rig["sender"].expect("overwritten")
 
 
+def _split_layers(arch, buckets):
+    """What the buckets split: dense, a fused layer's shards (q/k/v, gate/up) over several
+    buckets; MoE, each layer's experts over more than two buckets."""
+    where = {n: k for k, names in enumerate(buckets) for n in names}
+    if arch == "qwen3_moe":
+        assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in where), \
+            "the trainer sends per-expert names (verl's unfuse_moe_params)"
+        spread = {i: {k for n, k in where.items() if n.startswith(f"model.layers.{i}.mlp.experts.")}
+                  for i in range(MOE_LAYERS)}
+        return [i for i, b in spread.items() if len(b) > 2]
+    return [g for g in FUSED for layer in range(2)
+            if len({where[f"model.layers.{layer}.{'self_attn' if 'q_proj' in g else 'mlp'}"
+                          f".{s}.weight"] for s in g}) > 1]
+
+
 def _assert_state(model, want, ptrs):
     got = _tensors(model)
     assert got.keys() == want.keys()
@@ -189,14 +226,19 @@ def _assert_state(model, want, ptrs):
 
 
 @pytest.mark.parametrize("arch,fn", [("qwen2", None), ("qwen2", "int8_profile_free"),
-                                     ("qwen3", "int8_profile_free")],
-                         ids=["qwen2-bf16", "qwen2-int8", "qwen3-int8"])
+                                     ("qwen3", "int8_profile_free"),
+                                     ("qwen3_moe", "int8_profile_free")],
+                         ids=["qwen2-bf16", "qwen2-int8", "qwen3-int8", "qwen3-moe-int8"])
 def test_three_syncs_equal_fresh_load(rig, arch, fn):
+    """Each sync leaves the model equal to a fresh load of the same weights, every tensor at its
+    old address. MoE: the INT8 experts (w13/w2, their scales, vllm-ascend's fp32 scale copy) are
+    rewritten in place from fp32 per-expert tensors arriving over several buckets."""
     if fn:
         _need_int8(rig["int8_ready"])
     dirs, files, _ = rig["archs"][arch]
     rig = dict(rig, dirs=dirs, files=files)
-    syncs = (1, 2, 3) if arch == "qwen2" else (1, 2, 1)
+    syncs = (1, 2, 1) if arch == "qwen3" else (1, 2, 3)
+    opts = SYNC_OPTS.get(arch, {})
     with _build(rig, 0, fn) as v:
         worker, buckets = _worker(v)
         assert worker._get_zmq_handle() == rig["handle"]
@@ -205,10 +247,14 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
         ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
         if fn:
             assert any(n.endswith("weight_scale_fp32") for n in ptrs)
+        if arch == "qwen3_moe":
+            experts = v.model.get_submodule("model.layers.0.mlp.experts")
+            assert experts.w13_weight.dtype == torch.int8 and experts.w2_weight.dtype == torch.int8
+            assert "model.layers.0.mlp.experts.w13_weight_scale_fp32" in ptrs
         for k, i in enumerate(syncs):
             last = k == len(syncs) - 1
             buckets.clear()
-            _sync(rig, worker, i, overwrite=last)
+            _sync(rig, worker, i, overwrite=last, **opts)
             if last:
                 # the sender has overwritten its bucket buffer after the last bucket: a kept
                 # view of it would show up as a difference from the fresh load
@@ -218,33 +264,46 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
                 _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
             rig["sender"].expect("sent")
             assert len(buckets) > 1
-            where = {n: k for k, names in enumerate(buckets) for n in names}
-            split = [g for g in FUSED for layer in range(2)
-                     if len({where[f"model.layers.{layer}.{'self_attn' if 'q_proj' in g else 'mlp'}"
-                                   f".{s}.weight"] for s in g}) > 1]
-            assert split, f"no fused layer split across buckets: {buckets}"
+            split = _split_layers(arch, buckets)
+            assert split, f"no layer split across buckets: {buckets}"
 
 
-def test_sync_missing_tensor_named(rig):
-    """The sender drops one shard of a fused layer: the sync fails naming it after the last
-    bucket, the layer's INT8 weight is not committed, the model refuses to generate with weights
-    of two syncs, and the next complete sync brings it back to a fresh load's state."""
+# (arch, the tensor the sender drops, the INT8 layer it belongs to, that layer's INT8 tensors)
+MISSING = {
+    "qwen2": ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.qkv_proj",
+              ("weight", "weight_scale")),
+    "qwen3_moe": ("model.layers.1.mlp.experts.5.down_proj.weight", "model.layers.1.mlp.experts",
+                  ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")),
+}
+
+
+@pytest.mark.parametrize("arch", list(MISSING), ids=["qwen2", "qwen3-moe"])
+def test_sync_missing_tensor_named(rig, arch):
+    """The sender drops one shard of a fused layer (dense: k of q/k/v; MoE: one expert's
+    down_proj): the sync fails naming it after the last bucket, the layer's INT8 tensors are not
+    committed (an MoE layer keeps all its previous experts), the model refuses to generate with
+    weights of two syncs, and the next complete sync brings it back to a fresh load's state."""
     _need_int8(rig["int8_ready"])
     from npu_flashrl.adapters import vllm_ascend
 
-    dropped = "model.layers.1.self_attn.k_proj.weight"
+    dirs, files, _ = rig["archs"][arch]
+    rig = dict(rig, dirs=dirs, files=files)
+    opts = SYNC_OPTS.get(arch, {})
+    dropped, path, kept = MISSING[arch]
     with _build(rig, 0, "int8_profile_free") as v:
-        worker, _ = _worker(v)
-        layer = v.model.get_submodule("model.layers.1.self_attn.qkv_proj")
-        before = (layer.weight.detach().clone(), layer.weight_scale.detach().clone())
-        with pytest.raises(vllm_ascend.WeightSyncError, match=dropped):
-            _sync(rig, worker, 1, drop=[dropped])
+        worker, buckets = _worker(v)
+        layer = v.model.get_submodule(path)
+        before = {n: getattr(layer, n).detach().clone() for n in kept}
+        with pytest.raises(vllm_ascend.WeightSyncError, match=dropped.replace(".", r"\.")):
+            _sync(rig, worker, 1, drop=[dropped], **opts)
         rig["sender"].expect("sent")
-        assert torch.equal(layer.weight, before[0]) and torch.equal(layer.weight_scale, before[1])
+        assert len(buckets) > 1 and dropped not in {n for b in buckets for n in b}
+        for n in kept:
+            assert torch.equal(getattr(layer, n), before[n]), f"{path}.{n} was written"
         with pytest.raises(vllm_ascend.WeightSyncError, match="complete sync"):
             v.logits(torch.tensor([[1, 2, 3]]))
         ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
-        _sync(rig, worker, 2)
+        _sync(rig, worker, 2, **opts)
         rig["sender"].expect("sent")
         _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
         assert torch.isfinite(v.logits(torch.tensor([[1, 2, 3]]))).all()

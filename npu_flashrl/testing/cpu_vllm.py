@@ -205,12 +205,19 @@ class CpuVllm:
     """A vLLM model built on the CPU from a local checkpoint, with its config kept current.
 
     Use as a context manager; `model` is the loaded (and post-processed) vLLM model.
+    `ascend_moe_layers=False` (a fresh process only: the registration is process-wide) keeps
+    vLLM's own FusedMoE: same parameters and the same `weight_loader` (vllm-ascend's AscendFusedMoE
+    inherits them), but no vllm-ascend dispatcher, whose expert-parallel (all-to-all / MC2)
+    variants ask HCCL for communicator names when the layer is built. For weight-loading tests
+    under expert parallelism; such a model cannot run its MoE forward on the CPU.
     """
 
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.bfloat16,
                  quantization: Optional[str] = None, tp_size: int = 1, rank: int = 0,
                  load_format: str = "auto", init_method: Optional[str] = None,
-                 enable_nz: bool = True, use_tqdm_on_load: bool = True, vllm_config=None):
+                 enable_nz: bool = True, use_tqdm_on_load: bool = True, vllm_config=None,
+                 ascend_moe_layers: bool = True):
+        self.ascend_moe_layers = ascend_moe_layers
         self.model_dir = model_dir
         self.dtype = dtype
         self.quantization = quantization
@@ -246,7 +253,11 @@ class CpuVllm:
 
         init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
-        compat.register_ascend_moe_layers()
+        # v0.10.1rc1's AscendFusedMoE builds its MC2 dispatch (HCCL) at init; that line cannot run
+        # a MoE forward here anyway (compat.cpu_moe_forward_unsupported): vLLM's FusedMoE holds
+        # the same parameters and weight_loader for the load / reload tests
+        if self.ascend_moe_layers and compat.cpu_moe_forward_unsupported() is None:
+            compat.register_ascend_moe_layers()
         from vllm.model_executor.model_loader import get_model
 
         default_dtype = torch.get_default_dtype()

@@ -105,6 +105,32 @@ def _send(handle: str, cmd: dict) -> None:
     _say("sent")
 
 
+def fsdp_engine_params(model, dtype: torch.dtype = torch.float32):
+    """(name, tensor) pairs as verl 0.9.1's FSDP engine hands them to the rollout's sender
+    (`FSDPEngine.get_per_tensor_param` in verl/workers/engine/fsdp/transformer_impl.py, no LoRA,
+    no QAT): the actor module's `state_dict()` in the actor's master dtype
+    (`actor_rollout_ref.actor.fsdp_config.model_dtype`, default fp32, so the rollout receives
+    fp32 and casts or quantizes itself), keys through verl's `convert_weight_keys`, transformers
+    5's packed MoE experts (3-D `gate_up_proj` / `down_proj`) expanded to per-expert checkpoint
+    names by verl's `unfuse_moe_params` (through `tiny_models.trainer_weights`). Both functions
+    are verl's own. verl renames keys before unfusing; the conversion mapping renames module
+    prefixes only, so applying it after gives the same names.
+
+    Stand-in: the FSDP-wrapped actor module. This takes the unwrapped HF `model` (a copy is cast
+    to `dtype`, the master dtype the actor would keep); on one trainer rank an FSDP2 DTensor's
+    `full_tensor()` (what the engine yields) is the whole parameter, which is what the plain
+    state dict holds.
+    """
+    import copy
+
+    from verl.utils.model import convert_weight_keys
+
+    from npu_flashrl.testing.tiny_models import trainer_weights
+
+    master = copy.deepcopy(model).to(dtype)
+    return list(convert_weight_keys(dict(trainer_weights(master)), master).items())
+
+
 def save_weights(named_tensors, path: str) -> str:
     """Write (name, tensor) pairs for the sender process, keeping their order."""
     from safetensors.torch import save_file

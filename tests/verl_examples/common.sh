@@ -44,7 +44,7 @@ parse_recipe_args() {
 RECIPE_INT_VARS=(NNODES:1 NPUS_PER_NODE:1 MAX_PROMPT_LENGTH:1 MAX_RESPONSE_LENGTH:1 TRAIN_BATCH_SIZE:1
   PPO_MINI_BATCH_SIZE:1 ROLLOUT_N:1 PPO_MAX_TOKEN_LEN:1 ROLLOUT_TP:1 MICRO_BATCH_PER_NPU:1 TOTAL_EPOCHS:1
   SAVE_FREQ:-1 TEST_FREQ:-1 HCCL_CONNECT_TIMEOUT:1 HCCL_EXEC_TIMEOUT:1 TRAIN_TP:1 TRAIN_PP:1 TRAIN_CP:1
-  RECOMPUTE_NUM_LAYERS:1 UPDATE_WEIGHTS_BUCKET_MB:1)
+  RECOMPUTE_NUM_LAYERS:1 UPDATE_WEIGHTS_BUCKET_MB:1 ROLLOUT_DP:1 ROLLOUT_EP:1)
 RECIPE_FLOAT_VARS=(LR KL_LOSS_COEF GPU_MEMORY_UTILIZATION)
 
 # check_numeric_vars: every set variable of the two lists above is a plain number (integers >= MIN).
@@ -245,6 +245,7 @@ grpo_defaults() {
   ENFORCE_EAGER="${ENFORCE_EAGER:-False}"
   REF_PARAM_OFFLOAD="${REF_PARAM_OFFLOAD:-True}"
   ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-False}"
+  ACTOR_OPTIMIZER_OFFLOAD="${ACTOR_OPTIMIZER_OFFLOAD:-False}"
 
   # pinned: sequence level as the published Ascend INT8 recipe; current: token level, the combination
   # tests/test_verl091_tis.py runs through verl 0.9.1's own driver and loss code (sequence works too).

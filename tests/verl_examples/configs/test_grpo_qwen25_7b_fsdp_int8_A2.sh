@@ -22,6 +22,7 @@
 #   ROLLOUT_N [4] USE_DYNAMIC_BSZ [True] PPO_MAX_TOKEN_LEN [prompt+response = 12288] LR [5e-8]
 #   KL_LOSS_COEF [0.001] KL_LOSS_TYPE [low_var_kl] ROLLOUT_TP [4] GPU_MEMORY_UTILIZATION [0.3]
 #   MICRO_BATCH_PER_NPU [1] ENFORCE_EAGER [False] REF_PARAM_OFFLOAD [True] ACTOR_PARAM_OFFLOAD [False]
+#   ACTOR_OPTIMIZER_OFFLOAD [False]
 #   TIS_LEVEL [sequence] TIS_THRESHOLD [2.0] TIS_BATCH_NORMALIZE [True] TIS_BYPASS_MODE [False]
 #   TIS_USE_POLICY_GRADIENT [False] (True, or bypass with TIS on, is refused: no TIS at verl 51d2104)
 #   TOTAL_EPOCHS [5] SAVE_FREQ [-1] TEST_FREQ [5] LOGGER [console] PROJECT_NAME [npu_flashrl_grpo]
@@ -52,7 +53,7 @@ CMD=(
   actor_rollout_ref.model.use_remove_padding=False
   actor_rollout_ref.model.enable_gradient_checkpointing=True
   "actor_rollout_ref.actor.fsdp_config.param_offload=$ACTOR_PARAM_OFFLOAD"
-  actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+  "actor_rollout_ref.actor.fsdp_config.optimizer_offload=$ACTOR_OPTIMIZER_OFFLOAD"
   "actor_rollout_ref.ref.fsdp_config.param_offload=$REF_PARAM_OFFLOAD"
   "${RUNTIME_ENV_OVERRIDES[@]}"
   "${EXTRA_ARGS[@]}"

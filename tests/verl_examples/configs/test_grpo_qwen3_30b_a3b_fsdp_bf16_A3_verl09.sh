@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# bf16 baseline of the verl 0.9 server-mode MoE launch: exactly
+# test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh with ROLLOUT_PRECISION=bf16, so both runs share
+# every setting (rollout TP / EP, FSDP offload, GRPO, TIS) except the rollout quantization
+# (FLASHRL_CONFIG optional here).
+#
+# Usage: test_grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh [--dry-run] [extra Hydra overrides ...]
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=SCRIPTDIR/../common.sh
+source "$HERE/../common.sh"
+recipe_help "$@"
+export ROLLOUT_PRECISION=bf16
+exec bash "$HERE/test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh" "$@"
