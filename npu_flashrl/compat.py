@@ -14,6 +14,7 @@ the adapters' `layout_*` modules names no version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -375,7 +376,9 @@ def verl_line(name: Optional[str] = None) -> str:
 # `ascend_forward_context.set_ascend_forward_context`, which carries the MoE communication method
 # the fused-MoE layers dispatch through. Where each line keeps them:
 _MOE_LAYERS = {
-    # v0.10.1rc1 `utils.register_ascend_customop`: FusedMoE only
+    # v0.10.1rc1 `utils.register_ascend_customop`: FusedMoE only. Its constructor allocates the
+    # comm methods' buffers on the NPU (distributed/moe_comm_method.py): the CPU harness does not
+    # register it (`cpu_moe_forward_unsupported`), vLLM's FusedMoE holds the same parameters.
     "0.10.1rc1": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE"},
     # 0.11.0: FusedMoE and SharedFusedMoE (`utils.register_ascend_customop`, REGISTERED_ASCEND_OPS)
     "0.11.0": {"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE",
@@ -455,6 +458,12 @@ def _is_moe(vllm_config) -> bool:
     return bool(importlib.import_module("vllm_ascend.utils").is_moe_model(vllm_config))
 
 
+def _config_is_moe(vllm_config) -> bool:
+    # v0.10.1rc1 has no `is_moe_model`; the expert-count keys of the MoE configs it serves
+    cfg = vllm_config.model_config.hf_config
+    return any(getattr(cfg, k, 0) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
 def ascend_forward_context(vllm_config, num_tokens: int, model=None):
     """vllm-ascend's forward context for one eager forward of `num_tokens` tokens with no
     attention metadata, as its model runner enters it around `model(...)`: 0.23 picks the MoE
@@ -464,6 +473,9 @@ def ascend_forward_context(vllm_config, num_tokens: int, model=None):
     if line().layout == "023":
         return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
                                              model_instance=model)
+    if line().name == "0.10.1rc1" and not _config_is_moe(vllm_config):
+        # a dense model's layers read nothing from it on this line; its MoE models are refused
+        return contextlib.nullcontext()
     comm = moe_comm_type(vllm_config, num_tokens)
     return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
                                          with_prefill=True, moe_comm_type=comm,
@@ -524,3 +536,16 @@ def hccl_token_dispatchers() -> Tuple[Tuple[str, str], ...]:
         return (("vllm_ascend.ops.fused_moe.moe_comm_method", "TokenDispatcherWithMC2"),
                 ("vllm_ascend.ops.fused_moe.moe_comm_method", "TokenDispatcherWithAll2AllV"))
     return ()
+
+
+def moe_gmm_swiglu_fusion_flag():
+    """(object, attribute) that makes vllm-ascend's all-gather MoE path use the fused
+    gate_up-matmul + swiglu + quant kernel (True) or npu_grouped_matmul, npu_swiglu and
+    npu_dynamic_quant (False), for tests to monkeypatch. 0.23: the comm method's
+    `use_fusion_ops`, read from additional_config `ascend_fusion_config.fusion_ops_gmmswigluquant`
+    (default True) when the comm methods are built. None on 0.11 (W8A8 MoE always fuses)."""
+    if line().layout != "023":
+        return None
+    mcm = importlib.import_module("vllm_ascend.ops.fused_moe.moe_comm_method")
+    fc = importlib.import_module("vllm_ascend.ascend_forward_context")
+    return mcm.get_moe_comm_method(fc.MoECommType.ALLGATHER), "use_fusion_ops"

@@ -10,8 +10,12 @@ Stand-ins (all from `npu_flashrl.testing.cpu_vllm`, none touches the MoE arithme
   reference kernels of `kernels.moe_reference` (tests/test_emulation_moe.py checks each by
   hand), vllm-ascend's compiled `_C_ascend` MoE ops get the same kernels, the NPU stream is one
   in-order stream;
-- vLLM's CPU platform accepting "ascend"; gloo answering for HCCL (mc2 group, no MC2 dispatch);
+- vLLM's CPU platform accepting "ascend"; gloo for HCCL: the mc2 group has no HCCL
+  communicator, the MC2 / all-to-all token dispatchers vllm-ascend builds with each layer are
+  refusing stand-ins (never selected: one device, no expert parallelism -> all-gather);
   vllm-ascend's device-neutral custom ops (F.linear, TP all-reduce) registered for the CPU;
+  vllm-ascend's per-process "is MoE" cache cleared and vLLM's EP group added when the process
+  built a dense model first (one model per worker on an NPU, several per test process here);
 - plain causal attention for vLLM's attention backends.
 - The experts are written into the processed W8A8 parameters here (per-output-channel INT8 of
   the bf16 experts, `kernels.quantize_weight_per_channel`), so this checks the forward path on
@@ -134,9 +138,20 @@ def vllm_moe(va, hf_moe):
     d, hf = hf_moe
     va.configure_online_quantization("int8_profile_free")
     with cpu_vllm.CpuVllm(d, quantization="ascend") as v:
+        # what npu_flashrl's cold load put there, for test_cold_loaded_experts_forward
+        v.cold_experts = [{n: t.detach().clone() for n, t in _expert_tensors(layer.mlp.experts).items()}
+                          for layer in v.model.model.layers]
         for i, layer in enumerate(v.model.model.layers):
             write_int8_experts(layer.mlp.experts, *hf_experts(hf.model.layers[i].mlp))
         yield v
+
+
+_EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
+                   "w13_weight_scale_fp32")
+
+
+def _expert_tensors(experts) -> dict:
+    return {n: getattr(experts, n) for n in _EXPERT_TENSORS}
 
 
 def _rel(a, b) -> float:
@@ -182,6 +197,31 @@ def test_int8_moe_block_matches_bf16_block(vllm_moe, hf_moe, layer_idx):
     assert err < MOE_RTOL
 
 
+def test_unfused_gate_up_path_matches_bf16_block(vllm_moe, hf_moe, monkeypatch):
+    """vllm-ascend's other W8A8_DYNAMIC MoE MLP (ascend_fusion_config.fusion_ops_gmmswigluquant
+    off, 0.23): per-token npu_grouped_matmul for gate_up, npu_swiglu, npu_dynamic_quant."""
+    from npu_flashrl import compat
+
+    import torch_npu
+
+    flag = compat.moe_gmm_swiglu_fusion_flag()
+    if flag is None:
+        pytest.skip("this vllm-ascend line always fuses gate_up + swiglu + quant for W8A8 MoE")
+    monkeypatch.setattr(*flag, False)
+    calls = []
+    swiglu = torch_npu.npu_swiglu
+    monkeypatch.setattr(torch_npu, "npu_swiglu", lambda *a, **k: calls.append(1) or swiglu(*a, **k))
+    _, hf = hf_moe
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(100)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = hf_block_out(hf.model.layers[0].mlp, x)
+        with vllm_moe.forward_context(x.shape[0]):
+            out = vllm_moe.model.model.layers[0].mlp(x.clone())
+    err = _rel(out, ref)
+    print(f"unfused gate_up path: rel. error vs bf16 {err:.4f}")
+    assert calls and err < MOE_RTOL
+
+
 def test_wrong_expert_scale_fails_the_block_check(vllm_moe, hf_moe):
     """Negative control: the most-used expert's down-projection scales doubled (what a loader that
     kept a stale or mis-placed scale would leave) must fail the MOE_RTOL check."""
@@ -216,3 +256,31 @@ def test_full_model_logits_are_finite_and_close_to_bf16(vllm_moe, hf_moe):
     top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
     print(f"full-model logits rel. error vs bf16 {err:.4f}, top-1 agreement {top1:.3f}")
     assert err < LOGITS_RTOL
+
+
+def test_cold_loaded_experts_forward_like_the_reference_int8(vllm_moe, hf_moe):
+    """The experts npu_flashrl's cold load quantized from the bf16 checkpoint (kept aside by the
+    fixture before it wrote its own) run the same forward: the block output matches the one of
+    the reference-written experts (same per-channel INT8: identical up to a scale's last bf16
+    bit) and so the bf16 block within MOE_RTOL."""
+    _, hf = hf_moe
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(100)).to(torch.bfloat16)
+    experts = vllm_moe.model.model.layers[0].mlp.experts
+    live = _expert_tensors(experts)
+    mine = {n: t.detach().clone() for n, t in live.items()}
+    with torch.no_grad():
+        with vllm_moe.forward_context(x.shape[0]):
+            ref_int8 = vllm_moe.model.model.layers[0].mlp(x.clone())
+        try:
+            for n, t in vllm_moe.cold_experts[0].items():
+                live[n].copy_(t)
+            with vllm_moe.forward_context(x.shape[0]):
+                out = vllm_moe.model.model.layers[0].mlp(x.clone())
+        finally:
+            for n, t in mine.items():
+                live[n].copy_(t)
+        ref = hf_block_out(hf.model.layers[0].mlp, x)
+    assert torch.isfinite(out).all()
+    err_int8, err = _rel(out, ref_int8), _rel(out, ref)
+    print(f"cold-loaded experts: rel. error vs reference INT8 {err_int8:.5f}, vs bf16 {err:.4f}")
+    assert err_int8 < 0.01 and err < MOE_RTOL

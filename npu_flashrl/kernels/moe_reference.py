@@ -5,7 +5,8 @@ These define the semantics the CPU emulation gives `torch_npu.*` and vllm-ascend
 follows the op's documentation, named in its docstring:
 
 - [torch_npu] Ascend op-plugin `docs/zh/custom_APIs/torch_npu/torch_npu-<op>.md`
-  (github.com/Ascend/op-plugin, the torch_npu API reference);
+  (github.com/Ascend/op-plugin, the torch_npu API reference; npu_grouped_matmul_swiglu_quant is
+  documented in its `codegen/templates/_op_plugin_docs.py` docstrings);
 - [aclnn] CANN `aclnnMoeTokenUnpermute` (hiascend.com CANNCommunityEdition 8.2.RC1 API reference);
 - [vllm-ascend] vllm-ascend v0.23.0 `csrc/torch_binding.cpp` (schemas),
   `csrc/gmm/grouped_matmul_swiglu_quant/README.md`, and the NumPy goldens of its op tests
@@ -23,12 +24,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from npu_flashrl.kernels.reference import (
-    INT8_MAX,
-    _require,
-    npu_dynamic_quant,
-    require_same_device,
-)
+from npu_flashrl.kernels.reference import INT8_MAX, _require, require_same_device
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -264,7 +260,7 @@ def _group_bounds(group_list: torch.Tensor, group_list_type: int, groups: int, r
     return list(zip(starts, ends))
 
 
-def _expert_weights(weight: Sequence[torch.Tensor], groups_hint: Optional[int], op: str) -> List[torch.Tensor]:
+def _expert_weights(weight: Sequence[torch.Tensor], op: str) -> List[torch.Tensor]:
     """The per-group [K, N] weights: one 3-D [E, K, N] tensor, or a list of E 2-D tensors."""
     _require(isinstance(weight, (list, tuple)) and len(weight) >= 1, op,
              "weight must be a list of tensors")
@@ -336,7 +332,7 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
         raise _not_emulated(op, f"group_type={group_type} (0, m-axis groups, is)")
     _require(isinstance(group_list, torch.Tensor), op, "group_list must be a Tensor")
     _require(xs.dim() == 2, op, f"x[0] must be 2-D [M, K], got shape {tuple(xs.shape)}")
-    ws = _expert_weights(weight, None, op)
+    ws = _expert_weights(weight, op)
     groups = len(ws)
     m, kdim = xs.shape
     n = ws[0].shape[1]
@@ -403,7 +399,8 @@ def grouped_matmul_swiglu_quant(x: torch.Tensor, weight: torch.Tensor, weight_sc
                                 swiglu_limit: float = 0.0
                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[vllm-ascend] _C_ascend::grouped_matmul_swiglu_quant(_weight_nz) (README
-    csrc/gmm/grouped_matmul_swiglu_quant), also torch_npu.npu_grouped_matmul_swiglu_quant:
+    csrc/gmm/grouped_matmul_swiglu_quant), also [torch_npu] npu_grouped_matmul_swiglu_quant
+    (x, weight, group_list, weight_scale, x_scale; "valid up to group_list[-1]"):
     for group i (rows [groupList[i-1], groupList[i]) of the cumsum group_list),
     C = (X_i @ W_i) * x_scale_i * w_scale_i (int8 x [M, K], int8 W [E, K, N], fp32 x_scale [M],
     w_scale [E, N]); C_act, gate = split(C) in halves; S = swish(C_act) * gate;
@@ -508,4 +505,4 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 __all__ = ["moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2",
            "npu_moe_token_unpermute", "npu_grouped_matmul", "grouped_matmul_swiglu_quant",
-           "npu_dequant_swiglu_quant", "npu_swiglu", "npu_dynamic_quant"]
+           "npu_dequant_swiglu_quant", "npu_swiglu"]
