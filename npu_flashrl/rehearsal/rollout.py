@@ -124,12 +124,11 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
     (`state.py`, fused-MoE layers `state_moe.py`). `snapshots`: per step, the weights as the trainer
     sends them (MoE: per-expert names); `model_config`: the checkpoint's config.json (MoE top-k).
     Returns (rows, info, per-layer state results)."""
-    from npu_flashrl.rehearsal.model import is_moe
-
     import torch
 
     from npu_flashrl.metrics import mismatch_metrics
     from npu_flashrl.rehearsal import faults
+    from npu_flashrl.rehearsal.model import is_moe
     from npu_flashrl.rehearsal.state import Int8StateCheck, summarize_step
 
     rows: List[Dict[str, Any]] = []
