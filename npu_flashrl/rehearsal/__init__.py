@@ -46,7 +46,7 @@ installation check; with `--device npu` the hardware check of the kernels and th
 (not verified on hardware here).
 
 Modules: `arguments` (options, checked once), `device` (device / environment), `model` (tiny /
---model), `trainer` (trainer side), `rollout` (rollout side), `state` and `checks` (the verdict),
+--model), `trainer` (trainer side), `rollout` (rollout side), `state` (+ `state_moe`: fused-MoE experts) and `checks` (the verdict),
 `output`, `cli_setup` (setup through the CLI), `transport` (how syncs reach the rollout), `main` (the
 run), `faults` (a test seam only).
 
