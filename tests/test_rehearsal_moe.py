@@ -1,11 +1,12 @@
 """`npu-flashrl rehearse --model <tiny Qwen3-MoE>`: the rehearsal on a mixture-of-experts checkpoint.
 
 A tiny Qwen3-MoE (2 layers, 8 experts, top-2, `testing.tiny_models.build_tiny_qwen3_moe`, random
-weights, not pre-trained) is written to a tmp dir; ONE subprocess runs the rehearsal on it four
+weights, not pre-trained) is written to a tmp dir; ONE subprocess runs the rehearsal on it five
 times (2 syncs, 4 evaluation sequences of 24 tokens, no fp32-head variant): healthy (the line's
-transport, then `--transport direct`), and with two expert faults of the test seam
-`npu_flashrl.rehearsal.faults` (one expert's down_proj scales at half; one expert left at the
-first sync's weights). Each run is the real path: transformers'
+transport, then `--transport direct`), and with faults of the test seam
+`npu_flashrl.rehearsal.faults`: two expert faults (one expert's down_proj scales at half; one
+expert left at the first sync's weights) and truncation instead of rounding in every quantized
+tensor, experts included. Each run is the real path: transformers'
 Qwen3MoeForCausalLM as the trainer (AdamW steps on the CPU), its weights pushed as verl's trainer
 sends them (per-expert names; transformers 5's fused experts through verl 0.9's own
 `unfuse_moe_params`), through the line's transport (current line: verl 0.9.1's real
@@ -35,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS, EXPERTS, HIDDEN, MOE_I = 2, 8, 128, 96
 EXPERT_LAYERS = {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)}
 L0 = "model.layers.0.mlp.experts"
-RUNS = ("healthy", "direct", "expert_scale_x0.5", "stale_expert")
+RUNS = ("healthy", "direct", "expert_scale_x0.5", "stale_expert", "round_trunc")
 
 _DRIVER = r"""
 import json, os, sys
@@ -183,6 +184,18 @@ def test_a_stale_expert_fails_the_int8_check_from_the_second_sync(runs):
     assert "step 2" in int8["detail"] and "expert 5." in int8["detail"]
     bad = [x for x in r["int8_state"]["int8"]["layers"] if x["problems"]["int8"]]
     assert [(x["layer"], x["step"]) for x in bad] == [(L0, 2)] and bad[0]["experts_failing"] == [5]
+
+
+def test_truncation_instead_of_rounding_fails_every_layer_experts_included(runs):
+    r = runs["reports"]["round_trunc"]
+    assert runs["codes"]["round_trunc"] == 1 and r["fault_injected"] == "round_trunc"
+    int8 = _check(r, "state: int8 values equal the reference quantization")
+    linear = {f"model.layers.{i}.self_attn.{p}" for i in range(LAYERS) for p in ("qkv_proj", "o_proj")}
+    assert not int8["ok"] and set(int8["failing_layers"]) == linear | EXPERT_LAYERS
+    experts = [x for x in r["int8_state"]["int8"]["layers"] if x["type"] == "experts"]
+    # every expert of every layer is off (about half of the values, one step each)
+    assert all(x["experts_failing"] == list(range(EXPERTS)) and x["int8_max_step_diff"] == 1 for x in experts)
+    assert all(0.2 < x["int8_mismatches"] / x["int8_elements"] < 0.8 for x in experts)
 
 
 # ------------------------------------------------------------------ fast: names, refusals
