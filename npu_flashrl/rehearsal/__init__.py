@@ -8,7 +8,8 @@ What one run does (each phase with a progress bar):
    real LM's: a random-init model has near-uniform logits and hides INT8 error. The trained
    checkpoint is cached (`--cache-dir`, default ``~/.cache/npu_flashrl/rehearsal/<hash of the
    settings>``); a second run skips training. `--model DIR` uses a local dense Qwen2/Llama-style
-   safetensors checkpoint instead.
+   safetensors checkpoint instead, or a Qwen3-MoE (its weights pushed per expert as verl's trainer
+   sends them, its fused-MoE experts checked per expert: `state_moe.py`).
 2. **Setup, as a user does it.** `npu-flashrl profile` (``--mode profile``: on a compressed-tensors
    w8a8 checkpoint written from the bf16 one, or ``--w8a8 DIR``) and `npu-flashrl setup` write a
    FlashRL config; `npu_flashrl.activate(config)` applies the patches; the config entry is applied
@@ -45,7 +46,7 @@ installation check; with `--device npu` the hardware check of the kernels and th
 (not verified on hardware here).
 
 Modules: `arguments` (options, checked once), `device` (device / environment), `model` (tiny /
---model), `trainer` (trainer side), `rollout` (rollout side), `state` and `checks` (the verdict),
+--model), `trainer` (trainer side), `rollout` (rollout side), `state` (+ `state_moe`: fused-MoE experts) and `checks` (the verdict),
 `output`, `cli_setup` (setup through the CLI), `transport` (how syncs reach the rollout), `main` (the
 run), `faults` (a test seam only).
 

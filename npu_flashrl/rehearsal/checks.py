@@ -11,6 +11,10 @@ tests/test_rehearsal_checks.py, faults from `faults.py`):
 * per-layer output error: scale x0.5, scale x1.1, a transposed layer (not the ~1-2% of a stale
   shard or of truncation: those only the exact state check sees);
 * the metric (token_mult_prob_error): none of them reliably (scale x0.5 gave 1.047 < 1.05).
+
+MoE (--model Qwen3-MoE, tests/test_rehearsal_moe.py): the same checks cover each fused-MoE layer's
+experts (`state_moe.py`); one expert's down_proj scale x0.5 fails the scale check naming the
+expert, a stale expert the int8 check.
 """
 from __future__ import annotations
 
@@ -58,8 +62,10 @@ def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_l
         if cat == "output":
             bad = [r for r in results if not r["output_rel_error"] <= max_layer_error]
             for r in bad:
+                ref = "the fp32 MoE from the pushed weights" if r.get("type") == "experts" else "the bf16 counterpart"
+                note = f" ({r['output_note']})" if r.get("output_note") else ""
                 r["problems"]["output"] = (f"output error {r['output_rel_error']:.4f} > {max_layer_error} "
-                                           "vs the bf16 counterpart")
+                                           f"vs {ref}{note}")
         else:
             bad = [r for r in results if r["problems"][cat]]
         fails = [f"step {r['step']} {r['layer']}: {r['problems'][cat]}" for r in bad]
@@ -110,10 +116,14 @@ def evaluate_checks(rows, infos, args, layer_results=None, device: str = "cpu") 
                 s["token_mult_prob_error_mean"] > base["token_mult_prob_error_mean"],
                 f"mean {s['token_mult_prob_error_mean']:.5f} vs bf16 {base['token_mult_prob_error_mean']:.5f}")
         info = infos.get(variant, {})
+        moe_ok = not info.get("moe") or (info.get("expert_layers", 0) > 0
+                                          and info.get("layer0_w13_weight_dtype") == "torch.int8")
         add(f"{variant} rollout model is INT8", info.get("quantized_layers", 0) > 0
-            and info.get("layer0_qkv_weight_dtype") == "torch.int8",
+            and info.get("layer0_qkv_weight_dtype") == "torch.int8" and moe_ok,
             f"{info.get('quantized_layers', 0)} vllm-ascend W8A8 layers, qkv weight "
-            f"{info.get('layer0_qkv_weight_dtype')}, online quantizer {info.get('online_quantizer')}")
+            f"{info.get('layer0_qkv_weight_dtype')}, online quantizer {info.get('online_quantizer')}"
+            + (f"; {info.get('expert_layers', 0)} W8A8_DYNAMIC fused-MoE layers, w13 "
+               f"{info.get('layer0_w13_weight_dtype')}" if info.get("moe") else ""))
         results = layer_results.get(variant) or []
         if not results:
             add(f"{variant} INT8 state checked after every sync", False, "no quantized layer was checked")

@@ -18,7 +18,12 @@ stale_shard        one shard (layer 0's k_proj) keeps the tensor of the first sy
 round_trunc        off-by-one rounding: truncation toward zero instead of rounding       1
 moved_weight       one layer's weight re-allocated after the sync (not in place)         1
 stale_fp32_scale   one layer's weight_scale_fp32 left at its cold-load value             1
+expert_scale_x0.5  MoE: one expert's down_proj scales at half (layer 0, expert 3)         1
+stale_expert       MoE: one expert (layer 0, expert 5) keeps the tensors of the first sync 2
 =================  ==================================================================  ==========
+
+The MoE faults need a MoE `--model` (refused on a dense model); the global quantizer faults
+(scale_x0.5, scale_x1.1, round_trunc) hit the experts too.
 """
 from __future__ import annotations
 
@@ -28,9 +33,12 @@ from typing import Optional
 import torch
 
 FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
-QUANTIZER_FAULTS = ("scale_x0.5", "scale_x1.1", "int8_transposed", "stale_shard", "round_trunc")
+EXPERT_FAULTS = ("expert_scale_x0.5", "stale_expert")
+QUANTIZER_FAULTS = ("scale_x0.5", "scale_x1.1", "int8_transposed", "stale_shard", "round_trunc") + EXPERT_FAULTS
 AFTER_SYNC_FAULTS = ("moved_weight", "stale_fp32_scale")
 FAULTS = QUANTIZER_FAULTS + AFTER_SYNC_FAULTS
+SCALED_EXPERT = "layers.0.mlp.experts.3.down_proj.weight"
+STALE_EXPERT = "layers.0.mlp.experts.5."
 
 
 def active() -> Optional[str]:
@@ -55,10 +63,13 @@ class _FaultyQuantizer:
 
     def quantize(self, name, weight, transposed=False):
         f = self._fault
-        if f == "stale_shard" and name.endswith("layers.0.self_attn.k_proj.weight"):
+        if (f == "stale_shard" and name.endswith("layers.0.self_attn.k_proj.weight")) or (
+                f == "stale_expert" and STALE_EXPERT in name):
             weight = self._first.setdefault(name, weight.detach().clone())
         q, scale = self._inner.quantize(name, weight, transposed=transposed)
-        if f == "scale_x0.5" and scale is not None:
+        if f == "expert_scale_x0.5" and name.endswith(SCALED_EXPERT):
+            scale = scale * 0.5
+        elif f == "scale_x0.5" and scale is not None:
             scale = scale * 0.5
         elif f == "scale_x1.1" and scale is not None:
             scale = scale * 1.1
@@ -76,6 +87,14 @@ class Fault:
         self.name, self.model = name, model
         self._layer = None
         targets = loader.targets
+        if name in EXPERT_FAULTS:
+            experts = getattr(loader, "experts", None) or {}
+            needle = SCALED_EXPERT if name == "expert_scale_x0.5" else STALE_EXPERT
+            if not any(needle in n for n in experts):
+                from npu_flashrl.rehearsal.common import RehearsalError
+
+                raise RehearsalError(f"{FAULT_ENV}={name}: needs a MoE --model with fused-MoE experts "
+                                     f"(no '{needle}' among the INT8 loader's expert weights)")
         if name in QUANTIZER_FAULTS:
             from npu_flashrl.adapters import vllm_ascend
 

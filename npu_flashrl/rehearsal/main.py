@@ -8,11 +8,11 @@ from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal import faults
 from npu_flashrl.rehearsal.arguments import check_arguments
-from npu_flashrl.rehearsal.common import (VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_FP32HEAD, RehearsalError,
-                                          default_cache_root, json_safe, process_seconds, progress_bar,
-                                          versions)
+from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, MOE_BASELINE_TOL, MOE_CONFIG_KEYS, VARIANT_BF16,
+                                          VARIANT_INT8, VARIANT_INT8_FP32HEAD, RehearsalError, default_cache_root,
+                                          json_safe, process_seconds, progress_bar, versions)
 from npu_flashrl.rehearsal.device import prepare_environment, quiet_logs, resolve_device
-from npu_flashrl.rehearsal.model import check_model_dir
+from npu_flashrl.rehearsal.model import check_model_dir, is_moe
 
 
 def run(args) -> int:
@@ -20,6 +20,12 @@ def run(args) -> int:
     device, emulated = resolve_device(args.device)
     model_cfg = check_model_dir(args.model) if args.model is not None else None
     check_arguments(args)
+    if args.baseline_tol is None:
+        args.baseline_tol = MOE_BASELINE_TOL if is_moe(model_cfg) else DEFAULT_BASELINE_TOL
+    if is_moe(model_cfg) and args.mode == "profile":
+        raise RehearsalError(f"--mode profile with --model {args.model}: a mixture-of-experts model; FlashRL's "
+                             "int8 profile covers dense layers only (npu_flashrl refuses it for MoE). Use "
+                             "--mode profile-free (fresh per-channel scales per expert at every sync)")
     faults.active()  # an unknown fault name is refused before anything starts
     from npu_flashrl.rehearsal import transport as transport_mod
 
@@ -42,6 +48,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     from npu_flashrl.rehearsal import transport as transport_mod
     from npu_flashrl.rehearsal.rollout import make_rollout, run_variant
     from npu_flashrl.rehearsal.state import by_type, state_rules
+    from npu_flashrl.adapters.verl.moe_names import sync_names
     from npu_flashrl.rehearsal.trainer import hf_load, simulate_training, trainer_logps
     from npu_flashrl.testing.synthetic_task import MarkovTask
 
@@ -69,7 +76,11 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     else:
         bf16_dir = master_dir = os.path.abspath(args.model)
         model_info = {"source": "local", "dir": bf16_dir, "cache_hit": None, "trained_this_run": False,
-                      "architectures": model_cfg.get("architectures")}
+                      "architectures": model_cfg.get("architectures"), "moe": is_moe(model_cfg)}
+        if is_moe(model_cfg):
+            # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+            model_info.update(num_experts=next((model_cfg[k] for k in MOE_CONFIG_KEYS if k in model_cfg), None),
+                              num_experts_per_tok=model_cfg.get("num_experts_per_tok"))
         step_lr = args.step_lr if args.step_lr is not None else 1e-5
     timings["model_s"] = time.perf_counter() - t
     timings["pretrain_s"] = (model_info.get("pretrain") or {}).get("seconds", 0.0) if model_info.get(
@@ -87,7 +98,11 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     master = hf_load(master_dir, torch.float32, device)
     snapshots, step_losses, step_update = simulate_training(master, task, args.steps, args.inner_iters, step_lr,
                                                args.seed, device, progress)
+    model_type = getattr(master.config, "model_type", None)
     del master
+    # what the trainer sends: verl's FSDP engine unfuses transformers 5's packed MoE experts into
+    # per-expert checkpoint names (a dense model's names are unchanged)
+    pushed = [sync_names(snap, model_type) for snap in snapshots]
     trainer = hf_load(bf16_dir, torch.bfloat16, device)
     train_logps = trainer_logps(trainer, snapshots, eval_ids, fp32_head=not args.no_fp32_head, progress=progress)
     del trainer
@@ -139,13 +154,13 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     t = time.perf_counter()
     # every variant's syncs take the same path (the bf16 baseline included)
     with transport_mod.make(transport, args.buckets, work, device) as sync:
-        r, infos[VARIANT_BF16], _ = run_variant(VARIANT_BF16, bf16_build, snapshots, eval_ids, train_logps,
+        r, infos[VARIANT_BF16], _ = run_variant(VARIANT_BF16, bf16_build, pushed, eval_ids, train_logps,
                                                 "bf16", args, vocab_size, device, int8=False, progress=progress,
-                                                sync=sync)
+                                                sync=sync, model_config=model_cfg)
         rows += r
         r, infos[VARIANT_INT8], layer_results[VARIANT_INT8] = run_variant(
-            VARIANT_INT8, int8_build, snapshots, eval_ids, train_logps, "bf16", args, vocab_size, device,
-            int8=True, progress=progress, sync=sync, profile=profile)
+            VARIANT_INT8, int8_build, pushed, eval_ids, train_logps, "bf16", args, vocab_size, device,
+            int8=True, progress=progress, sync=sync, profile=profile, model_config=model_cfg)
         rows += r
         if not args.no_fp32_head:
             # FLASHRL_LMHEAD_FP32 on the rollout side: the patches are process-global, so this variant
@@ -154,8 +169,9 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
 
             vllm_fp32.enable_lm_head_fp32()
             r, infos[VARIANT_INT8_FP32HEAD], layer_results[VARIANT_INT8_FP32HEAD] = run_variant(
-                VARIANT_INT8_FP32HEAD, int8_build, snapshots, eval_ids, train_logps, "fp32head", args,
-                vocab_size, device, int8=True, progress=progress, sync=sync, profile=profile)
+                VARIANT_INT8_FP32HEAD, int8_build, pushed, eval_ids, train_logps, "fp32head", args,
+                vocab_size, device, int8=True, progress=progress, sync=sync, profile=profile,
+                model_config=model_cfg)
             rows += r
         transport.update(sync.info())
     vllm_ascend.configure_online_quantization(None)
@@ -181,6 +197,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
         "exit_code": 0 if ok else 1,
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "resolved": {"device": device, "emulated_torch_npu": emulated, "threads": threads, "step_lr": step_lr,
+                     "baseline_tol": args.baseline_tol,
                      "fn": setup["fn"], "entry": entry_info},
         "device": {"device": device, "emulated": emulated,
                    "note": ("CPU with emulated torch_npu kernels" if emulated

@@ -1,4 +1,5 @@
-"""The rehearsal's model: the built-in tiny Qwen2 (pre-trained once, cached) or a local --model."""
+"""The rehearsal's model: the built-in tiny Qwen2 (pre-trained once, cached) or a local --model
+(a dense Qwen2/Llama-style decoder, or a Qwen3-MoE)."""
 from __future__ import annotations
 
 import hashlib
@@ -6,7 +7,8 @@ import json
 import os
 from typing import Any, Dict
 
-from npu_flashrl.rehearsal.common import RECIPE_VERSION, SUPPORTED_ARCHITECTURES, TINY_TRAIN, RehearsalError, progress_bar
+from npu_flashrl.rehearsal.common import (MOE_ARCHITECTURES, MOE_CONFIG_KEYS, RECIPE_VERSION, SUPPORTED_ARCHITECTURES,
+                                          TINY_TRAIN, RehearsalError, progress_bar)
 
 
 def check_model_dir(path: str) -> Dict[str, Any]:
@@ -24,16 +26,26 @@ def check_model_dir(path: str) -> Dict[str, Any]:
     if not any(n.endswith(".safetensors") for n in os.listdir(path)):
         raise RehearsalError(f"--model {path}: no *.safetensors files (a safetensors checkpoint is needed)")
     archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    moe = any(k in cfg for k in MOE_CONFIG_KEYS)
+    if moe:
+        if not any(a in MOE_ARCHITECTURES for a in archs):
+            raise RehearsalError(f"--model {path}: a mixture-of-experts model ({archs or 'no architectures'}); "
+                                 f"the MoE rehearsal supports {', '.join(MOE_ARCHITECTURES)}")
+        if cfg.get("shared_expert_intermediate_size"):
+            raise RehearsalError(f"--model {path}: shared experts (shared_expert_intermediate_size) are not "
+                                 "covered by the rehearsal's MoE state check")
+    elif not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise RehearsalError(f"--model {path}: architectures {archs or '(none)'} is not a Qwen2-like dense "
-                             f"decoder; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise RehearsalError(f"--model {path}: a mixture-of-experts model; the rehearsal supports dense "
-                             "decoders only")
+                             f"decoder; supported: {', '.join(SUPPORTED_ARCHITECTURES)} (mixture of experts: "
+                             f"{', '.join(MOE_ARCHITECTURES)})")
     if cfg.get("quantization_config") or cfg.get("compression_config"):
         raise RehearsalError(f"--model {path}: already quantized (quantization_config in config.json); "
                              "pass the bf16 checkpoint (and --w8a8 DIR for --mode profile)")
     return cfg
+
+
+def is_moe(cfg) -> bool:
+    return bool(cfg) and any(k in cfg for k in MOE_CONFIG_KEYS)
 
 
 def tiny_settings(args, task) -> Dict[str, Any]:

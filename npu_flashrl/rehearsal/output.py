@@ -102,8 +102,10 @@ def print_summary(rows, summary, checks, applied_names, report, report_path, lay
     print(format_table(rows), file=out)
     print("", file=out)
     if layer_results:
+        moe = any(r.get("type") == "experts" for rs in layer_results.values() for r in rs)
         print(f"INT8 state and per-layer output error ({LAYER_ERROR_TOKENS} random tokens per layer, "
-              "vs the bf16 counterpart), all syncs:", file=out)
+              "vs the bf16 counterpart" + ("; experts: the MoE block on clearly-routed tokens vs an fp32 MoE"
+                                           if moe else "") + "), all syncs:", file=out)
         print(format_layer_table(layer_results), file=out)
         print("", file=out)
     b = summary.get(VARIANT_BF16, {})

@@ -51,6 +51,28 @@ class _NpuVllm:
     def __exit__(self, *exc):
         self._stack.close()
 
+    def forward_context(self, num_tokens: int):
+        """vllm-ascend's forward context around a direct call of the model's layers (its MoE
+        layers need one), as its model runner sets it."""
+        from npu_flashrl import compat
+
+        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+
+
+def forward_context_of(rollout, moe: bool):
+    """`num_tokens -> context manager` for direct forwards of `rollout`'s layers: vllm-ascend's
+    forward context for a MoE model (its fused-MoE layers read the MoE comm method from it), None
+    for a dense model (its layers need none, and the dense path stays as it was on every line)."""
+    if not moe:
+        return None
+
+    def ctx(num_tokens: int):
+        try:
+            return rollout.forward_context(num_tokens)
+        except NotImplementedError as exc:
+            raise RehearsalError(f"the MoE forward cannot run on this stack line: {exc}") from None
+    return ctx
+
 
 def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_format: str = "auto",
                  additional_config: Optional[dict] = None):
@@ -71,8 +93,9 @@ def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_
                             use_tqdm_on_load=False, vllm_config=vc)
 
 
-def rollout_logp(model, eval_ids, vocab_size: int, device: str):
-    """Teacher-forced rollout log-probs [B, T-1]: the vLLM model's own layers, one sequence at a time."""
+def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=None):
+    """Teacher-forced rollout log-probs [B, T-1]: the vLLM model's own layers, one sequence at a time
+    (each inside `forward_context(num_tokens)` when given: MoE models)."""
     import torch
 
     from npu_flashrl import compat
@@ -82,22 +105,30 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str):
         for seq in eval_ids:
             seq = seq.to(device)
             positions = torch.arange(seq.shape[0], device=device)
-            hidden = model.model(seq, positions)
+            if forward_context is None:
+                hidden = model.model(seq, positions)
+            else:
+                with forward_context(seq.shape[0]):
+                    hidden = model.model(seq, positions)
             logits = compat.compute_logits(model, hidden).float()[:, :vocab_size]
             rows.append(target_logp(logits[None], seq[None]))
     return torch.cat(rows)
 
 
 def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: str, args, vocab_size: int,
-                device: str, int8: bool, progress: bool, sync, profile: Optional[Dict[str, dict]] = None
+                device: str, int8: bool, progress: bool, sync, profile: Optional[Dict[str, dict]] = None,
+                model_config: Optional[Dict[str, Any]] = None
                 ) -> Tuple[List[Dict[str, Any]], Dict[str, Any], List[Dict[str, Any]]]:
     """Build one rollout model, push every step's weights into it through `sync` (`transport.py`),
     measure; for INT8, check the INT8 state and every quantized layer's output error after each sync
-    (`state.py`). Returns (rows, info, per-layer state results)."""
+    (`state.py`, fused-MoE layers `state_moe.py`). `snapshots`: per step, the weights as the trainer
+    sends them (MoE: per-expert names); `model_config`: the checkpoint's config.json (MoE top-k).
+    Returns (rows, info, per-layer state results)."""
     import torch
 
     from npu_flashrl.metrics import mismatch_metrics
     from npu_flashrl.rehearsal import faults
+    from npu_flashrl.rehearsal.model import is_moe
     from npu_flashrl.rehearsal.state import Int8StateCheck, summarize_step
 
     rows: List[Dict[str, Any]] = []
@@ -113,9 +144,20 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
             info["quantization"] = getattr(v, "quantization", None)
             loader = getattr(model, "_npu_flashrl_loader", None)
             info["int8_loader"] = loader is not None
-            info["quantized_layers"] = len({t.path for t in loader.targets.values()}) if loader else 0
+            experts = getattr(loader, "experts", None) or {}
+            info["quantized_layers"] = len({t.path for t in loader.targets.values()} |
+                                           {t.path for t in experts.values()}) if loader else 0
+            info["expert_layers"] = len({t.path for t in experts.values()})
+            moe = is_moe(model_config)
+            info["moe"] = moe
+            if int8 and moe and not experts:
+                raise RehearsalError(f"rollout {name}: a MoE checkpoint, but the INT8 loader found no "
+                                     "vllm-ascend W8A8_DYNAMIC fused-MoE layers to reload")
+            fwd = forward_context_of(v, moe)
             info["online_quantizer"] = getattr(getattr(loader, "quantizer", None), "name", None)
             info["layer0_qkv_weight_dtype"] = str(model.model.layers[0].self_attn.qkv_proj.weight.dtype)
+            w13 = getattr(getattr(getattr(model.model.layers[0], "mlp", None), "experts", None), "w13_weight", None)
+            info["layer0_w13_weight_dtype"] = str(w13.dtype) if w13 is not None else None
             head = getattr(model, "lm_head", None)
             info["lm_head_dtype"] = str(head.weight.dtype) if head is not None else None
             if int8 and (loader is None or not loader.targets):
@@ -124,7 +166,8 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
             checker = fault = None
             if int8:
                 # right after the cold load: pointers, formats and cold scales are the reference
-                checker = Int8StateCheck(model, loader.targets, device, profile=profile, seed=args.seed)
+                checker = Int8StateCheck(model, loader.targets, device, profile=profile, seed=args.seed,
+                                         experts=experts, moe_config=model_config, forward_context=fwd)
                 fault = faults.install(model, loader)
                 info["fault_injected"] = fault.name if fault else None
             sync.attach(v)
@@ -148,7 +191,7 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
                         r["variant"] = name
                     layer_results += results
                     state = summarize_step(results)
-                logp_r = rollout_logp(model, eval_ids, vocab_size, device)
+                logp_r = rollout_logp(model, eval_ids, vocab_size, device, forward_context=fwd)
                 logp_t = train_logps[step - 1][logp_key]
                 mask = torch.ones_like(logp_t, dtype=torch.bool)
                 m = mismatch_metrics(logp_t, logp_r, mask, tis_threshold=2.0, prefix="")

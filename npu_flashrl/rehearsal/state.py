@@ -28,6 +28,9 @@ So after each sync, for every vllm-ascend W8A8 layer the INT8 loader targets:
   activations, against the bf16 counterpart x @ W^T + b computed in fp32 from the pushed weights;
   relative Frobenius error. INT8 per-channel weights with per-token activations give about 1% here;
   a broken layer 10-100%.
+
+Fused-MoE layers (W8A8_DYNAMIC experts, `loader.experts`): the same five categories per expert,
+and the output error of the whole sparse MoE block, in `state_moe.py`.
 """
 from __future__ import annotations
 
@@ -75,8 +78,13 @@ class Int8StateCheck:
     after each sync. `profile`: the FlashRL int8 profile (profile mode), None for per-channel."""
 
     def __init__(self, model, targets: Dict[str, Any], device: str, profile: Optional[Dict[str, dict]] = None,
-                 seed: int = 0):
+                 seed: int = 0, experts: Optional[Dict[str, Any]] = None, moe_config: Optional[Dict[str, Any]] = None,
+                 forward_context=None):
+        """`experts`: the loader's fused-MoE targets (`loader.experts`); `moe_config`: the checkpoint's
+        config.json (top-k, norm_topk_prob); `forward_context(num_tokens)`: vllm-ascend's forward
+        context, which the MoE block's forward needs."""
         from npu_flashrl import kernels
+        from npu_flashrl.rehearsal.state_moe import expert_checks
 
         self.device = device
         self.tie_tolerant = device == "npu"
@@ -110,6 +118,9 @@ class Int8StateCheck:
             if l.static:  # inside the static activation range the layer was calibrated for
                 x = x * float(_host(l.layer.input_scale).float().flatten()[0]) * 127 / 4
             self.acts[l.path] = x.to(torch.bfloat16)
+        if experts and profile is not None:
+            raise ValueError("a FlashRL int8 profile covers dense layers only; MoE experts are per-channel")
+        self.experts = expert_checks(model, experts or {}, moe_config or {}, forward_context, seed)
 
     # ------------------------------------------------------------------ expected values
     def _expected(self, l: _Layer, name: str, w: torch.Tensor, rows: slice):
@@ -130,7 +141,13 @@ class Int8StateCheck:
     # ------------------------------------------------------------------ one sync
     @torch.no_grad()
     def check(self, weights: Dict[str, torch.Tensor], step: int) -> List[Dict[str, Any]]:
-        return [self._check_layer(l, weights, step) for l in self.layers]
+        out = [self._check_layer(l, weights, step) for l in self.layers]
+        for e in self.experts:
+            problems: Dict[str, Optional[str]] = {c: None for c in CATEGORIES}
+            res = e.check(weights, step, problems, self.tie_tolerant, TIE_BAND, NPU_MAX_TIE_FRACTION)
+            res["problems"] = problems
+            out.append(res)
+        return out
 
     def _check_layer(self, l: _Layer, weights: Dict[str, torch.Tensor], step: int) -> Dict[str, Any]:
         from npu_flashrl import kernels
@@ -296,4 +313,10 @@ def state_rules(device: str, max_layer_error: float) -> Dict[str, Any]:
                         "deq_scale, quant_bias, input_scale, input_offset) and the weight's storage format "
                         "unchanged since the cold load",
             "output": f"relative Frobenius error of the layer's forward on {LAYER_ERROR_TOKENS} random tokens vs "
-                      f"x @ W^T + b in fp32 from the pushed bf16 weights <= {max_layer_error}"}
+                      f"x @ W^T + b in fp32 from the pushed bf16 weights <= {max_layer_error}",
+            "experts": "fused-MoE layers (state_moe.py): per expert, int8 and scales of gate | up (w13) and down "
+                       "(w2) as above; w13_weight_scale_fp32 == w13_weight_scale in fp32, offsets 0, fused_mc2 "
+                       "scales decode to the scales; data_ptr of every expert tensor and the w13/w2 storage "
+                       "format unchanged; output: the sparse MoE block (bf16 router + INT8 experts) on pool "
+                       "tokens with a clear top-k (every expert reached) vs an fp32 MoE from the pushed weights "
+                       f"<= {max_layer_error}"}

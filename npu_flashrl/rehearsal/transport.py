@@ -100,14 +100,45 @@ class DirectSync:
     def push(self, rollout, prepared, int8: bool) -> int:
         from npu_flashrl.adapters import vllm_ascend
 
+        moe = _has_fused_moe(rollout.model)
+        if moe:
+            _verl_moe_weight_loader(rollout.model)
         for bucket in prepared:
             rollout.model.load_weights(iter(bucket))
         if int8:
             vllm_ascend.end_weight_sync(rollout.model)
+        elif moe:
+            # vLLM 0.23's load_weights re-creates an unquantized fused-MoE layer's w13 / w2 in the
+            # checkpoint layout ([E, 2I, H]); vllm-ascend's post-processing (transpose) must run
+            # again, once per sync, as verl 0.9's update_weights_from_ipc runs it after the last
+            # bucket. On 0.11 the post-processing keeps its layout on a rerun (no-op).
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            device = next(rollout.model.parameters()).device
+            process_weights_after_loading(rollout.model, rollout.vllm_config.model_config, device)
         return len(prepared)
 
     def info(self) -> Dict[str, Any]:
         return {"buckets_requested": self.buckets}
+
+
+def _has_fused_moe(model) -> bool:
+    return any(hasattr(m, "w13_weight") for m in model.modules())
+
+
+def _verl_moe_weight_loader(model) -> None:
+    """What verl's sync-mode rollout (sharding managers, `vllm_rollout_spmd`) and its server-mode
+    receiver run on a MoE model before loading weights: `patch_vllm_moe_model_weight_loader`, which
+    gives the fused-MoE parameters that post-processing re-created (vllm-ascend's unquantized
+    method replaces w13 / w2 by transposed copies) the layer's weight_loader again. verl's own
+    function; the INT8 experts go through npu_flashrl's loader either way."""
+    from npu_flashrl.adapters.verl.moe_names import moe_weight_loader_patch
+
+    try:
+        patch_vllm_moe_model_weight_loader = moe_weight_loader_patch()
+    except RuntimeError as exc:
+        raise RehearsalError(f"--transport direct with a MoE model: {exc}") from None
+    patch_vllm_moe_model_weight_loader(model)
 
 
 class VerlSync:

@@ -114,40 +114,13 @@ def trainer_weights(model) -> List[Tuple[str, torch.Tensor]]:
 
     On transformers 5 the experts are fused 3-D parameters; verl 0.9's FSDP engine sends
     `state_dict()` through `verl.workers.engine.fsdp.utils.unfuse_moe_params` (its
-    `get_per_tensor_param`), and so does this. On transformers 4.x (the 0.11 line, verl 0.6) the
+    `get_per_tensor_param`), and so does this (`adapters.verl.moe_names.sync_names`, which the
+    rehearsal uses too). On transformers 4.x (the 0.11 line, verl 0.6) the
     state dict already has one tensor per expert projection and is sent as it is.
     """
-    state = model.state_dict()
-    if not any(".mlp.experts." in n and t.dim() == 3 for n, t in state.items()):
-        return list(state.items())
-    unfuse_moe_params = _verl_unfuse_moe_params()
-    return list(unfuse_moe_params(state.items(), getattr(model.config, "model_type", None)))
+    from npu_flashrl.adapters.verl.moe_names import sync_names
 
-
-def _verl_unfuse_moe_params():
-    """verl 0.9's `unfuse_moe_params`. Its package (`verl.workers.engine.fsdp`) imports peft and
-    the FSDP engines at module level, which the CPU stack may lack; the function's own file needs
-    only torch and verl.utils, so it is then loaded alone, from the installed verl."""
-    try:
-        from verl.workers.engine.fsdp.utils import unfuse_moe_params
-        return unfuse_moe_params
-    except ImportError as exc:
-        first = exc
-    import importlib.util
-
-    try:
-        import verl
-    except ImportError:
-        raise RuntimeError("this model holds fused MoE experts (transformers 5): verl >= 0.9 is "
-                           f"needed to unfuse them as the trainer does ({first})") from None
-    path = os.path.join(os.path.dirname(verl.__file__), "workers", "engine", "fsdp", "utils.py")
-    if not os.path.exists(path):
-        raise RuntimeError(f"{path}: not in the installed verl {getattr(verl, '__version__', '?')} "
-                           "(verl >= 0.9 unfuses transformers 5's packed MoE experts there)")
-    spec = importlib.util.spec_from_file_location("npu_flashrl_verl_fsdp_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.unfuse_moe_params
+    return sync_names(model.state_dict().items(), getattr(model.config, "model_type", None))
 
 
 def _spread_(p: torch.Tensor) -> None:
