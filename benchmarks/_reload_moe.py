@@ -44,7 +44,7 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
                      torch_dtype="bfloat16")
 REAL_LAYERS = 48  # Qwen3-30B-A3B's num_hidden_layers
 # --tiny: the same architecture small enough for a smoke run in seconds
-TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_experts=8,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
@@ -184,7 +184,20 @@ def _run(args, cfg, layers, shape, ckpt, vllm_ascend, cpu_vllm):
     vllm_ascend.configure_online_quantization(None)
     try:
         with cpu_vllm.CpuVllm(ckpt.dir, quantization=None, load_format="dummy") as v:
-            results["a"] = timed(lambda: v.model.load_weights(ckpt.stream()), args.repeats)
+            # what verl does for an unquantized MoE rollout every sync: its MoE weight-loader
+            # patch (vllm-ascend's unquantized method re-created w13 / w2 without a loader),
+            # vLLM's load_weights, then post-processing once (it re-transposes the experts)
+            from npu_flashrl.adapters.verl.moe_names import moe_weight_loader_patch
+            from npu_flashrl.testing.sync import post_sync
+
+            patch = moe_weight_loader_patch()
+
+            def bf16_sync():
+                patch(v.model)
+                v.model.load_weights(ckpt.stream())
+                post_sync(v)
+
+            results["a"] = timed(bf16_sync, args.repeats)
         del v
     except ImportError as exc:
         # vLLM 0.11's unquantized FusedMoE post-processing on a CPU platform builds

@@ -358,3 +358,42 @@ def test_dynamic_eplb_is_refused_by_name(va, moe, tmp_path):
     result = open(out).read()
     assert result.startswith("refused:") and "dynamic EPLB" in result, result
     assert "model.layers.0.mlp.experts" in result
+
+
+def test_verl_npu_transpose_wrapper_does_not_misplace_square_experts(va, tmp_path, monkeypatch):
+    """verl 0.9 on an NPU wraps vLLM's FusedMoE.weight_loader (`verl.utils.vllm.npu_vllm_patch`,
+    applied when `verl.utils.vllm` is imported) to transpose post-processed bf16 experts. With
+    2 x moe_intermediate == hidden its shape test also fires on npu_flashrl's checkpoint-layout
+    staging: the in-place reload steps around it. verl's own wrapper, installed by verl's own
+    function after the engine was built (the wrapper misreads such a model's cold load as well:
+    verl's, not a path of npu_flashrl's)."""
+    fused_moe = pytest.importorskip("vllm.model_executor.layers.fused_moe")
+    FusedMoE = fused_moe.FusedMoE
+    try:
+        npu_patch = __import__("verl.utils.vllm.npu_vllm_patch", fromlist=["_"])
+    except ImportError as exc:
+        pytest.skip(f"verl's NPU vLLM patches do not import on this stack: {exc}")
+    if not hasattr(npu_patch, "_patch_legacy_fused_moe_weight_loader"):
+        pytest.skip("this verl has no FusedMoE weight-loader wrapper")
+    loader = FusedMoE.weight_loader
+    while getattr(loader, "_verl_npu_weight_loader_patched", False):
+        loader = loader.__wrapped__  # importing verl.utils.vllm may have installed it already
+    monkeypatch.setattr(FusedMoE, "weight_loader", loader)  # unwrapped now, restored afterwards
+    dirs, models = [], []
+    for seed in (0, 1):  # hidden 128 = 2 x moe_intermediate 64
+        d = str(tmp_path / f"sq{seed}")
+        models.append(build_tiny_qwen3_moe(d, seed=seed, tokenizer=False,
+                                           config_overrides={"moe_intermediate_size": 64}))
+        dirs.append(d)
+    with build(va, dirs[0]) as v:
+        m = v.model
+        assert npu_patch._patch_legacy_fused_moe_weight_loader(FusedMoE)
+        assert getattr(FusedMoE.weight_loader, "_verl_npu_weight_loader_patched", False)
+        m.load_weights(trainer_weights(models[1]))
+        assert va.end_weight_sync(m) == []
+        for i in range(LAYERS):
+            w13, w2, s13, _ = expected_experts(models[1], i)
+            layer = m.get_submodule(f"model.layers.{i}.mlp.experts")
+            assert torch.equal(layer.w13_weight.data, w13), i
+            assert torch.equal(layer.w2_weight.data, w2), i
+            torch.testing.assert_close(layer.w13_weight_scale.data.float(), s13, rtol=4e-3, atol=0)

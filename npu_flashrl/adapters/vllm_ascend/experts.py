@@ -119,6 +119,25 @@ def resolve_float_expert(model, name: str) -> Optional[str]:
     return None
 
 
+def checkpoint_layout_loader(layer):
+    """The FusedMoE layer's own `weight_loader`, without verl's NPU transpose wrapper.
+
+    verl >= 0.8 on an NPU (`verl.utils.vllm.npu_vllm_patch`, applied when `verl.utils.vllm` is
+    imported) wraps `FusedMoE.weight_loader` to transpose a parameter whose dim 1 (w1/w3) or dim 2
+    (w2) equals hidden_size, for bf16 reloads into vllm-ascend's post-processed [E, H, 2I] experts.
+    npu_flashrl stages in the checkpoint layout [E, 2I, H] / [E, H, I], which that test misreads
+    whenever 2 * moe_intermediate_size (or moe_intermediate_size) equals hidden_size: the gate / up
+    rows would be written transposed. The wrapper marks itself (`_verl_npu_weight_loader_patched`,
+    `__wrapped__`); only it is skipped, vLLM's loader and any other wrapper stay."""
+    fn = getattr(type(layer), "weight_loader", None)
+    while fn is not None and getattr(fn, "_verl_npu_weight_loader_patched", False) \
+            and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    if fn is None:
+        return layer.weight_loader
+    return fn.__get__(layer, type(layer))
+
+
 def _stage_param(data: torch.Tensor, template: torch.nn.Parameter) -> torch.nn.Parameter:
     # carries the template's loader attributes (quant_method="channel" on scales, is_transposed)
     p = torch.nn.Parameter(data, requires_grad=False)
@@ -151,7 +170,7 @@ class ExpertStaging:
     def stage(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
         t = self.target
         expert_id, shard_id, which = t.names[name]
-        loader = t.layer.weight_loader
+        loader = checkpoint_layout_loader(t.layer)
         try:
             ok = loader(self._wp[which], q, f"{t.path}.{which}_weight", shard_id, expert_id,
                         return_success=True)
