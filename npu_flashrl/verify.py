@@ -1,0 +1,440 @@
+"""`npu-flashrl verify`: the checks behind it, one row each (check, status, detail, fix).
+
+Packages against `pins.yaml` (the matching stack line, or what differs), torch_npu / CANN, the
+FlashRL config and its profiles against their models, the registered patches, and optionally verl
+Hydra overrides. `verify_rows` runs them all; `npu_flashrl.cli` wires the subcommand and prints.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from npu_flashrl._logging import get_logger
+
+logger = get_logger("cli")
+
+W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHatAI's, or a ModelSlim "
+            "W8A8 export); for a bf16 checkpoint use --fn int8_profile_free")
+
+
+OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+
+# pins key -> (distribution names to try, required?)
+_REQUIRED = {"torch": True, "vllm": True, "vllm_ascend": True, "transformers": True,
+             "torch_npu": False, "verl": False, "flash_llm_rl": False, "mindspeed": False,
+             "megatron_core": False}
+
+
+def _row(check: str, status: str, detail: str, fix: str = "") -> Dict[str, str]:
+    return {"check": check, "status": status, "detail": detail, "fix": fix}
+
+
+def _dist_info(names: Sequence[str]):
+    from npu_flashrl import pins as pins_mod
+
+    return pins_mod.installed_version(names)
+
+
+def _load_pins(line: Optional[str] = None):
+    from npu_flashrl.pins import load_pins
+    return load_pins(line=line)
+
+
+def line_row() -> Tuple[Dict[str, str], Optional[str]]:
+    """Which line of pins.yaml the installed stack matches (importlib.metadata versions vs each
+    line's pins), and the line the package rows compare against: the matching one, else the
+    closest (fewest differing packages)."""
+    from npu_flashrl import pins as pins_mod
+
+    order = pins_mod.line_names()
+    name, diffs = pins_mod.match_line()
+    detail = pins_mod.describe_match(name, diffs, order)
+    if name:
+        return _row("stack line", OK, detail), name
+    closest = pins_mod.closest_line(diffs, order)
+    return (_row("stack line", WARN, detail,
+                 f"install one line: scripts/install_pinned.sh --line {closest} (package rows below "
+                 f"compare against line '{closest}', the closest)"), closest)
+
+
+def package_rows(pins: dict, line: Optional[str] = None) -> List[Dict[str, str]]:
+    rows = []
+    install = "scripts/install_pinned.sh" + (f" --line {line}" if line and line != "pinned" else "")
+    for key, spec in (pins.get("packages") or {}).items():
+        spec = spec or {}
+        dist = spec.get("dist") or key.replace("_", "-")
+        names = [dist, key, dist.replace("-", "_")]
+        version, commit = _dist_info(names)
+        want_v, want_c = spec.get("version"), spec.get("commit") or spec.get("ref")
+        want = " ".join(x for x in (want_v and f"=={want_v}", want_c and f"@{str(want_c)[:12]}") if x)
+        required = _REQUIRED.get(key, False)
+        check = f"package {dist}"
+        if key == "torch_npu":
+            rows.append(_torch_npu_row(version, want_v))
+            continue
+        if version is None:
+            status = FAIL if required else INFO
+            rows.append(_row(check, status, f"missing (pinned {want or 'any'})",
+                             f"install it: {install} (pinned {want})" if required else ""))
+            continue
+        have = version + (f"@{commit[:12]}" if commit else "")
+        mismatch = []
+        if want_v and version.split("+")[0] != str(want_v):
+            mismatch.append(f"version {version} != {want_v}")
+        if spec.get("commit") and commit and not str(commit).startswith(str(want_c)) \
+                and not str(want_c).startswith(commit):
+            mismatch.append(f"commit {commit[:12]} != {str(want_c)[:12]}")
+        elif spec.get("commit") and not commit and not want_v:
+            mismatch.append("installed without a recorded git commit: cannot tell whether it is the pinned one")
+        elif spec.get("ref") and not spec.get("commit") and str(version.split("+")[0]) not in str(spec["ref"]):
+            mismatch.append(f"version {version} is not ref {spec['ref']}")
+        if key == "vllm_ascend":
+            try:
+                from npu_flashrl.compat import UnsupportedVersion, check_vllm_ascend
+                line = check_vllm_ascend()
+                have += f" (line {line})"
+            except ImportError:
+                pass
+            except UnsupportedVersion as exc:
+                rows.append(_row(check, FAIL, f"{have}: {exc}", f"install vllm-ascend {want}"))
+                continue
+        if mismatch:
+            rows.append(_row(check, WARN, f"{have}; pinned {want}: {'; '.join(mismatch)}",
+                             f"the tested stack is {want}: {install}"))
+        else:
+            rows.append(_row(check, OK, f"{have}" + (f" (pinned {want})" if want else "")))
+    return rows
+
+
+def _torch_npu_row(version: Optional[str], want: Optional[str]) -> Dict[str, str]:
+    try:
+        from npu_flashrl.kernels import emulation
+        real = emulation.real_torch_npu_importable()
+    except ImportError:
+        real = importlib.util.find_spec("torch_npu") is not None
+    if real:
+        broken = _torch_npu_import_error()
+        if broken:
+            return _row("package torch_npu", FAIL, f"{version or 'installed'} but `import torch_npu` fails: {broken}",
+                        f"reinstall torch_npu=={want} for this torch and source CANN's set_env.sh "
+                        f"(scripts/install_pinned.sh --only torch_npu)")
+        detail = f"{version or 'installed'}" + (f" (pinned {want})" if want else "")
+        status = OK if not want or (version or "").split("+")[0] == str(want) else WARN
+        return _row("package torch_npu", status, detail,
+                    "" if status == OK else f"install torch_npu=={want}")
+    return _row("package torch_npu", WARN, "emulated (no torch_npu: CPU reference kernels, no NPU)",
+                f"on an Ascend machine install torch_npu=={want} (scripts/install_pinned.sh)")
+
+
+_TORCH_NPU_ERROR: List[Optional[str]] = []
+
+
+def _torch_npu_import_error() -> Optional[str]:
+    """Why a present torch_npu cannot be imported (None: imports, or absent, or ours emulated)."""
+    if not _TORCH_NPU_ERROR:
+        error = None
+        try:
+            from npu_flashrl.kernels import emulation
+            real = emulation.real_torch_npu_importable()
+        except ImportError:
+            real = importlib.util.find_spec("torch_npu") is not None
+        if real:
+            try:
+                importlib.import_module("torch_npu")
+            except Exception as exc:  # noqa: BLE001 - a broken install raises anything
+                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        _TORCH_NPU_ERROR.append(error)
+    return _TORCH_NPU_ERROR[0]
+
+
+def cann_roots() -> List[str]:
+    roots = [os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"),
+             "/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann",
+             os.path.expanduser("~/Ascend/ascend-toolkit/latest"), os.path.expanduser("~/Ascend/cann")]
+    seen, out = set(), []
+    for r in roots:
+        if r and r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def _parse_version_file(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, sep, value = line.strip().partition("=")
+                if sep and key.strip().lower() in ("version", "toolkit_version", "runtime_version"):
+                    return value.strip().strip('"')
+    except OSError:
+        return None
+    return None
+
+
+def cann_version(roots: Optional[List[str]] = None) -> Optional[Dict[str, str]]:
+    """CANN toolkit version from <root>/<arch>-linux/ascend_toolkit_install.info (CANN 8.x layout),
+    else <root>/version.cfg or <root>/{compiler,runtime}/version.info. None when not found."""
+    import glob
+
+    for root in roots if roots is not None else cann_roots():
+        if not os.path.isdir(root):
+            continue
+        candidates = sorted(glob.glob(os.path.join(root, "*-linux", "ascend_toolkit_install.info")))
+        candidates += [os.path.join(root, "ascend_toolkit_install.info"), os.path.join(root, "version.cfg"),
+                       os.path.join(root, "compiler", "version.info"), os.path.join(root, "runtime", "version.info")]
+        for path in candidates:
+            if os.path.exists(path):
+                version = _parse_version_file(path)
+                if version:
+                    return {"version": version, "path": path}
+    return None
+
+
+def cann_row(pins: dict) -> Dict[str, str]:
+    want = pins.get("cann")
+    found = cann_version()
+    row_name = "CANN toolkit"
+    if found:
+        v = found["version"]
+        status = OK if not want or v.upper() == str(want).upper() else WARN
+        return _row(row_name, status, f"{v} ({found['path']})" + (f"; pinned {want}" if status != OK else ""),
+                    "" if status == OK else f"the tested CANN is {want}")
+    try:
+        from npu_flashrl.kernels import emulation
+        real = emulation.real_torch_npu_importable()
+    except ImportError:
+        real = False
+    if real:
+        return _row(row_name, FAIL, "not found (torch_npu is installed but no CANN toolkit)",
+                    "install CANN and `source /usr/local/Ascend/ascend-toolkit/set_env.sh` "
+                    "(or set ASCEND_TOOLKIT_HOME)")
+    return _row(row_name, WARN, "emulated (no CANN toolkit found; no NPU)",
+                f"on an Ascend machine install CANN {want} and source its set_env.sh")
+
+
+def activation_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
+    """Did `import npu_flashrl` activate from FLASHRL_CONFIG in this process (it runs before verify)?"""
+    import npu_flashrl
+    from npu_flashrl.config import ENV_CONFIG, ConfigError, lmhead_fp32_requested
+
+    rows = []
+    try:
+        lmhead_fp32_requested()
+    except ConfigError as exc:
+        rows.append(_row("FLASHRL_LMHEAD_FP32", FAIL, str(exc), "export FLASHRL_LMHEAD_FP32=1 (or 0)"))
+    error = getattr(npu_flashrl, "activation_error", None)
+    if error:
+        rows.append(_row("activation", FAIL, f"activation from {ENV_CONFIG} failed at import: {error}",
+                         "fix the cause above; a rollout with this environment runs without npu_flashrl"))
+    elif os.environ.get(ENV_CONFIG, "").strip() and not config_path \
+            and os.environ.get("NPU_FLASHRL_NO_AUTOACTIVATE") != "1":
+        rows.append(_row("activation", OK, f"activated from {ENV_CONFIG} at import"))
+    return rows
+
+
+def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
+    from npu_flashrl.config import (ENV_CONFIG, ConfigError, load_config, needs_profile,
+                                    unknown_key_problems)
+    from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
+
+    source = config_path if config_path else os.environ.get(ENV_CONFIG)
+    label = f"config {source}" if source else "config"
+    if not source:
+        return [_row("config", WARN, f"no --config and {ENV_CONFIG} is not set: npu_flashrl stays inactive",
+                     f"npu-flashrl setup ... -o CONFIG; export {ENV_CONFIG}=CONFIG")]
+    try:
+        cfg = load_config(source)
+    except ConfigError as exc:
+        return [_row(label, FAIL, str(exc), "fix the file, or rewrite it: npu-flashrl setup ... -o CONFIG")]
+    rows = [_row(label, OK, f"{len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'}: "
+                 + ", ".join(e.fn for e in cfg.entries))]
+    for i, entry in enumerate(cfg.entries):
+        check = f"configs[{i}] ({entry.fn})"
+        for problem in unknown_key_problems(entry, f"configs[{i}]"):
+            rows.append(_row(check, FAIL, problem, "fix the key's spelling, or remove it"))
+        if entry.model:
+            if not os.path.isdir(entry.model):
+                rows.append(_row(check, FAIL, f"model {entry.model}: no such dir",
+                                 "point `model` at the local checkpoint dir"))
+                continue
+            if not any(f.endswith(".safetensors") for f in os.listdir(entry.model)):
+                rows.append(_row(check, FAIL, f"model {entry.model}: no *.safetensors files",
+                                 "use a safetensors HF checkpoint"))
+                continue
+        if not needs_profile(entry):
+            rows.append(_row(check, OK, f"model {entry.model or '(the rollout model)'}"))
+            continue
+        fmt = str(entry.load_format).lower() if entry.load_format else None
+        if fmt == "dummy":
+            rows.append(_row(check, FAIL, f"load_format: {entry.load_format} with fn int8: random "
+                             "weight_scale tensors that no weight sync replaces", "load_format: auto"))
+            continue
+        if fmt is None:
+            rows.append(_row(check, WARN, "no load_format: the engine's own is used, and verl's sync "
+                             "rollout passes dummy, which is refused at engine build for fn int8",
+                             "load_format: auto"))
+        if entry.model:
+            from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
+
+            moe = moe_profile_problem(entry.model)
+            if moe:
+                rows.append(_row(check, FAIL, moe, MOE_FIX.replace("--fn ", "fn: ", 1)))
+                continue
+            problems = check_w8a8_checkpoint(entry.model)
+            if problems:
+                rows.append(_row(check, FAIL, "; ".join(problems), W8A8_FIX.replace("-m", "`model`", 1)))
+                continue
+        path = entry.profile_path()
+        if path is None:
+            rows.append(_row(check, WARN, "no `profile` and no `model`: profile resolved at run time "
+                             "as <rollout model>/profile.pt, not checked", "set `profile` and `model`"))
+            continue
+        try:
+            prof = load_profile(path)
+        except ProfileError as exc:
+            rows.append(_row(check, FAIL, str(exc), "npu-flashrl profile -m BF16 -q W8A8 -o PROFILE"))
+            continue
+        if not entry.model:
+            rows.append(_row(check, WARN, f"profile {path} readable ({len(prof)} entries); no `model` "
+                             "to check it against", "set `model` in the entry"))
+            continue
+        try:
+            offenders = check_profile_against_model(prof, entry.model)
+        except ProfileError as exc:
+            rows.append(_row(check, FAIL, str(exc), "re-download or re-convert the checkpoint"))
+            continue
+        if offenders:
+            rows.append(_row(check, FAIL, f"profile {path} does not match model {entry.model}: "
+                             + "; ".join(offenders),
+                             f"make the profile for this model: npu-flashrl profile -m BF16 -q {entry.model} -o {path}"))
+        else:
+            rows.append(_row(check, OK, f"profile {path} ({len(prof)} entries) matches model {entry.model}"))
+    return rows
+
+
+def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
+    from npu_flashrl import patches
+
+    try:
+        import npu_flashrl.adapters as adapters
+        adapters.load_all()
+    except (ImportError, AttributeError) as exc:
+        logger.debug("adapters.load_all unavailable: %s", exc)
+        for mod in ("npu_flashrl.adapters.flashrl",):
+            try:
+                importlib.import_module(mod)
+            except ImportError:
+                pass
+    crashed: Dict[str, str] = {}
+    if apply:
+        for name in [p["name"] for p in patches.status()]:
+            try:
+                patches.apply_patch(name)
+            except Exception as exc:  # noqa: BLE001 - a missing or broken torch_npu, say: one failed row
+                crashed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    rows = []
+    for p in patches.status():
+        check = f"patch {p['name']}"
+        detail = f"{p['target']} [{p['versions']}]"
+        if p["name"] in crashed:
+            error = crashed[p["name"]]
+            fix = ("install the pinned torch_npu (scripts/install_pinned.sh --only torch_npu) and source "
+                   "CANN's set_env.sh" if "torch_npu" in error or _torch_npu_import_error() else
+                   "install the pinned version of the target (npu_flashrl/pins.yaml)")
+            rows.append(_row(check, FAIL, f"applying it failed: {error} ({detail})", fix))
+        elif p["applied"]:
+            rows.append(_row(check, OK, f"applied in this process: {detail}"))
+        elif p["error"]:
+            rows.append(_row(check, WARN, f"not applied: {p['error']} ({detail})",
+                             "install the pinned version of the target (npu_flashrl/pins.yaml)"))
+        else:
+            rows.append(_row(check, INFO, f"registered, not applied in this process (the vLLM plugin "
+                             f"applies it when FLASHRL_CONFIG is set; --apply-patches tries now): {detail}"))
+    if not rows:
+        rows.append(_row("patches", INFO, "no patches registered"))
+    return rows
+
+
+def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
+    """(Hydra overrides, environment assignments) of a verl command or an overrides file: one
+    override per line or a recipe's ``--dry-run`` output (backslash continuations, ``env K=V``)."""
+    import shlex
+
+    words = shlex.split(text.replace("\\\n", " "), comments=True)
+    env: Dict[str, str] = {}
+    entry = "verl.trainer.main_ppo"
+    if entry in words:
+        for w in words[:words.index(entry)]:
+            k, sep, v = w.partition("=")
+            if sep and k.isidentifier():
+                env[k] = v
+        words = words[words.index(entry) + 1:]
+    return [w for w in words if "=" in w and not w.startswith("-")], env
+
+
+def verl_rows(path: str, verl: Optional[str] = None) -> List[Dict[str, str]]:
+    """Check verl overrides (file, or '-' for stdin) the way the verl line ``verl`` (None: the
+    installed verl's, 51d2104 when verl is absent; see compat.verl_line) would run them."""
+    from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
+                                           overrides_to_config)
+
+    label = f"verl overrides {path}"
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as exc:
+        return [_row(label, FAIL, f"cannot read: {exc}", "pass a file of Hydra overrides or '-' for stdin")]
+    overrides, env = read_overrides(text)
+    if not overrides:
+        return [_row(label, FAIL, "no Hydra overrides (key=value) found",
+                     "pass a recipe's --dry-run output or one override per line")]
+    cfg = overrides_to_config(overrides)
+    environ = dict(os.environ)
+    environ.update(env)
+    try:
+        warnings = check_rollout_mode(cfg, environ=environ, verl=verl)
+    except (RolloutModeError, TisConfigError) as exc:
+        msg, _, fix = str(exc).partition(" Fix: ")
+        return [_row(label, FAIL, msg, fix)]
+    if warnings:
+        return [_row(label, WARN, w) for w in warnings]
+    from npu_flashrl import compat
+
+    return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl "
+                 f"{compat.verl_line(verl)}")]
+
+
+def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
+                verl_overrides: Optional[str] = None) -> List[Dict[str, str]]:
+    rows: List[Dict[str, str]] = []
+    line: Optional[str] = None
+    try:
+        row, line = line_row()
+        rows.append(row)
+        pins = _load_pins(line)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        pins = {}
+        rows.append(_row("pins.yaml", FAIL, str(exc), "reinstall npu_flashrl"))
+    rows += package_rows(pins, line)
+    rows.append(cann_row(pins))
+    rows += activation_rows(config_path)
+    rows += config_rows(config_path)
+    if verl_overrides:
+        rows += verl_rows(verl_overrides)
+    rows += patch_rows(apply_patches)
+    return rows
+
+
+def format_table(rows: List[Dict[str, str]]) -> str:
+    w1 = max(len(r["check"]) for r in rows)
+    w2 = max([len("STATUS")] + [len(r["status"]) for r in rows])
+    lines = [f"{'CHECK'.ljust(w1)}  {'STATUS'.ljust(w2)}  DETAIL", "-" * (w1 + w2 + 12)]
+    for r in rows:
+        lines.append(f"{r['check'].ljust(w1)}  {r['status'].ljust(w2)}  {r['detail']}")
+        if r["fix"] and r["status"] in (FAIL, WARN):
+            lines.append(f"{''.ljust(w1)}  {''.ljust(w2)}  fix: {r['fix']}")
+    return "\n".join(lines)
