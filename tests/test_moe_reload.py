@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from npu_flashrl import kernels, patches
+from npu_flashrl import kernels
 from npu_flashrl.quant import WeightSyncError
 from npu_flashrl.testing import cpu_vllm
 from npu_flashrl.testing.sync import (BucketBuffer, assert_same_state, bucket_bytes, post_sync,
@@ -198,13 +198,7 @@ def test_flashrl_int8_profile_is_refused_for_a_moe_model(va, moe):
 # --------------------------------------------------------------------------- TP=2 / EP=2
 
 def _tp_worker(rank, port, dirs, out_dir, expert_parallel):
-    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    os.environ["VLLM_PLUGINS"] = "none"
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm_ascend
-
-    patches.apply_patches(list(vllm_ascend.PATCHES))
-    vllm_ascend.configure_online_quantization("int8_profile_free")
+    vllm_ascend = cpu_vllm.prepare_int8_worker()
     from transformers import AutoModelForCausalLM
 
     new = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.bfloat16)
@@ -323,14 +317,8 @@ def test_fused_mc2_scales_follow_every_sync(va, moe):
 
 
 def _eplb_worker(rank, port, model_dir, out):
-    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    os.environ["VLLM_PLUGINS"] = "none"
     os.environ["DYNAMIC_EPLB"] = "true"  # vllm-ascend asserts it is set with dynamic_eplb
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm_ascend
-
-    patches.apply_patches(list(vllm_ascend.PATCHES))
-    vllm_ascend.configure_online_quantization("int8_profile_free")
+    vllm_ascend = cpu_vllm.prepare_int8_worker()
     vllm_config = _with_additional_config(model_dir, {"eplb_config": {"dynamic_eplb": True}})
     try:
         with cpu_vllm.CpuVllm(model_dir, quantization="ascend", vllm_config=vllm_config,

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from npu_flashrl import kernels, patches
+from npu_flashrl import kernels
 from npu_flashrl.testing import cpu_vllm
 from npu_flashrl.testing.tiny_models import build_tiny_qwen2
 
@@ -341,13 +341,7 @@ def test_profile_reload_matches_flashrl_int8(va, ckpts, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- TP=2
 
 def _tp_worker(rank, port, dirs, out_dir):
-    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    os.environ["VLLM_PLUGINS"] = "none"
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm_ascend
-
-    patches.apply_patches(list(vllm_ascend.PATCHES))
-    vllm_ascend.configure_online_quantization("int8_profile_free")
+    vllm_ascend = cpu_vllm.prepare_int8_worker()
     from transformers import AutoModelForCausalLM
 
     new = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.bfloat16)

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional
 import torch
 
 from npu_flashrl import compat
+from npu_flashrl.adapters.vllm_ascend.description import matches_ignore
 
 _LAYER_RE = re.compile(r"^(.*\.layers\.\d+)\.")
 DENSE_IGNORE = ("lm_head",)
@@ -68,18 +69,6 @@ def default_ignore(weight_names) -> List[str]:
     if any(".mlp.shared_expert_gate." in n for n in names):
         ignore.append(SHARED_EXPERT_GATE_IGNORE)
     return ignore
-
-
-def _ignored(module: str, ignore) -> bool:
-    """compressed-tensors' target matching for names: "re:<regex>" is re.match on the module
-    name, anything else is the module name (or its last components)."""
-    for pattern in ignore:
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], module):
-                return True
-        elif module == pattern or module.endswith("." + pattern):
-            return True
-    return False
 
 
 def w8a8_quantization_config(ignore=DENSE_IGNORE) -> dict:
@@ -175,7 +164,7 @@ def _linear_weights(t: Dict[str, torch.Tensor], prefix: str, ignore) -> List[str
     for name, tensor in t.items():
         if not (name.startswith(prefix + ".") and name.endswith(".weight")) or tensor.dim() != 2:
             continue
-        if not _ignored(name[: -len(".weight")], ignore):
+        if not matches_ignore(name[: -len(".weight")], ignore):
             out.append(name)
     return sorted(out)
 
@@ -268,14 +257,16 @@ def write_w8a8_compressed_tensors(bf16_dir: str, out_dir: str, smooth: bool = Tr
 
 
 def tiny_checkpoint_pair(root: str, seed: int = 0, smooth: bool = True,
-                         config_overrides: Optional[dict] = None):
-    """(bf16_dir, w8a8_dir) of a tiny Qwen2 under `root`, built once (reused when present)."""
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+                         config_overrides: Optional[dict] = None, moe: bool = False):
+    """(bf16_dir, w8a8_dir) of a tiny Qwen2 (`moe`: Qwen3-MoE) under `root`, built once (reused
+    when present)."""
+    from npu_flashrl.testing import tiny_models
 
+    build = tiny_models.build_tiny_qwen3_moe if moe else tiny_models.build_tiny_qwen2
     bf16_dir = os.path.join(root, "bf16")
     w8a8_dir = os.path.join(root, "w8a8")
     if not os.path.exists(os.path.join(bf16_dir, "config.json")):
-        build_tiny_qwen2(bf16_dir, torch.bfloat16, seed, config_overrides=config_overrides)
+        build(bf16_dir, torch.bfloat16, seed, config_overrides=config_overrides)
     if not os.path.exists(os.path.join(w8a8_dir, "config.json")):
         write_w8a8_compressed_tensors(bf16_dir, w8a8_dir, smooth=smooth)
     return bf16_dir, w8a8_dir
@@ -283,13 +274,5 @@ def tiny_checkpoint_pair(root: str, seed: int = 0, smooth: bool = True,
 
 def tiny_moe_checkpoint_pair(root: str, seed: int = 0, smooth: bool = True,
                              config_overrides: Optional[dict] = None):
-    """(bf16_dir, w8a8_dir) of a tiny Qwen3-MoE under `root`, built once (reused when present)."""
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen3_moe
-
-    bf16_dir = os.path.join(root, "bf16")
-    w8a8_dir = os.path.join(root, "w8a8")
-    if not os.path.exists(os.path.join(bf16_dir, "config.json")):
-        build_tiny_qwen3_moe(bf16_dir, torch.bfloat16, seed, config_overrides=config_overrides)
-    if not os.path.exists(os.path.join(w8a8_dir, "config.json")):
-        write_w8a8_compressed_tensors(bf16_dir, w8a8_dir, smooth=smooth)
-    return bf16_dir, w8a8_dir
+    """`tiny_checkpoint_pair` of a tiny Qwen3-MoE."""
+    return tiny_checkpoint_pair(root, seed, smooth, config_overrides, moe=True)

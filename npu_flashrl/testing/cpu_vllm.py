@@ -49,6 +49,21 @@ def prepare_process(enable_nz: bool = True) -> None:
     _hccl_dispatchers_unavailable()
 
 
+
+def prepare_int8_worker(fn: Optional[str] = "int8_profile_free"):
+    """Set-up of a spawned worker process that builds INT8 models (the `va` test fixture's work
+    in the test process): no device-backend autoload, no vLLM plugins, `prepare_process`,
+    vllm-ascend's patches applied and `fn` configured. Returns the vllm-ascend adapter module."""
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    os.environ["VLLM_PLUGINS"] = "none"
+    prepare_process()
+    from npu_flashrl import patches
+    from npu_flashrl.adapters import vllm_ascend
+
+    patches.apply_patches(list(vllm_ascend.PATCHES))
+    vllm_ascend.configure_online_quantization(fn)
+    return vllm_ascend
+
 _cpu_libs: dict = {}
 
 

@@ -58,7 +58,7 @@ class QuantDescription(dict):
 
     def quant_type(self, key: str) -> str:
         module = key[: -len(".weight")] if key.endswith(".weight") else key
-        if _ignored(module, self.ignore):
+        if matches_ignore(module, self.ignore):
             return FLOAT
         last = module.rsplit(".", 1)[-1]
         if key.endswith(".weight") and (last in PROJECTIONS or last == FUSED_EXPERTS):
@@ -102,7 +102,9 @@ def _check_experts_uniform(desc: dict, where: str) -> None:
                 "all its experts")
 
 
-def _ignored(module: str, ignore: Sequence[str]) -> bool:
+def matches_ignore(module: str, ignore: Sequence[str]) -> bool:
+    """compressed-tensors' `ignore` matching: "re:<regex>" is re.match on the module name,
+    anything else is the module name (or its last components)."""
     for pattern in ignore:
         if pattern.startswith("re:"):
             if re.match(pattern[3:], module):

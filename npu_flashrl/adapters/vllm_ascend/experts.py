@@ -40,14 +40,8 @@ class ExpertTarget:
     local: FrozenSet[str]                       # the names this rank holds (all, without EP)
     shapes: Dict[str, Tuple[int, int]]          # shard id -> full HF shape
 
-    static = False
-
     def full_shape(self, name: str) -> Tuple[int, int]:
         return self.shapes[self.names[name][1]]
-
-    @property
-    def shards(self) -> Tuple[str, ...]:
-        return tuple(sorted(self.local))
 
 
 def _inner(module):

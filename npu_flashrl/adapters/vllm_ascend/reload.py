@@ -286,11 +286,8 @@ class Int8WeightLoader:
     def staging_bytes(self) -> int:
         """Bytes held by staged, uncommitted layers of this sync (MoE: one layer's int8 experts
         per layer being received)."""
-        total = 0
-        for st in self._pending.values():
-            for t in getattr(st, "buffers", lambda: ())():
-                total += t.numel() * t.element_size()
-        return total
+        return sum(t.numel() * t.element_size()
+                   for st in self._pending.values() for t in st.buffers())
 
     # ------------------------------------------------------------------ sync state
     def _reset_sync(self) -> None:
@@ -451,13 +448,7 @@ class Int8WeightLoader:
     def _stage(self, target: _Target, name: str, tensor: torch.Tensor) -> None:
         shard = _Target.shard_of(name)
         idx = target.shards.index(shard)
-        try:
-            # int8 produced in [in, out] memory: the processed layout, so the commit is a memcpy
-            q, scale = self.quantizer.quantize(name, tensor, transposed=True)
-        except WeightSyncError:
-            raise
-        except ValueError as exc:
-            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
+        q, scale = self._quantize(name, tensor)
         st = self._pending.get(target.path)
         layer = target.layer
         if st is None:
@@ -481,17 +472,22 @@ class Int8WeightLoader:
             raise WeightSyncError(f"{name}: does not fit {target.path} ({exc})") from None
         st.received.add(shard)
 
+    def _quantize(self, name: str, tensor: torch.Tensor):
+        """(int8, scale) of one pushed projection / expert shard, produced in [in, out] memory
+        (the processed layout, so a commit is a memcpy); the quantizer's refusals name it."""
+        try:
+            return self.quantizer.quantize(name, tensor, transposed=True)
+        except WeightSyncError:
+            raise
+        except ValueError as exc:
+            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
+
     def _stage_expert(self, target, name: str, tensor: torch.Tensor) -> bool:
         """Stage one expert shard; commit its layer once every local shard arrived. False for an
         expert this rank does not hold (expert parallel): checked, then dropped as vLLM does."""
         if name not in target.local:
             return False
-        try:
-            q, scale = self.quantizer.quantize(name, tensor, transposed=True)
-        except WeightSyncError:
-            raise
-        except ValueError as exc:
-            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
+        q, scale = self._quantize(name, tensor)
         if scale is None:  # the profile quantizer keeps scales: refused at attach for MoE
             raise WeightSyncError(f"{name}: {self.quantizer.name} gives no expert scales")
         st = self._pending.get(target.path)
