@@ -101,13 +101,21 @@ def find_expert_targets(model: torch.nn.Module) -> Dict[str, ExpertTarget]:
     return targets
 
 
-def resolve_float_expert(model, name: str) -> Optional[str]:
-    """The parameter an unquantized (FLOAT) expert weight loads into, through the model's own
-    expert mapping ('...experts.3.gate_proj.weight' -> '...experts.w13_weight'), or None."""
+def expert_name_mapping(model) -> Tuple[Tuple[str, str], ...]:
+    """(param prefix, HF weight prefix) pairs of the model's own expert mapping (empty for a
+    model without one); read once per loader."""
     mapping = getattr(model, "get_expert_mapping", None)
-    if mapping is None or ".experts." not in name:
+    if mapping is None:
+        return ()
+    return tuple((param_prefix, weight_prefix) for param_prefix, weight_prefix, _, _ in mapping())
+
+
+def resolve_float_expert(mapping, name: str) -> Optional[str]:
+    """The parameter an unquantized (FLOAT) expert weight loads into, through `mapping`
+    (`expert_name_mapping`: '...experts.3.gate_proj.weight' -> '...experts.w13_weight'), or None."""
+    if ".experts." not in name:
         return None
-    for param_prefix, weight_prefix, _, _ in mapping():
+    for param_prefix, weight_prefix in mapping:
         if weight_prefix in name:
             return name.replace(weight_prefix, param_prefix)
     return None

@@ -147,6 +147,7 @@ class Int8WeightLoader:
         self._pending: Dict[str, object] = {}  # layer path -> _Staging / ExpertStaging
         self._params = dict(model.named_parameters())
         self._packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self._expert_names = _experts.expert_name_mapping(model)
         target_layers = {t.path for t in self._layers().values()}
         # What a complete sync writes: every target layer and every float parameter outside
         # them (plus the targets' float biases); checkpoint-only tensors (scales) are not pushed.
@@ -440,7 +441,7 @@ class Int8WeightLoader:
         if name == "lm_head.weight" and getattr(getattr(self.model, "config", None),
                                                 "tie_word_embeddings", False):
             return name  # vLLM drops it (tied to the embedding); its shape is still checked
-        expert = _experts.resolve_float_expert(self.model, name)  # unquantized (FLOAT) experts
+        expert = _experts.resolve_float_expert(self._expert_names, name)  # unquantized experts
         if expert is not None and expert in self._params:
             return expert
         return None
