@@ -159,7 +159,7 @@ def _mib(n):
 
 def run(args):
     from npu_flashrl.adapters import vllm_ascend
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     layers = args.layers or 2
     cfg = dict(QWEN3_30B_A3B, **(TINY if args.tiny else {}))
@@ -188,7 +188,7 @@ def _run(args, cfg, layers, shape, ckpt, vllm_ascend, cpu_vllm):
             # patch (vllm-ascend's unquantized method re-created w13 / w2 without a loader),
             # vLLM's load_weights, then post-processing once (it re-transposes the experts)
             from npu_flashrl.adapters.verl.moe_names import moe_weight_loader_patch
-            from npu_flashrl.testing.sync import post_sync
+            from npu_flashrl.sim.sync import post_sync
 
             patch = moe_weight_loader_patch()
 

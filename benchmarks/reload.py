@@ -79,7 +79,7 @@ def streamed_fp32_sync(cfg, weights, args):
     Returns the peak extra heap bytes and the target (largest fused layer in bf16 + the largest
     single non-projection tensor, fp32)."""
     from npu_flashrl.adapters import vllm_ascend
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     cfg32 = dict(cfg, vocab_size=args.fp32_vocab)
     model_dir = tempfile.mkdtemp(prefix="npu_flashrl_bench_fp32_")
@@ -133,7 +133,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
 
     from npu_flashrl import patches
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm_ascend

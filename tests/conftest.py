@@ -104,7 +104,7 @@ def va():
     """The vllm-ascend adapter with its patches applied on the CPU harness (emulated torch_npu);
     models built in the test get the online INT8 loader once a quantizer is configured."""
     from npu_flashrl import patches
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm_ascend

@@ -35,7 +35,7 @@ import torch
 from npu_flashrl import cli
 from npu_flashrl import config as C
 from npu_flashrl import profile as P
-from npu_flashrl.testing.checkpoints import tiny_checkpoint_pair
+from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "tests" / "verl_examples"
@@ -581,7 +581,7 @@ def test_logging_file_bad_keeps_activating(d):
     """Activation at import with a bad FLASHRL_LOGGING_FILE still happens (emulated torch_npu, CPU harness)."""
     code = textwrap.dedent("""
         import importlib, os
-        from npu_flashrl.testing import cpu_vllm
+        from npu_flashrl.sim import cpu_vllm
         cpu_vllm.prepare_process()
         os.environ["FLASHRL_CONFIG"] = "bf16"
         import npu_flashrl

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from npu_flashrl.testing import cpu_vllm
-from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
 pytestmark = pytest.mark.every_line
 

@@ -11,7 +11,7 @@ import yaml
 from npu_flashrl import cli
 from npu_flashrl import config as C
 from npu_flashrl import profile as P
-from npu_flashrl.testing.checkpoints import tiny_checkpoint_pair
+from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
 
 @pytest.fixture(scope="module")

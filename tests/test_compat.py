@@ -74,7 +74,7 @@ def test_installed_line_is_decided_once_and_frozen():
     with pytest.raises(Exception):
         ln.layout = "x"  # frozen
     # the classes it names exist in the installed vllm-ascend (the emulation lets it import)
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     cpu_vllm.prepare_process()
     linear, static, dynamic = compat.quant_method_classes()

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from npu_flashrl.testing.tiny_models import TINY_QWEN2, build_tiny_qwen2  # noqa: E402
+from npu_flashrl.sim.tiny_models import TINY_QWEN2, build_tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
@@ -20,7 +20,7 @@ LOGITS_REL_TOL = 3e-2
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from npu_flashrl.testing.cpu_vllm import CpuVllm
+    from npu_flashrl.sim.cpu_vllm import CpuVllm
 
     model_dir = str(tmp_path_factory.mktemp("tiny_qwen2"))
     hf = build_tiny_qwen2(model_dir, dtype=torch.bfloat16, seed=0, tokenizer=False).eval()

@@ -98,7 +98,7 @@ def test_install_is_idempotent(torch_npu):
 def test_vllm_ascend_quant_modules_import(torch_npu):
     pytest.importorskip("vllm")
     pytest.importorskip("vllm_ascend")
-    from npu_flashrl.testing.cpu_vllm import prepare_process
+    from npu_flashrl.sim.cpu_vllm import prepare_process
 
     from npu_flashrl import compat
 

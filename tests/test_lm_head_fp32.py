@@ -2,7 +2,7 @@
 
 Trainer side (transformers) runs in-process. The vLLM side runs the REAL vLLM 0.11.0 Qwen2 model (and
 vllm-ascend 0.11.0's AscendParallelLMHead / AscendLogitsProcessor) on the CPU through
-npu_flashrl.testing.cpu_vllm, each scenario in a fresh subprocess: the patches are process-global
+npu_flashrl.sim.cpu_vllm, each scenario in a fresh subprocess: the patches are process-global
 (every lm head built afterwards is fp32) and must not leak into other tests.
 """
 import json
@@ -16,7 +16,7 @@ import torch
 
 from npu_flashrl import patches
 from npu_flashrl.adapters import transformers as tfa
-from npu_flashrl.testing.tiny_models import build_tiny_qwen2, tiny_qwen2_config
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2, tiny_qwen2_config
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
@@ -96,7 +96,7 @@ def test_hf_registered_patch_applies_to_new_models(tmp_path):
         import json, torch
         from npu_flashrl import patches
         from npu_flashrl.adapters import transformers as tfa
-        from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+        from npu_flashrl.sim.tiny_models import build_tiny_qwen2
         from transformers import Qwen2ForCausalLM
         assert patches.apply_patch(tfa.PATCH_NAME) and patches.apply_patch(tfa.PATCH_NAME)
         build_tiny_qwen2(%r, dtype=torch.bfloat16, tokenizer=False)
@@ -126,8 +126,8 @@ def _run(code, timeout=600):
 
 _PRELUDE = textwrap.dedent("""
     import json, torch
-    from npu_flashrl.testing import cpu_vllm
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim import cpu_vllm
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
     from npu_flashrl import compat, patches
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm as va

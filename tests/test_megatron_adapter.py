@@ -33,7 +33,7 @@ import torch
 from npu_flashrl import pins
 from npu_flashrl.adapters import megatron as M
 from npu_flashrl.adapters.megatron import stream as S
-from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 # The current line (requirements/cpu-stack-current.txt) has no megatron-core yet: verl 0.9's
@@ -194,7 +194,7 @@ def gpt_layout(tiny):
     sd = {n: p.detach().float() for n, p in hf.state_dict().items()}
     path = os.path.join(d, "mcore.pt")
     torch.save(hf_to_megatron(sd, hf.config), path)
-    from npu_flashrl.testing.cpu_vllm import free_port
+    from npu_flashrl.sim.cpu_vllm import free_port
 
     r = run_py(GPT_SCRIPT.replace("sys.argv[1]", repr(os.path.join(d, "w0")))
                .replace("sys.argv[2]", repr(path)).replace("sys.argv[3]", repr(str(free_port()))))
@@ -387,7 +387,7 @@ def test_pp_layer_offset():
 
 
 def test_megatron_stream_into_int8_reload_equals_hf_load(va, tiny, gpt_layout):
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     d, hf, _ = tiny
     sd = {n: p.detach().clone() for n, p in hf.state_dict().items()}
@@ -679,7 +679,7 @@ print("patched", M.is_fp32_output_layer(build()))
 
 
 def test_fp32_output_layer():
-    from npu_flashrl.testing.cpu_vllm import free_port
+    from npu_flashrl.sim.cpu_vllm import free_port
 
     r = run_py(FP32_SCRIPT.replace("sys.argv[1]", repr(str(free_port()))))
     out = r.stdout.splitlines()

@@ -134,7 +134,7 @@ print("RESULT", json.dumps(out))
 
 
 def probe(paths, module, mindspeed, early_mcore=False, fused=False, lmhead="1"):
-    from npu_flashrl.testing.cpu_vllm import free_port
+    from npu_flashrl.sim.cpu_vllm import free_port
 
     prefix = [str(ROOT), paths["verl"]] + ([paths["mindspeed"]] if mindspeed else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL"))}

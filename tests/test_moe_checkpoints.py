@@ -40,8 +40,8 @@ def moe(tmp_path_factory):
     """A tiny bf16 Qwen3-MoE, its w8a8 checkpoint with and without smoothing, and a config-only
     directory (load_format=dummy). Built before the `va` fixture touches the process."""
     pytest.importorskip("compressed_tensors")
-    from npu_flashrl.testing.checkpoints import write_w8a8_compressed_tensors
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen3_moe
+    from npu_flashrl.sim.checkpoints import write_w8a8_compressed_tensors
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("moe")
     bf16 = str(root / "bf16")
@@ -128,7 +128,7 @@ def test_trainer_weights_are_the_checkpoint_names(moe):
     """What the trainer pushes (verl 0.9 unfuses transformers 5's packed experts with its own
     `unfuse_moe_params`; transformers 4.57's state dict is per-expert already) carries exactly the
     checkpoint's names and values."""
-    from npu_flashrl.testing.tiny_models import trainer_weights
+    from npu_flashrl.sim.tiny_models import trainer_weights
 
     pushed = trainer_weights(moe.model)
     names = [n for n, _ in pushed]
@@ -198,7 +198,7 @@ def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, ki
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from npu_flashrl import compat
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     _, _, dyn = compat.quant_method_classes()
     moe_cls = compat.moe_method_class()
@@ -219,7 +219,7 @@ def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, ki
 # --------------------------------------------------------------------------- refusals
 
 def _moe_qcfg():
-    from npu_flashrl.testing.checkpoints import MOE_IGNORE, w8a8_quantization_config
+    from npu_flashrl.sim.checkpoints import MOE_IGNORE, w8a8_quantization_config
 
     return w8a8_quantization_config(MOE_IGNORE)
 
@@ -271,7 +271,7 @@ def _rewrite(src, dst, drop=()):
 
 def test_checkpoint_whose_int8_weights_disagree_with_the_description_is_refused(moe, tmp_path):
     from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme, describe_checkpoint
-    from npu_flashrl.testing.checkpoints import write_w8a8_compressed_tensors
+    from npu_flashrl.sim.checkpoints import write_w8a8_compressed_tensors
 
     # a quantized router (ignore without the router): vllm-ascend would run int8 values as floats
     qrouter = write_w8a8_compressed_tensors(moe.bf16, str(tmp_path / "qrouter"), smooth=False,
@@ -310,7 +310,7 @@ def test_vllm_loads_the_compressed_tensors_moe_experts_as_stored(va, moe):
     """CpuVllm(w8a8, quantization="ascend") with vllm-ascend's W8A8_DYNAMIC fused-MoE method:
     after its post-processing each layer holds w13_weight [E, H, 2I] = [gate; up]^T and
     w2_weight [E, I, H] = down^T, int8 exactly as in the checkpoint, with its scales."""
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     t = moe.t_smooth
     va.configure_online_quantization(None)

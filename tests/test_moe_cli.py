@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from npu_flashrl import cli
-from npu_flashrl.testing.tiny_models import build_tiny_qwen3_moe
+from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe
 
 
 @pytest.fixture(scope="module")

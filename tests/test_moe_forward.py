@@ -5,7 +5,7 @@ AscendW8A8DynamicFusedMoEMethod (and its W8A8_DYNAMIC linear layers) runs its fo
 vllm-ascend's own forward context, against the transformers bf16 model built from the same
 tiny random checkpoint (2 layers, 8 experts, top-2; the router `mlp.gate` stays bf16).
 
-Stand-ins (all from `npu_flashrl.testing.cpu_vllm`, none touches the MoE arithmetic):
+Stand-ins (all from `npu_flashrl.sim.cpu_vllm`, none touches the MoE arithmetic):
 - torch_npu / torchair: the emulation (`kernels.emulation`); the ops the MoE path calls are the
   reference kernels of `kernels.moe_reference` (tests/test_emulation_moe.py checks each by
   hand), vllm-ascend's compiled `_C_ascend` MoE ops get the same kernels, the NPU stream is one
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from npu_flashrl import kernels
-from npu_flashrl.testing import cpu_vllm
+from npu_flashrl.sim import cpu_vllm
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 

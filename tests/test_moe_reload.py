@@ -4,9 +4,9 @@ in-place reload in random buckets, refusals, TP=2 and expert parallel, on every 
 Real vLLM Qwen3MoeForCausalLM + vllm-ascend's AscendW8A8DynamicFusedMoEMethod (build, weight
 loading through vLLM FusedMoE's own `weight_loader`, post-processing) on the CPU; a tiny Qwen3-MoE
 (2 layers, 8 experts, top-2) built offline. The trainer's weights are what verl sends
-(`testing.tiny_models.trainer_weights`: verl 0.9's own `unfuse_moe_params` on transformers 5).
+(`sim.tiny_models.trainer_weights`: verl 0.9's own `unfuse_moe_params` on transformers 5).
 Stand-ins: torch_npu (reference kernels), vLLM attention (plain SDPA), the HCCL name of
-vllm-ascend's mc2 group (`cpu_vllm._mc2_without_hccl`), verl's IPC sender (`testing.sync.
+vllm-ascend's mc2 group (`cpu_vllm._mc2_without_hccl`), verl's IPC sender (`sim.sync.
 BucketBuffer`: views of one reused buffer, overwritten with NaN after every bucket).
 """
 import os
@@ -17,10 +17,10 @@ import torch
 
 from npu_flashrl import kernels
 from npu_flashrl.quant import WeightSyncError
-from npu_flashrl.testing import cpu_vllm
-from npu_flashrl.testing.sync import (BucketBuffer, assert_same_state, bucket_bytes, post_sync,
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.sync import (BucketBuffer, assert_same_state, bucket_bytes, post_sync,
                                       ptrs, random_buckets, state)
-from npu_flashrl.testing.tiny_models import build_tiny_qwen3_moe, trainer_weights
+from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe, trainer_weights
 
 pytestmark = pytest.mark.every_line
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from npu_flashrl import profile as P
-from npu_flashrl.testing.checkpoints import tiny_checkpoint_pair
+from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
 
 def _require_compressed_tensors():

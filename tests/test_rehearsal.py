@@ -302,7 +302,7 @@ def test_help_names_the_options_and_the_hardware_caveat(capsys):
 def test_synthetic_task_is_deterministic_and_in_range():
     import torch
 
-    from npu_flashrl.testing.synthetic_task import MarkovTask
+    from npu_flashrl.sim.synthetic_task import MarkovTask
 
     task = MarkovTask()
     a = task.sample(4, 20, torch.Generator().manual_seed(3))

@@ -9,7 +9,7 @@ server-mode patches in the rehearsal's process, POSIX shared memory) and `--tran
 the same state, so the two runs' metrics must be equal, and the verl run's INT8 must be above its
 bf16 baseline.
 
-Stand-ins (npu_flashrl.testing.verl_transfer, listed in report.json's transport.stand_ins): verl's
+Stand-ins (npu_flashrl.sim.verl_transfer, listed in report.json's transport.stand_ins): verl's
 `get_torch_device` / `is_support_ipc` inside `bucketed_weight_transfer` (CPU, no IPC), the vLLM
 worker object verl's extension is mixed into, the sender's bucket size in bytes; torch_npu
 emulated by the reference kernels, vLLM attention replaced by plain causal attention.

@@ -1,6 +1,6 @@
 """`npu-flashrl rehearse --model <tiny Qwen3-MoE>`: the rehearsal on a mixture-of-experts checkpoint.
 
-A tiny Qwen3-MoE (2 layers, 8 experts, top-2, `testing.tiny_models.build_tiny_qwen3_moe`, random
+A tiny Qwen3-MoE (2 layers, 8 experts, top-2, `sim.tiny_models.build_tiny_qwen3_moe`, random
 weights, not pre-trained) is written to a tmp dir; ONE subprocess runs the rehearsal on it five
 times (2 syncs, 4 evaluation sequences of 24 tokens, no fp32-head variant): healthy (the line's
 transport, then `--transport direct`), and with faults of the test seam
@@ -16,7 +16,7 @@ vllm-ascend's W8A8_DYNAMIC linear and fused-MoE methods with npu_flashrl's INT8 
 
 Stand-ins: torch_npu (the reference kernels, fused-MoE ops from `kernels.moe_reference`), vLLM
 attention (plain causal attention), gloo answering for HCCL (`cpu_vllm`), and on the verl
-transport the ones listed in report.json's transport.stand_ins (`testing.verl_transfer`).
+transport the ones listed in report.json's transport.stand_ins (`sim.verl_transfer`).
 v0.10.1rc1 (pinned line) is skipped: its runner dispatches small MoE batches with MC2 (HCCL), which
 the CPU harness cannot run.
 """
@@ -65,7 +65,7 @@ def _line_name():
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen3_moe
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe
 
     d = tmp_path_factory.mktemp("tiny-qwen3-moe") / "ckpt"
     model = build_tiny_qwen3_moe(str(d), seed=0)

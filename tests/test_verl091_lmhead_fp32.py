@@ -195,7 +195,7 @@ def _free_port():
 def model_dir(tmp_path_factory):
     import torch
 
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     path = str(tmp_path_factory.mktemp("qwen2"))
     build_tiny_qwen2(path, dtype=torch.float32, tokenizer=False,

@@ -4,7 +4,7 @@ What runs for real: verl 51d2104's `vLLMRollout.update_weights` (its `patch_vllm
 the `model.load_weights` call and vLLM's `process_weights_after_loading` afterwards), fed with the
 generator the FSDP worker's `rollout_mode` builds (`convert_weight_keys` over the trainer's fp32
 state dict); the rollout model is a tiny Qwen2 built by vLLM's loader on vllm-ascend W8A8_DYNAMIC layers
-through npu_flashrl (tests/conftest.py `va`, npu_flashrl/testing/cpu_vllm.py).
+through npu_flashrl (tests/conftest.py `va`, npu_flashrl/sim/cpu_vllm.py).
 
 Stand-ins, each for what needs an NPU or a cluster:
 * `vLLMRollout.__init__` builds a `vllm.LLM` on the device: the rollout is made with
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from npu_flashrl import patches
-from npu_flashrl.testing import cpu_vllm
-from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
 pytestmark = pytest.mark.every_line
 

@@ -139,7 +139,7 @@ def _actor(tree, cfg, monkeypatch, tmp_path):
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.actor.dp_actor import DataParallelPPOActor
 
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)  # stand-in: one process
     model = build_tiny_qwen2(str(tmp_path / "hf"), dtype=torch.float32, seed=0, tokenizer=False)

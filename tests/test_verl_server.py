@@ -2,7 +2,7 @@
 through verl's real `vLLMHttpServer`, on CPU.
 
 The sync tests run verl's real `BucketedWeightSender` in a separate process
-(`npu_flashrl.testing.verl_transfer`) and verl's real
+(`npu_flashrl.sim.verl_transfer`) and verl's real
 `vLLMColocateWorkerExtension.update_weights_from_ipc` (npu_flashrl's patches applied) in this
 one. They use POSIX shared memory with 1 MB buckets and push new weights into a vLLM model built on
 the CPU harness. The tiny Qwen3-MoE (vLLM's Qwen3MoeForCausalLM on vllm-ascend's
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from npu_flashrl import compat, patches
-from npu_flashrl.testing import verl_transfer
+from npu_flashrl.sim import verl_transfer
 
 pytestmark = [
     pytest.mark.every_line,
@@ -78,7 +78,7 @@ class Sender(verl_transfer.SenderProcess):
 def int8_ready():
     """This process on the CPU harness with npu_flashrl's vllm-ascend and verl server patches;
     True when the INT8 W8A8_DYNAMIC path applies on this line."""
-    from npu_flashrl.testing import cpu_vllm, verl_transfer
+    from npu_flashrl.sim import cpu_vllm, verl_transfer
 
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm_ascend
@@ -100,8 +100,8 @@ def _need_int8(ready):
 def rig(int8_ready):
     """Checkpoints w0..w3, their HF state dicts as the trainer sends them, the sender process,
     and this process set up as a vLLM worker with npu_flashrl's patches."""
-    from npu_flashrl.testing import verl_transfer
-    from npu_flashrl.testing.tiny_models import (build_tiny_qwen2, build_tiny_qwen3,
+    from npu_flashrl.sim import verl_transfer
+    from npu_flashrl.sim.tiny_models import (build_tiny_qwen2, build_tiny_qwen3,
                                                  build_tiny_qwen3_moe)
 
     saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
@@ -144,7 +144,7 @@ def _choice(fn):
 def _build(rig, i, fn=None, choice=True):
     """vLLM model from checkpoint w<i>: bf16 (fn None) or INT8 through npu_flashrl, configured the
     way the engine patch configures it (additional_config['npu_flashrl'])."""
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     vc = cpu_vllm.make_vllm_config(rig["dirs"][i], quantization="ascend" if fn else None)
     if choice:
@@ -179,7 +179,7 @@ def _fresh_state(rig, i, fn=None):
 
 
 def _worker(v):
-    from npu_flashrl.testing import verl_transfer
+    from npu_flashrl.sim import verl_transfer
 
     worker = verl_transfer.make_worker(v.model, v.vllm_config)
     buckets = []
@@ -340,7 +340,7 @@ def test_failed_bucket_fails_the_sync_instead_of_hanging(rig):
     """A tensor vLLM's loader rejects (wrong shape) in an early bucket: verl's receiver would
     stop answering and leave the sender blocked; with npu_flashrl the rest is drained unloaded
     and the error reaches the caller."""
-    from npu_flashrl.testing import verl_transfer
+    from npu_flashrl.sim import verl_transfer
 
     bad = os.path.join(rig["root"], "bad.safetensors")
     named = [(n, p.detach()) for n, p in rig["hf"][1].named_parameters()]
@@ -384,7 +384,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     sitecustomize on the subprocess's path)."""
     from importlib.metadata import entry_points
 
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     if "npu_flashrl" not in entry_points(group="vllm.general_plugins").names:
         pytest.skip("npu_flashrl is not installed here (pip install -e .): its vLLM plugin entry "
@@ -452,7 +452,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     import pickle
 
     from npu_flashrl.adapters import vllm_ascend
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     vllm_ascend.configure_online_quantization(None)
     with open(tmp_path / "replica2.pkl", "rb") as f:

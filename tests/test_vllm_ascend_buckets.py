@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from npu_flashrl import compat, kernels
-from npu_flashrl.testing import cpu_vllm
-from npu_flashrl.testing.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
-from npu_flashrl.testing.tiny_models import build_tiny_qwen2, build_tiny_qwen3
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2, build_tiny_qwen3
 
 pytestmark = pytest.mark.every_line
 

@@ -39,8 +39,8 @@ def ascend(tmp_path_factory):
     Creating vLLM parameters reads the TP rank, and 0.11.0's ascend config must be initialised;
     this follows CpuVllm.__enter__. The process group is shared with other tests (created once).
     """
-    from npu_flashrl.testing.cpu_vllm import ensure_distributed, make_vllm_config, prepare_process
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim.cpu_vllm import ensure_distributed, make_vllm_config, prepare_process
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     prepare_process(enable_nz=True)
     from vllm.config import set_current_vllm_config

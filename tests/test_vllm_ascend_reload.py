@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from npu_flashrl import kernels
-from npu_flashrl.testing import cpu_vllm
-from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
@@ -248,7 +248,7 @@ def test_fp32_masters_quantize_like_their_bf16_cast(va, ckpts):
 def test_compressed_tensors_w8a8_loads_on_ascend_w8a8_dynamic(va, ckpts, tmp_path):
     from safetensors import safe_open
 
-    from npu_flashrl.testing.checkpoints import write_w8a8_compressed_tensors
+    from npu_flashrl.sim.checkpoints import write_w8a8_compressed_tensors
 
     dirs, models = ckpts
     w8 = str(tmp_path / "w8a8")
@@ -272,7 +272,7 @@ def test_compressed_tensors_w8a8_loads_on_ascend_w8a8_dynamic(va, ckpts, tmp_pat
 
 @pytest.mark.parametrize("field,value", [("symmetric", False), ("strategy", "group"), ("type", "float")])
 def test_unsupported_compressed_tensors_scheme_is_refused(va, field, value):
-    from npu_flashrl.testing.checkpoints import w8a8_quantization_config
+    from npu_flashrl.sim.checkpoints import w8a8_quantization_config
 
     cfg = w8a8_quantization_config()
     cfg["config_groups"]["group_0"]["weights"][field] = value
@@ -281,7 +281,7 @@ def test_unsupported_compressed_tensors_scheme_is_refused(va, field, value):
 
 
 def test_modelslim_static_w8a8_keeps_qwen2_bias(va, ckpts, tmp_path):
-    from npu_flashrl.testing.modelslim import write_modelslim_w8a8
+    from modelslim_writer import write_modelslim_w8a8
 
     dirs, models = ckpts
     ms = str(tmp_path / "modelslim")
@@ -312,7 +312,7 @@ def test_profile_reload_matches_flashrl_int8(va, ckpts, tmp_path, monkeypatch):
     import flash_rl.flash_quantization as fq
 
     from npu_flashrl.profile import compute_int8_profile
-    from npu_flashrl.testing.checkpoints import write_w8a8_compressed_tensors
+    from npu_flashrl.sim.checkpoints import write_w8a8_compressed_tensors
 
     dirs, models = ckpts
     w8 = str(tmp_path / "w8a8s")

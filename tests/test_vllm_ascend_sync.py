@@ -13,8 +13,8 @@ import weakref
 import pytest
 import torch
 
-from npu_flashrl.testing import cpu_vllm
-from npu_flashrl.testing.checkpoints import tiny_checkpoint_pair
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
 pytestmark = pytest.mark.every_line
 
@@ -24,7 +24,7 @@ def pair(tmp_path_factory):
     """(bf16_dir, w8a8_dir, HF bf16 model, second HF model of the same shape)."""
     from transformers import AutoModelForCausalLM
 
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     root = str(tmp_path_factory.mktemp("sync"))
     bf16, w8 = tiny_checkpoint_pair(root, seed=0, smooth=True)

@@ -16,7 +16,7 @@ import yaml
 from npu_flashrl import cli
 from npu_flashrl import config as C
 from npu_flashrl.profile import check_w8a8_checkpoint
-from npu_flashrl.testing.checkpoints import tiny_checkpoint_pair
+from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
 pytestmark = pytest.mark.every_line
 
@@ -152,8 +152,8 @@ def test_why_dummy_is_refused_a_synced_int8_model_keeps_random_scales(va, pair, 
     `va`): built with load_format=dummy, a complete fn-int8 sync leaves vLLM's random weight_scale in
     use (the profile keeps the checkpoint's scales), while a model loaded from the checkpoint has them."""
     from npu_flashrl.profile import load_profile
-    from npu_flashrl.testing import cpu_vllm
-    from npu_flashrl.testing.tiny_models import build_tiny_qwen2
+    from npu_flashrl.sim import cpu_vllm
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     bf16, w8a8 = pair
     profile = load_profile(profile_pt)

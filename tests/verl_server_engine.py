@@ -25,7 +25,7 @@ Stand-ins (need a cluster or a device):
   config and stops `run_server` there (the HTTP server, `collective_rpc("monkey_patch_model")`
   and uvicorn after it are not run);
 - the platform: vLLM's CPU platform accepting "ascend" and emulated torch_npu
-  (`npu_flashrl.testing.cpu_vllm.prepare_process`).
+  (`npu_flashrl.sim.cpu_vllm.prepare_process`).
 """
 import asyncio
 import json
@@ -40,7 +40,7 @@ class _EngineStarted(Exception):
 
 
 def main(model_dir: str, out_dir: str, scenarios: list) -> None:
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     cpu_vllm.prepare_process()
     import ray
@@ -99,7 +99,7 @@ def main(model_dir: str, out_dir: str, scenarios: list) -> None:
 
 
 def worker(pkl: str) -> None:
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     cpu_vllm.prepare_process()
     with open(pkl, "rb") as f:

@@ -4,7 +4,7 @@ What one run does (each phase with a progress bar):
 
 1. **Model.** By default a tiny Qwen2 (hidden 128, 2 layers, GQA, q/k/v bias, vocab 512) built
    offline and pre-trained for a few seconds (plain torch AdamW, CPU) on a synthetic Markov-chain
-   task (`npu_flashrl.testing.synthetic_task`) so that its next-token distributions are peaked like a
+   task (`npu_flashrl.sim.synthetic_task`) so that its next-token distributions are peaked like a
    real LM's: a random-init model has near-uniform logits and hides INT8 error. The trained
    checkpoint is cached (`--cache-dir`, default ``~/.cache/npu_flashrl/rehearsal/<hash of the
    settings>``); a second run skips training. `--model DIR` uses a local dense Qwen2/Llama-style

@@ -30,7 +30,7 @@ def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, 
     if args.mode == "profile":
         w8a8 = args.w8a8
         if w8a8 is None:
-            from npu_flashrl.testing.checkpoints import write_w8a8_compressed_tensors
+            from npu_flashrl.sim.checkpoints import write_w8a8_compressed_tensors
 
             w8a8 = os.path.join(work, "w8a8")
             import shutil

@@ -50,7 +50,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     from npu_flashrl.rehearsal.state import by_type, state_rules
     from npu_flashrl.adapters.verl.moe_names import sync_names
     from npu_flashrl.rehearsal.trainer import hf_load, simulate_training, trainer_logps
-    from npu_flashrl.testing.synthetic_task import MarkovTask
+    from npu_flashrl.sim.synthetic_task import MarkovTask
 
     progress = not args.no_progress
     threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
@@ -112,7 +112,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
     t = time.perf_counter()
     with progress_bar(3, "profile / setup / activate", progress) as bar:
         if device == "cpu":
-            from npu_flashrl.testing import cpu_vllm
+            from npu_flashrl.sim import cpu_vllm
 
             cpu_vllm.prepare_process()  # torch_npu emulation + vLLM CPU platform, before vLLM loads
         bar.update(1)

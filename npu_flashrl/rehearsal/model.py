@@ -49,7 +49,7 @@ def is_moe(cfg) -> bool:
 
 
 def tiny_settings(args, task) -> Dict[str, Any]:
-    from npu_flashrl.testing.tiny_models import TINY_QWEN2
+    from npu_flashrl.sim.tiny_models import TINY_QWEN2
 
     return {"recipe": RECIPE_VERSION, "model": dict(TINY_QWEN2), "task": task.to_dict(),
             "train": dict(TINY_TRAIN, iters=args.train_iters, seed=args.seed)}
@@ -66,8 +66,8 @@ def ensure_tiny_model(cache_root: str, settings: Dict[str, Any], task, progress:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from npu_flashrl.testing import synthetic_task
-    from npu_flashrl.testing.tiny_models import save_tiny_tokenizer, tiny_qwen2_config
+    from npu_flashrl.sim import synthetic_task
+    from npu_flashrl.sim.tiny_models import save_tiny_tokenizer, tiny_qwen2_config
 
     key = settings_hash(settings)
     final = os.path.join(cache_root, key)

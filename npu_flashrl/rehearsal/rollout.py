@@ -29,7 +29,7 @@ class _NpuVllm:
         from vllm.model_executor.model_loader import get_model
 
         from npu_flashrl import compat
-        from npu_flashrl.testing import cpu_vllm
+        from npu_flashrl.sim import cpu_vllm
 
         torch.npu.set_device(0)
         mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
@@ -82,7 +82,7 @@ def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_
 
     if device == "npu":
         return _NpuVllm(model_dir, torch.bfloat16, quantization, load_format, additional_config)
-    from npu_flashrl.testing import cpu_vllm
+    from npu_flashrl.sim import cpu_vllm
 
     # no vLLM "Loading safetensors checkpoint shards" bar: the rehearsal has its own per-variant bars
     vc = cpu_vllm.make_vllm_config(model_dir, torch.bfloat16, quantization, load_format=load_format,

@@ -32,7 +32,7 @@ def simulate_training(master, task, steps: int, inner: int, lr: float, seed: int
     (||W_k - W_k-1|| / ||W_k-1|| over all parameters)."""
     import torch
 
-    from npu_flashrl.testing import synthetic_task
+    from npu_flashrl.sim import synthetic_task
 
     opt = torch.optim.AdamW(master.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     data = task.batches(16, 32, seed + 1)

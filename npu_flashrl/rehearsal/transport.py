@@ -6,7 +6,7 @@
   verl's `vLLMColocateWorkerExtension.update_weights_from_ipc` in this process receives them into
   the vLLM rollout model, with npu_flashrl's server-mode patches (`adapters.verl.server_091`:
   refusal of a sync into a model without the INT8 loader, `end_weight_sync` after the last
-  bucket, draining after a failed bucket). Stand-ins (`npu_flashrl.testing.verl_transfer`):
+  bucket, draining after a failed bucket). Stand-ins (`npu_flashrl.sim.verl_transfer`):
   verl's device helpers inside the transfer on the CPU, the vLLM worker object verl's extension
   is mixed into, and the sender's bucket size in bytes (so a tiny model's sync arrives in about
   `--buckets` buckets; verl itself takes whole megabytes).
@@ -157,7 +157,7 @@ class VerlSync:
 
     def __enter__(self) -> "VerlSync":
         from npu_flashrl.adapters.verl import server_091
-        from npu_flashrl.testing import verl_transfer
+        from npu_flashrl.sim import verl_transfer
 
         if self.device == "cpu":
             verl_transfer.use_cpu_device()
@@ -193,7 +193,7 @@ class VerlSync:
         """Make `rollout`'s model a verl vLLM worker; the sender process starts with the first one."""
         import torch
 
-        from npu_flashrl.testing import verl_transfer
+        from npu_flashrl.sim import verl_transfer
 
         worker = verl_transfer.make_worker(rollout.model, rollout.vllm_config)
         if self.device != "cpu":
@@ -216,7 +216,7 @@ class VerlSync:
     def prepare(self, snap, rng: random.Random) -> str:
         """The step's weights in the trainer's (shuffled) order, written for the sender process,
         and the bucket size that splits them into about `--buckets` buckets."""
-        from npu_flashrl.testing import verl_transfer
+        from npu_flashrl.sim import verl_transfer
 
         ordered = [t for bucket in shuffled_buckets(snap, 1, rng) for t in bucket]
         fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="sync_", dir=self.work_dir)
@@ -232,7 +232,7 @@ class VerlSync:
     def push(self, rollout, prepared: str, int8: bool) -> int:
         import zmq
 
-        from npu_flashrl.testing import verl_transfer
+        from npu_flashrl.sim import verl_transfer
 
         worker = self._workers[id(rollout)]
         counts = worker._npu_flashrl_bucket_counts
@@ -277,7 +277,7 @@ _SENDERS: Dict[str, Any] = {}
 def _sender(handle: str):
     """The sender process for `handle`, started once per process (about 5 s of imports) and reused
     by later runs in the same process (the fault tests run several); closed at exit."""
-    from npu_flashrl.testing import verl_transfer
+    from npu_flashrl.sim import verl_transfer
 
     sender = _SENDERS.get(handle)
     if sender is not None and sender.proc.poll() is None:

@@ -16,7 +16,7 @@ Stand-ins, only for what needs a GPU/NPU or verl's Ray/vLLM process tree:
   sync arrives in several buckets the way a real model's does in 512 MB ones. verl's own packing
   loop does the rest.
 
-The sender process: `python -m npu_flashrl.testing.verl_transfer ZMQ_HANDLE` reads one JSON
+The sender process: `python -m npu_flashrl.sim.verl_transfer ZMQ_HANDLE` reads one JSON
 command per line on stdin: `{"weights": <safetensors file>, "drop": [names], "bucket_mb": 1,
 "bucket_bytes": N, "overwrite": true}`, sends the file's tensors in the file's order with verl's
 `BucketedWeightSender`, and prints `sent` (with `overwrite`: after the last bucket is
@@ -125,7 +125,7 @@ def fsdp_engine_params(model, dtype: torch.dtype = torch.float32):
 
     from verl.utils.model import convert_weight_keys
 
-    from npu_flashrl.testing.tiny_models import trainer_weights
+    from npu_flashrl.sim.tiny_models import trainer_weights
 
     master = copy.deepcopy(model).to(dtype)
     return list(convert_weight_keys(dict(trainer_weights(master)), master).items())
@@ -167,7 +167,7 @@ class SenderProcess:
         self.handle, self.timeout_s = handle, timeout_s
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "npu_flashrl.testing.verl_transfer", handle],
+            [sys.executable, "-m", "npu_flashrl.sim.verl_transfer", handle],
             env=sender_env() if env is None else env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.err, text=True, bufsize=1)
         try:
@@ -231,7 +231,7 @@ class SenderProcess:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m npu_flashrl.testing.verl_transfer ZMQ_HANDLE", file=sys.stderr)
+        print("usage: python -m npu_flashrl.sim.verl_transfer ZMQ_HANDLE", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_PLUGINS", "none")
     use_cpu_device()

@@ -260,7 +260,7 @@ def tiny_checkpoint_pair(root: str, seed: int = 0, smooth: bool = True,
                          config_overrides: Optional[dict] = None, moe: bool = False):
     """(bf16_dir, w8a8_dir) of a tiny Qwen2 (`moe`: Qwen3-MoE) under `root`, built once (reused
     when present)."""
-    from npu_flashrl.testing import tiny_models
+    from npu_flashrl.sim import tiny_models
 
     build = tiny_models.build_tiny_qwen3_moe if moe else tiny_models.build_tiny_qwen2
     bf16_dir = os.path.join(root, "bf16")
