@@ -394,7 +394,7 @@ def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
 
 def verl_rows(path: str, verl: Optional[str] = None) -> List[Dict[str, str]]:
     """Check verl overrides (file, or '-' for stdin) the way the verl line ``verl`` (None: the
-    installed verl's, 51d2104 when verl is absent; see compat.verl_line) would run them."""
+    installed verl's, the pin's when verl is absent; see compat.verl_line) would run them."""
     from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
                                            overrides_to_config)
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from npu_flashrl import lines, patches
-from npu_flashrl.lines import base, detect, v0_10_1rc1, v0_11_0, v0_23_0
+from npu_flashrl.lines import base, v0_10_1rc1, v0_11_0, v0_23_0
 
 QUANT_023 = ["modelslim_config.py", "method_adapters.py", "utils.py", "methods/registry.py",
              "methods/w8a8_dynamic.py", "methods/w8a8_static.py"]

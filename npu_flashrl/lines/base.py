@@ -14,6 +14,7 @@ one) holding:
   are data here so that no module outside `lines/` names a version).
 
 Behaviour shared by every line is written here once; a line module overrides what differs.
+Importing a line is cheap (no torch, no upstream): detection runs in `verify` and recipes too.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import importlib
 from typing import Callable, Mapping, Optional, Protocol, Tuple
 
 from npu_flashrl import patches
-from npu_flashrl.lines import derived
 
 _Q = "vllm_ascend.quantization"
 # Where vLLM's model loader looks things up; the same names on every supported vLLM.
@@ -166,18 +166,26 @@ class StackLine:
 
     def commit_extras(self, layer) -> None:
         """After a new weight_scale was written: the copies vllm-ascend derives from it."""
+        from npu_flashrl.lines import derived
+
         derived.commit_extras(layer)
 
     def commit_moe_extras(self, layer) -> None:
         """After new expert scales were written: what the fused-MoE scheme derives from them."""
+        from npu_flashrl.lines import derived
+
         derived.commit_moe_extras(layer)
 
     def refresh_static(self, layer) -> None:
         """Static W8A8 after a new weight scale / bias: the derived deq_scale and quant_bias."""
+        from npu_flashrl.lines import derived
+
         derived.refresh_static(layer)
 
     def fold_checkpoint_bias(self, layer) -> None:
         """Static W8A8 at its first post-processing: a checkpoint's float bias into quant_bias."""
+        from npu_flashrl.lines import derived
+
         derived.fold_checkpoint_bias(layer)
 
     def process_once(self, original, after: Optional[Callable] = None):

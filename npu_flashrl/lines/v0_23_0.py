@@ -25,9 +25,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import torch
-
-from npu_flashrl.lines import derived
 from npu_flashrl.lines.base import _Q, StackLine
 
 COMPRESSED_TENSORS = "compressed-tensors"  # vllm_ascend.utils.COMPRESSED_TENSORS_METHOD
@@ -52,6 +49,8 @@ class SchemeRegistryLine(StackLine):
     def is_processed(self, layer) -> bool:
         """Marked by the guard and not put back into the checkpoint layout since (vLLM's
         layerwise reload restores [out, 1] scales)."""
+        import torch
+
         scale = getattr(layer, "weight_scale", None)
         dims = 1  # linear: [out]; fused MoE: [E, 2I] (restored: [E, 2I, 1])
         if scale is None:
@@ -59,28 +58,29 @@ class SchemeRegistryLine(StackLine):
         return bool(getattr(layer, "_npu_flashrl_processed", False)) and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
-    @torch.no_grad()
     def commit_moe_extras(self, layer) -> None:
         """The fp32 w13 scale, and with `enable_fused_mc2` the int64 bit patterns of both scales
         (`fused_w1_scale` / `fused_w2_scale`), derived with vllm-ascend's own converter."""
-        derived.commit_moe_extras(layer)
+        import torch
+
+        super().commit_moe_extras(layer)
         for which, name in (("w13", "fused_w1_scale"), ("w2", "fused_w2_scale")):
             fused = getattr(layer, name, None)
             if isinstance(fused, torch.Tensor):
                 convert = importlib.import_module(self.dynamic_method.partition(":")[0]).scale_from_float_to_int64
-                fused.copy_(convert(getattr(layer, f"{which}_weight_scale").data).view(fused.shape))
+                with torch.no_grad():
+                    fused.copy_(convert(getattr(layer, f"{which}_weight_scale").data).view(fused.shape))
 
     @staticmethod
     def _from_compressed_tensors(layer) -> bool:
         return getattr(layer, "ascend_quant_method", "") == COMPRESSED_TENSORS
 
-    @torch.no_grad()
     def refresh_static(self, layer) -> None:
         """For a ModelSlim layer as on every line; the compressed-tensors variant derives a float
         deq_scale and adds the float bias itself (no quant_bias)."""
         if self._from_compressed_tensors(layer):
             deq = layer.input_scale.data * layer.weight_scale.data  # as its post-processing does
-            layer.deq_scale.data.copy_(deq.to(layer.deq_scale.dtype))
+            layer.deq_scale.data.copy_(deq.to(layer.deq_scale.dtype))  # .data: no autograd
             return
         super().refresh_static(layer)
 

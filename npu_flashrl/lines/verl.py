@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 SYNC, SERVER = "51d2104", "0.9"
+SYNC_PIN = "51d2104ecb61563c41123a8f0bce2f06b18387dc"  # the verl commit the sync-mode line pins
 VERL_LINES = (SYNC, SERVER)
 # accepted spellings: releases, and the CPU test-stack line names (pinned, 0.11, current)
 VERL_ALIASES = {"51d2104": SYNC, "pinned": SYNC, "0.6": SYNC, "0.6.1": SYNC, "0.11": SYNC,

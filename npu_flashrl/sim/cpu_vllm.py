@@ -2,7 +2,7 @@
 
 What it does, following ../shared/docs/cpu-test-stack.md:
 - installs the torch_npu emulation (reference kernels) so vllm_ascend imports, and gives
-  vllm-ascend's NPU-only custom ops (0.23: `vllm::quantize`) a CPU kernel;
+  vllm-ascend's NPU-only custom ops (e.g. `vllm::quantize`) a CPU kernel;
 - makes vLLM's current platform a CPU platform that, like the NPU platform, supports the
   "ascend" quantization method;
 - builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
@@ -113,8 +113,8 @@ def _mc2_without_hccl() -> None:
 class _HcclDispatcherUnavailable:
     """Stand-in for vllm-ascend's MC2 / all-to-all token dispatchers on the CPU harness: they
     dispatch over HCCL, which a gloo process does not have, and their constructors ask the NPU
-    backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (0.11:
-    MC2 always; 0.23: both under expert parallelism) and selects them only where all-gather
+    backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (which,
+    and when: `StackLine.hccl_token_dispatchers`) and selects them only where all-gather
     would not be picked (A2: MC2 from 16 EP ranks on); using one here fails loudly."""
 
     def __init__(self, *args, **kwargs):
@@ -195,7 +195,7 @@ def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[st
 
 def ensure_expert_parallel_group() -> None:
     """vLLM's expert-parallel group for a MoE model, when this process's groups were made for a
-    dense one (idempotent). vLLM 0.23 creates it only if the model of the config current at
+    dense one (idempotent). Newer vLLM creates it only if the model of the config current at
     `initialize_model_parallel` is MoE: right for a worker that serves one model, not for a
     process that builds several (tests). Same ranks as vLLM's (one pipeline stage, no DP / PCP:
     the TP ranks). vLLM lines that always create it are left alone."""
@@ -258,9 +258,9 @@ class CpuVllm:
 
         init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
-        # v0.10.1rc1's AscendFusedMoE builds its MC2 dispatch (HCCL) at init; that line cannot run
-        # a MoE forward here anyway (ascend_harness.cpu_moe_forward_unsupported): vLLM's FusedMoE
-        # holds the same parameters and weight_loader for the load / reload tests
+        # a line whose AscendFusedMoE builds its MC2 dispatch (HCCL) at init cannot run a MoE
+        # forward here anyway (ascend_harness.cpu_moe_forward_unsupported): vLLM's FusedMoE holds
+        # the same parameters and weight_loader for the load / reload tests
         if self.ascend_moe_layers and ascend_harness.cpu_moe_forward_unsupported() is None:
             ascend_harness.register_ascend_moe_layers()
         from vllm.model_executor.model_loader import get_model
