@@ -14,6 +14,8 @@ import pytest
 from npu_flashrl import lines, patches
 from npu_flashrl.lines import base, v0_10_1rc1, v0_11_0, v0_23_0
 
+pytestmark = pytest.mark.every_line  # the installed line's detection and patches, on each line
+
 QUANT_023 = ["modelslim_config.py", "method_adapters.py", "utils.py", "methods/registry.py",
              "methods/w8a8_dynamic.py", "methods/w8a8_static.py"]
 
