@@ -75,7 +75,7 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
         if _importable("vllm"):
             from npu_flashrl import compat
 
-            if compat.verl_server_mode():  # verl 0.7+: the syncs arrive in verl's vLLM workers
+            if compat.verl_server_mode():  # server-mode verl: the syncs arrive in its vLLM workers
                 from npu_flashrl.adapters.verl import server_091
 
                 names += list(server_091.PATCHES)

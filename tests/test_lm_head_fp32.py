@@ -128,7 +128,8 @@ _PRELUDE = textwrap.dedent("""
     import json, torch
     from npu_flashrl.sim import cpu_vllm
     from npu_flashrl.sim.tiny_models import build_tiny_qwen2
-    from npu_flashrl import compat, patches
+    from npu_flashrl import patches
+    from npu_flashrl.sim import ascend_harness
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm as va
     MODEL_DIR = %r
@@ -172,7 +173,7 @@ def test_vllm_patched_build_fp32_logits_and_reload(tmp_path):
             R["loaded_exact"] = torch.equal(head.weight[:V], ck["lm_head.weight"].float())
             torch.manual_seed(0)
             hidden = (torch.randn(16, head.weight.shape[1]) * 3).to(torch.bfloat16)
-            logits = compat.compute_logits(m, hidden)
+            logits = ascend_harness.compute_logits(m, hidden)
             ref = hidden.double() @ head.weight[:V].double().T
             R["logits_dtype"] = str(logits.dtype)
             R["err_fp32"] = err(logits[:, :V], ref)
@@ -233,7 +234,7 @@ def test_vllm_upcast_after_load_untied_and_tied(tmp_path):
                 out["embed_out_dtype"] = str(m.model.embed_tokens(ids).dtype)
                 V = 512
                 hidden = (torch.randn(8, m.lm_head.weight.shape[1]) * 3).to(torch.bfloat16)
-                logits = compat.compute_logits(m, hidden)
+                logits = ascend_harness.compute_logits(m, hidden)
                 ref = hidden.double() @ m.lm_head.weight[:V].double().T
                 out["logits_dtype"] = str(logits.dtype)
                 out["err_fp32"] = err(logits[:, :V], ref)

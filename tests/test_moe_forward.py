@@ -130,9 +130,9 @@ def write_int8_experts(experts, gate_up, down) -> None:
 def vllm_moe(va, hf_moe):
     """The vLLM model on vllm-ascend's W8A8_DYNAMIC methods (online INT8 for the dense
     projections), its experts set to the INT8 of the bf16 checkpoint's experts."""
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
-    unsupported = compat.cpu_moe_forward_unsupported()
+    unsupported = ascend_harness.cpu_moe_forward_unsupported()
     if unsupported:
         pytest.skip(unsupported)
     d, hf = hf_moe
@@ -159,9 +159,9 @@ def _rel(a, b) -> float:
 
 
 def test_moe_layers_are_vllm_ascend_w8a8_dynamic(vllm_moe):
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
-    ascend_cls = compat.ascend_moe_layer_classes()["FusedMoE"]
+    ascend_cls = ascend_harness.ascend_moe_layer_classes()["FusedMoE"]
     for layer in vllm_moe.model.model.layers:
         experts = layer.mlp.experts
         assert isinstance(experts, ascend_cls), type(experts)
@@ -200,11 +200,11 @@ def test_int8_moe_block_matches_bf16_block(vllm_moe, hf_moe, layer_idx):
 def test_unfused_gate_up_path_matches_bf16_block(vllm_moe, hf_moe, monkeypatch):
     """vllm-ascend's other W8A8_DYNAMIC MoE MLP (ascend_fusion_config.fusion_ops_gmmswigluquant
     off, 0.23): per-token npu_grouped_matmul for gate_up, npu_swiglu, npu_dynamic_quant."""
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     import torch_npu
 
-    flag = compat.moe_gmm_swiglu_fusion_flag()
+    flag = ascend_harness.moe_gmm_swiglu_fusion_flag()
     if flag is None:
         pytest.skip("this vllm-ascend line always fuses gate_up + swiglu + quant for W8A8 MoE")
     monkeypatch.setattr(*flag, False)

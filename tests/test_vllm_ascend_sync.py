@@ -84,11 +84,11 @@ def test_torchair_w8a8_layers_are_refused_at_attach(va, pair):
     engine build, naming the layer and the reason."""
     import copy
 
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     pytest.importorskip("vllm_ascend.torchair", reason="this vllm-ascend has no torchair graph mode")
     bf16, _, _, _ = pair
-    table = compat.ascend_quant_method_map()
+    table = ascend_harness.ascend_quant_method_map()
     saved = copy.copy(table) if not any(isinstance(v, dict) for v in table.values()) else \
         {k: dict(v) for k, v in table.items()}
     from vllm_ascend.torchair.utils import torchair_quant_method_register

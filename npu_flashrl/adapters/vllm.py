@@ -14,8 +14,8 @@ Pieces:
 
 * patch ``vllm_lmhead_fp32_compute`` wraps ``UnquantizedEmbeddingMethod.apply``: that method is only
   ever used to turn hidden states into logits (embedding lookups use ``.embedding``), by vLLM's
-  ``LogitsProcessor`` and by vllm-ascend's ``AscendLogitsProcessor`` (normal and lm-head-TP paths, in
-  v0.10.1rc1 and 0.11.0 alike). It computes ``F.linear(h.float(), W.float(), b.float())``; with an
+  ``LogitsProcessor`` and by vllm-ascend's ``AscendLogitsProcessor`` (normal and lm-head-TP paths, on
+  every supported line). It computes ``F.linear(h.float(), W.float(), b.float())``; with an
   fp32 weight the ``.float()`` is free. Quantized lm heads (another quant method) are untouched.
 * patch ``vllm_lmhead_fp32_init`` wraps ``ParallelLMHead.__init__`` and, when vllm-ascend is
   importable, ``AscendParallelLMHead.__init__`` (vllm-ascend registers it as the out-of-tree op that
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
-from npu_flashrl import patches
+from npu_flashrl import lines, patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable, register
 
@@ -162,7 +162,7 @@ def _make_apply(original):
     return apply
 
 
-@register(PATCH_COMPUTE, f"{_VPE}:UnquantizedEmbeddingMethod.apply", "vllm 0.10.1 .. 0.11.x",
+@register(PATCH_COMPUTE, f"{_VPE}:UnquantizedEmbeddingMethod.apply", lines.versions("vllm"),
           doc="lm head logits computed in fp32 (vLLM LogitsProcessor and vllm-ascend AscendLogitsProcessor)")
 def _apply_compute() -> None:
     patches.replace(f"{_VPE}:UnquantizedEmbeddingMethod.apply", _make_apply)
@@ -180,7 +180,7 @@ def _make_init(original):
     return __init__
 
 
-@register(PATCH_INIT, f"{_VPE}:ParallelLMHead.__init__", "vllm 0.10.1 .. 0.11.x; vllm-ascend v0.10.1rc1, 0.11.0",
+@register(PATCH_INIT, f"{_VPE}:ParallelLMHead.__init__", lines.versions("vllm", "vllm-ascend"),
           doc="lm head weight created in fp32 (ParallelLMHead and vllm-ascend AscendParallelLMHead)")
 def _apply_init() -> None:
     patches.replace(f"{_VPE}:ParallelLMHead.__init__", _make_init)

@@ -28,8 +28,7 @@ class _NpuVllm:
                                  VllmConfig, set_current_vllm_config)
         from vllm.model_executor.model_loader import get_model
 
-        from npu_flashrl import compat
-        from npu_flashrl.sim import cpu_vllm
+        from npu_flashrl.sim import ascend_harness, cpu_vllm
 
         torch.npu.set_device(0)
         mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
@@ -38,12 +37,12 @@ class _NpuVllm:
                                       load_config=LoadConfig(load_format=self.load_format,
                                                              use_tqdm_on_load=False),
                                       parallel_config=ParallelConfig(tensor_parallel_size=1),
-                                      compilation_config=compat.eager_compilation_config(native_ops=False))
+                                      compilation_config=ascend_harness.eager_compilation_config(native_ops=False))
         if self.additional_config:
             self.vllm_config.additional_config = dict(self.additional_config)
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         cpu_vllm.ensure_distributed(1, backend="hccl")
-        compat.init_vllm_ascend_config(self.vllm_config)
+        ascend_harness.init_vllm_ascend_config(self.vllm_config)
         cpu_vllm.use_plain_attention()
         self.model = get_model(vllm_config=self.vllm_config)
         return self
@@ -54,9 +53,9 @@ class _NpuVllm:
     def forward_context(self, num_tokens: int):
         """vllm-ascend's forward context around a direct call of the model's layers (its MoE
         layers need one), as its model runner sets it."""
-        from npu_flashrl import compat
+        from npu_flashrl.sim import ascend_harness
 
-        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+        return ascend_harness.ascend_forward_context(self.vllm_config, num_tokens, self.model)
 
 
 def forward_context_of(rollout, moe: bool):
@@ -98,7 +97,7 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
     (each inside `forward_context(num_tokens)` when given: MoE models)."""
     import torch
 
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     rows = []
     with torch.no_grad():
@@ -110,7 +109,7 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
             else:
                 with forward_context(seq.shape[0]):
                     hidden = model.model(seq, positions)
-            logits = compat.compute_logits(model, hidden).float()[:, :vocab_size]
+            logits = ascend_harness.compute_logits(model, hidden).float()[:, :vocab_size]
             rows.append(target_logp(logits[None], seq[None]))
     return torch.cat(rows)
 

@@ -1,7 +1,7 @@
-"""The bodies of the vllm-ascend patches, line-neutral: each layout module (`layout_011`, ...)
-registers them against its own line's targets.
+"""The bodies of the vllm-ascend patches every line shares, line-neutral: the installed line
+(`npu_flashrl.lines`, `StackLine.patches`) wraps its own targets with them; the run-once guard is
+the line's own (`StackLine.process_once`).
 
-- `process_once`: W8A8 post-processing runs once per layer (a second run would re-transpose).
 - `redirect`: bf16 / compressed-tensors checkpoints get an in-memory quant description.
 - `attach_on_init`: every INT8 model vLLM builds gets the quantizing `load_weights`.
 """
@@ -27,19 +27,6 @@ _online: Dict[str, object] = {"fn": None, "profile": None}
 def configure_online_quantization(fn: Optional[str], profile: Optional[dict] = None) -> None:
     """Which quantizer models built from now on get (None: leave models unquantized)."""
     _online.update(fn=fn, profile=profile)
-
-
-def process_once(original, after: Optional[Callable] = None):
-    def process_weights_after_loading(self, layer):
-        # Upstream transposes and re-allocates on every call: a second call would corrupt the
-        # layer, so run it once per layer and remember that the layout is now [in, out].
-        if getattr(layer, "_npu_flashrl_processed", False):
-            return
-        original(self, layer)
-        if after is not None:
-            after(layer)
-        layer._npu_flashrl_processed = True
-    return process_weights_after_loading
 
 
 def redirect(original, quant_config_class: Callable[[], type]):
@@ -126,29 +113,3 @@ def attach_on_init(original):
                            "quantize", type(model).__name__)
         return model
     return initialize_model
-
-
-def declare_shared_patches(quant_config_class: Callable[[], type], override_target: str,
-                           vllm_versions: str, ascend_versions: str) -> None:
-    """Declare the three patches whose bodies are the same on every line (a layout module calls
-    this with its own targets): the quant-description redirect, the compressed-tensors override
-    and the INT8 loader attached at model build."""
-    from npu_flashrl import compat, patches
-
-    @patches.register("ascend_quant_description", compat.GET_QUANT_CONFIG_TARGET, vllm_versions,
-                      "bf16 and compressed-tensors w8a8 checkpoints load on vllm-ascend W8A8_DYNAMIC")
-    def _apply_redirect():
-        compat.check_vllm_ascend()
-        compat.import_quantization()
-        patches.replace(compat.GET_QUANT_CONFIG_TARGET, lambda orig: redirect(orig, quant_config_class))
-
-    @patches.register("ascend_claims_compressed_tensors", override_target, ascend_versions,
-                      "compressed-tensors w8a8 checkpoints go to 'ascend' on any platform that runs it")
-    def _apply_override():
-        compat.import_quantization()
-        patches.replace(override_target, override)
-
-    @patches.register("model_loader_int8_load_weights", compat.INITIALIZE_MODEL_TARGET, vllm_versions,
-                      "models built while active get the INT8 online-quantizing load_weights")
-    def _apply_attach():
-        patches.replace(compat.INITIALIZE_MODEL_TARGET, attach_on_init)
