@@ -63,8 +63,7 @@ def synced(va, spmd):
 
 
 def build(va, model_dir):
-    va.configure_online_quantization("int8_profile_free")
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend")
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8())
 
 
 def state(model):

@@ -161,7 +161,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       :class:`TisConfigError` (see :func:`check_tis`).
 
     On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
-    server-mode one (:func:`.server_091.check_verl_config`). Returns the warning messages (also
+    server-mode one (:func:`.server_mode.check_verl_config`). Returns the warning messages (also
     logged). ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ
@@ -171,12 +171,12 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
     from npu_flashrl import compat
 
     line = compat.verl_line(verl)
-    if flashrl and line == "0.9":  # verl 0.7+: server mode only (adapters.verl.server_091)
-        from npu_flashrl.adapters.verl import server_091
+    if flashrl and line == "0.9":  # verl 0.7+: server mode only (adapters.verl.server_mode)
+        from npu_flashrl.adapters.verl import server_mode
 
         try:
-            server_091.check_verl_config(lambda key: _select(config, key, None), env)
-        except server_091.ServerModeError as exc:
+            server_mode.check_verl_config(lambda key: _select(config, key, None), env)
+        except server_mode.ServerModeError as exc:
             raise RolloutModeError(str(exc)) from None
     elif flashrl:
         mode = _select(config, "actor_rollout_ref.rollout.mode", None)

@@ -1,16 +1,18 @@
-"""verl server mode (verl 0.7 .. 0.9.1): INT8 rollouts behind verl's bucketed weight sync.
+"""verl server mode (verl 0.7.1 .. 0.9.1): INT8 rollouts behind verl's bucketed weight sync.
 
 From verl 0.7 the rollout is a vLLM server (`vLLMHttpServer` Ray actor) whose vLLM workers
 (`distributed_executor_backend="mp"`) receive every weight sync as buckets through
 `vLLMColocateWorkerExtension.update_weights_from_ipc`. npu_flashrl reaches those processes
 through its vLLM general plugin (see docs/verl_server_mode.md for the process map). This module:
 
-- tells the engine patch (`vllm_engine`) that an engine built with verl's worker extension gets
-  its syncs through `update_weights_from_ipc`, and which replica it is (`VERL_REPLICA_RANK`);
+- registers with the engine patch (`vllm_engine.register_server_engines`, on import) that an
+  engine built with verl's worker extension gets its syncs through `update_weights_from_ipc`,
+  which replica it is (`VERL_REPLICA_RANK`), and whether it serves the policy;
 - refuses verl's own `rollout.quantization` together with FLASHRL_CONFIG;
 - wraps `update_weights_from_ipc` (patch `verl_server_sync_end`): a sync reaching a model that
   should be INT8 but has no npu_flashrl loader is refused, and after the last bucket every INT8
-  model's sync is ended (`end_weight_sync`), so shards that never arrived are an error naming them;
+  model's sync is ended (the rule shared with sync mode, :mod:`.sync_end`), so shards that never
+  arrived are an error naming them;
 - makes verl's receiver keep acknowledging buckets after a bucket failed (patch
   `verl_server_receiver_drains`): the trainer-side sender waits for the RPC only after its last
   bucket, so a receiver that stops mid-sync leaves the job hanging instead of failing.
@@ -23,6 +25,8 @@ from typing import Any, List, Mapping, Optional
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.adapters import vllm_engine
+from npu_flashrl.adapters.verl import sync_end
 
 logger = get_logger("adapters.verl.server")
 
@@ -36,7 +40,7 @@ PATCH_DRAIN = "verl_server_receiver_drains"
 PATCHES = (PATCH_SYNC, PATCH_DRAIN)
 VERSIONS = "verl 0.7.1 .. 0.9.1"
 REPLICA_ENV = "VERL_REPLICA_RANK"
-LOADER_ATTR = "_npu_flashrl_loader"
+LOADER_ATTR = sync_end.LOADER_ATTR
 
 # What `vLLMHttpServer._apply_quantization` can put into the engine's `quantization`:
 # rollout.quantization (fp8, torchao, ascend = MXFP8 on 950) or rollout.qat (modelopt,
@@ -107,6 +111,21 @@ def check_engine_quantization(engine_args: Any) -> None:
         "FLASHRL_CONFIG to use verl's own quantized rollout")
 
 
+class _VerlServerEngines:
+    """verl 0.7+'s `vLLMHttpServer` engines, as the engine patch asks about them."""
+
+    is_server_engine = staticmethod(is_server_engine)
+    serves_the_policy = staticmethod(serves_the_policy)
+    check_engine_quantization = staticmethod(check_engine_quantization)
+
+    @staticmethod
+    def replica_rank() -> int:
+        return replica_rank()
+
+
+vllm_engine.register_server_engines(_VerlServerEngines())
+
+
 MEGATRON_ENV = "NPU_FLASHRL_UNVERIFIED_MEGATRON"
 _MEGATRON = (
     "FLASHRL_CONFIG with actor_rollout_ref.actor.strategy=megatron on verl 0.7+ is not supported: "
@@ -174,8 +193,6 @@ def _models(worker: Any) -> List[Any]:
 def sync_problem(worker: Any, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why this worker's model cannot take an npu_flashrl sync, or None if it can (or when
     npu_flashrl has nothing to do here)."""
-    from npu_flashrl.adapters import vllm_engine
-
     env = os.environ if environ is None else environ
     choice = vllm_engine.engine_choice(_vllm_config(worker))
     if choice is None:
@@ -187,11 +204,11 @@ def sync_problem(worker: Any, environ: Optional[Mapping[str, str]] = None) -> Op
                     "(+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG=...) and keep "
                     "VLLM_PLUGINS unset or listing npu_flashrl")
         return None
-    if not choice.get("quantized"):
+    if not choice.quantized:
         return None  # this replica's entry is 16-bit: verl's own load path is the right one
     model = _models(worker)[0]
     if getattr(model, LOADER_ATTR, None) is None:
-        return (f"the engine was built for npu_flashrl's {choice.get('fn')} entry but "
+        return (f"the engine was built for npu_flashrl's {choice.fn} entry but "
                 f"{type(model).__name__} has no npu_flashrl INT8 loader: bf16 tensors would be "
                 "written into int8 parameters. The model must be built on vllm-ascend's "
                 "W8A8_DYNAMIC layers while npu_flashrl is active in the vLLM worker (vLLM "
@@ -220,41 +237,22 @@ def _device(worker: Any):
     return device
 
 
-def _end_syncs(models: List[Any], failed: bool) -> None:
-    from npu_flashrl.adapters import vllm_ascend
-
-    errors = []
-    for model in models:
-        try:
-            vllm_ascend.end_weight_sync(model)
-        except vllm_ascend.WeightSyncError as exc:
-            errors.append(exc)
-    if errors and not failed:
-        raise errors[0]
-
-
 def _wrap_update(original):
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False,
                                 use_shm: bool = False, **kwargs):
-        if peft_config and base_sync_done:
-            # LoRA adapter sync: verl clones the tensors into add_lora, load_weights never runs
+        def update():
             return original(self, peft_config=peft_config, base_sync_done=base_sync_done,
                             use_shm=use_shm, **kwargs)
+
+        if sync_end.lora_adapter_sync({"peft_config": peft_config, "base_sync_done": base_sync_done}):
+            return update()
         problem = sync_problem(self)
         if problem is not None:
             _drain(self, use_shm)
             raise ServerModeError(f"npu_flashrl: weight sync refused: {problem}")
-        models = [m for m in _models(self) if getattr(m, LOADER_ATTR, None) is not None]
-        try:
-            result = original(self, peft_config=peft_config, base_sync_done=base_sync_done,
-                              use_shm=use_shm, **kwargs)
-        except BaseException:
-            _end_syncs(models, failed=True)  # drop staged shards; the first error is the one to see
-            raise
-        # verl's post-bucket process_weights_after_loading ran (a no-op on processed W8A8
-        # layers); a fused layer still missing shards is an error naming them.
-        _end_syncs(models, failed=False)
-        return result
+        # verl's post-bucket process_weights_after_loading runs inside (a no-op on processed
+        # W8A8 layers); then a fused layer still missing shards is an error naming them.
+        return sync_end.run_and_end(update, sync_end.int8_models(_models(self)))
 
     update_weights_from_ipc.__doc__ = original.__doc__
     update_weights_from_ipc.__wrapped__ = original

@@ -1,4 +1,5 @@
-"""verl 51d2104's weight sync into the rollout: every sync ends with the INT8 loader's check.
+"""verl 51d2104 sync mode (also verl 0.6.1): every weight sync into the rollout ends with the
+INT8 loader's check (the rule shared with server mode is :mod:`.sync_end`).
 
 In sync (SPMD) mode the FSDP worker (``fsdp_workers.py`` ``rollout_mode``) and the Megatron worker
 stream the trainer's full tensors into ``vLLMRollout.update_weights``
@@ -8,7 +9,8 @@ stream the trainer's full tensors into ``vLLMRollout.update_weights``
 a sync ends, so a layer whose shard never arrived would stay staged and stale, unreported, and a
 later sync could commit it with an earlier sync's shards. The wrapper below ends the sync once
 verl's ``update_weights`` returns: ``end_weight_sync`` raises naming the missing tensors (their
-layers keep their previous weights) and the next sync starts clean.
+layers keep their previous weights) and the next sync starts clean; when ``update_weights`` itself
+fails, the staged shards are dropped and verl's error is raised.
 
 Applied lazily (``patches.when_imported``): only rollout workers import verl's vLLM rollout module,
 and importing it elsewhere would pull vLLM, Ray and ZeroMQ into the trainer.
@@ -19,6 +21,7 @@ import functools
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.adapters.verl import sync_end
 
 logger = get_logger("adapters.verl.sync")
 
@@ -32,23 +35,13 @@ def rollout_model(rollout):
     return rollout.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
-def _base_weights_sync(kwargs) -> bool:
-    # verl's LoRA path (peft_config and base_sync_done) adds an adapter: the base weights are untouched
-    return not (kwargs.get("peft_config", None) and kwargs.get("base_sync_done", False))
-
-
 def _wrap_update_weights(original):
     @functools.wraps(original)
     async def update_weights(self, weights, **kwargs):
-        await original(self, weights, **kwargs)
-        if not _base_weights_sync(kwargs):
-            return
-        model = rollout_model(self)
-        if getattr(model, "_npu_flashrl_loader", None) is None:
-            return  # not an INT8 rollout model: vLLM's own loader, nothing staged
-        from npu_flashrl.adapters import vllm_ascend
-
-        vllm_ascend.end_weight_sync(model)
+        if sync_end.lora_adapter_sync(kwargs):
+            return await original(self, weights, **kwargs)
+        return await sync_end.arun_and_end(lambda: original(self, weights, **kwargs),
+                                           sync_end.int8_models([rollout_model(self)]))
 
     return update_weights
 
