@@ -43,6 +43,7 @@ def prepare_process(enable_nz: bool = True) -> None:
 
     compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     cls.supported_quantization = _npu_supported_quantization()
+    _register_ascend_compressed_tensors()
     emulation.register_cpu_ops()
     _device_neutral_ops_on_cpu()
     compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
@@ -61,6 +62,19 @@ def _npu_supported_quantization() -> list:
     except Exception:  # noqa: BLE001 - a line whose platform module needs the device
         return ["ascend"]
     return list(methods) if "ascend" in methods else ["ascend", *methods]
+
+
+def _register_ascend_compressed_tensors() -> None:
+    """Stand-in for `NPUPlatform.pre_register_and_update` importing vllm-ascend's quantization
+    configs (0.23: its `AscendCompressedTensorsConfig` replaces vLLM's "compressed-tensors"
+    method on import); lines without one (v0.10.1rc1, 0.11.0) have nothing to register."""
+    import importlib
+
+    try:
+        importlib.import_module("vllm_ascend.quantization.compressed_tensors_config")
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("vllm_ascend.quantization"):
+            raise
 
 
 def prepare_int8_worker():

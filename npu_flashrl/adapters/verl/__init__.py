@@ -1,10 +1,10 @@
 """verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
 strings; the end of every weight sync into the rollout is in :mod:`.sync_mode` (verl 0.7+ server
-mode: :mod:`.server_mode`; TIS keys of verl 0.7+: :mod:`.tis_091`).
+mode: :mod:`.server_mode`; what differs per verl line: :mod:`.verl_lines`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
 the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions, verl
-0.9.1 the same function names and argument order (its TIS keys: :mod:`.tis_091`).
+0.9.1 the same function names and argument order (its TIS keys: :mod:`.verl_lines`).
 
 Where the metrics hook attaches (and why)
 -----------------------------------------

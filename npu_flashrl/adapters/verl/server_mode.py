@@ -27,6 +27,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters import vllm_engine
 from npu_flashrl.adapters.verl import sync_end
+from npu_flashrl.adapters.verl.values import is_null, is_true
 
 logger = get_logger("adapters.verl.server")
 
@@ -150,13 +151,13 @@ def check_verl_config(select, environ: Optional[Mapping[str, str]] = None) -> No
     env = os.environ if environ is None else environ
     strategy = select("actor_rollout_ref.actor.strategy")
     if str(strategy).strip().lower() == "megatron":
-        if (env.get(MEGATRON_ENV) or "").strip() not in ("1", "true", "True"):
+        if not ((env.get(MEGATRON_ENV) or "").strip() == "1" or is_true(env.get(MEGATRON_ENV))):
             raise ServerModeError(_MEGATRON)
         logger.warning("npu_flashrl: %s=1: %s", MEGATRON_ENV, _MEGATRON.split(". Fix:")[0])
     from npu_flashrl.config import lmhead_fp32_requested
 
     fused = select("actor_rollout_ref.model.use_fused_kernels")
-    if lmhead_fp32_requested(env) and (fused is True or str(fused).strip().lower() == "true"):
+    if lmhead_fp32_requested(env) and is_true(fused):
         # verl 0.9's apply_monkey_patch swaps the model's forward for a fused linear+log-prob one
         # after the model is built: lm_head never runs, and the fp32 head would silently do nothing
         raise ServerModeError(
@@ -167,9 +168,9 @@ def check_verl_config(select, environ: Optional[Mapping[str, str]] = None) -> No
     quant = select("actor_rollout_ref.rollout.quantization")
     qat = select("actor_rollout_ref.rollout.qat.enable")
     clash = []
-    if quant is not None and str(quant).strip().lower() not in ("", "null", "none"):
+    if not is_null(quant):
         clash.append(f"actor_rollout_ref.rollout.quantization={quant}")
-    if qat is True or str(qat).strip().lower() == "true":
+    if is_true(qat):
         clash.append("actor_rollout_ref.rollout.qat.enable=true")
     if clash:
         raise ServerModeError(
