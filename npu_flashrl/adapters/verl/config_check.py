@@ -123,7 +123,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       :class:`TisConfigError` (see :func:`check_tis`).
 
     On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
-    server-mode one (:func:`.server_mode.check_verl_config`). Returns the warning messages (also
+    server-mode one (`verl_lines.Server09.rollout_mode_problem`). Returns the warning messages (also
     logged). ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ

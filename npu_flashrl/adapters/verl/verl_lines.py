@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters.verl.values import is_null, is_true
+
+logger = get_logger("adapters.verl.lines")
 
 RC = "algorithm.rollout_correction."
 WORKER_LOSS = "actor_rollout_ref.actor.policy_loss."
@@ -49,6 +52,20 @@ def _optional(pairs) -> List[str]:
 
 def _float(value: Optional[float]) -> Optional[float]:
     return None if value is None else float(value)
+
+
+MEGATRON_ENV = "NPU_FLASHRL_UNVERIFIED_MEGATRON"
+_MEGATRON = (
+    "FLASHRL_CONFIG with actor_rollout_ref.actor.strategy=megatron on verl 0.7+ is not supported: "
+    "verl 0.9's Megatron engine (workers/engine/megatron/transformer_impl.py, get_per_tensor_param) "
+    "sends its weights through Megatron-Bridge's (or mbridge's) export, HF names and full tensors, "
+    "the form npu_flashrl's INT8 loader takes, but that is not verified (no megatron-core or "
+    "Megatron-Bridge in npu_flashrl's test stack), and npu_flashrl's Megatron trainer-side patches "
+    "(the MindSpeed check and FLASHRL_LMHEAD_FP32 at Megatron worker init, the use_fused_kernels "
+    "refusal, the weight-stream check) target verl 51d2104's workers/megatron_workers.py and "
+    "utils/megatron_utils.per_tensor_generator, which verl 0.9 no longer uses: they would silently "
+    "not apply. Fix: actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or the pinned verl 51d2104 "
+    f"for Megatron; to try it on hardware anyway, set {MEGATRON_ENV}=1 (a WARNING instead)")
 
 
 class VerlLine:
@@ -213,12 +230,37 @@ class Server09(VerlLine):
         return out
 
     def rollout_mode_problem(self, select, environ) -> Optional[str]:
-        from npu_flashrl.adapters.verl import server_mode
+        """verl's own quantized rollout next to FLASHRL_CONFIG is refused before any Ray actor
+        starts, naming the key to drop; so is a Megatron actor (`_MEGATRON`; env
+        NPU_FLASHRL_UNVERIFIED_MEGATRON=1 makes it a WARNING), and FLASHRL_LMHEAD_FP32=1 with
+        verl's fused kernels (they bypass lm_head). Server mode is the only mode there: nothing to
+        demand of `rollout.mode` (verl itself refuses `sync`)."""
+        strategy = select("actor_rollout_ref.actor.strategy")
+        if str(strategy).strip().lower() == "megatron":
+            flag = environ.get(MEGATRON_ENV)
+            if not ((flag or "").strip() == "1" or is_true(flag)):
+                return _MEGATRON
+            logger.warning("npu_flashrl: %s=1: %s", MEGATRON_ENV, _MEGATRON.split(". Fix:")[0])
+        from npu_flashrl.config import lmhead_fp32_requested
 
-        try:
-            server_mode.check_verl_config(select, environ)
-        except server_mode.ServerModeError as exc:
-            return str(exc)
+        if lmhead_fp32_requested(environ) and is_true(select("actor_rollout_ref.model.use_fused_kernels")):
+            # verl 0.9's apply_monkey_patch swaps the model's forward for a fused linear+log-prob
+            # one after the model is built: lm_head never runs, the fp32 head would do nothing
+            return ("FLASHRL_LMHEAD_FP32=1 with actor_rollout_ref.model.use_fused_kernels=True: verl's "
+                    "fused kernels compute the log-probs from lm_head's weight without calling lm_head, "
+                    "so the fp32 lm-head would not apply. Fix: actor_rollout_ref.model.use_fused_kernels="
+                    "False (verl's default) or FLASHRL_LMHEAD_FP32=0")
+        quant = select("actor_rollout_ref.rollout.quantization")
+        clash = []
+        if not is_null(quant):
+            clash.append(f"actor_rollout_ref.rollout.quantization={quant}")
+        if is_true(select("actor_rollout_ref.rollout.qat.enable")):
+            clash.append("actor_rollout_ref.rollout.qat.enable=true")
+        if clash:
+            return (f"FLASHRL_CONFIG is set together with {' and '.join(clash)}: verl would quantize "
+                    "the rollout itself and npu_flashrl's INT8 W8A8_DYNAMIC rollout cannot apply as well. "
+                    f"Fix: drop {' and '.join(c.split('=')[0] for c in clash)} to run npu_flashrl's INT8 "
+                    "rollout, or unset FLASHRL_CONFIG to use verl's own")
         return None
 
     def tis_settings(self, level, bypass_mode, use_policy_gradient):
