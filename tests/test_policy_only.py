@@ -150,6 +150,7 @@ def test_policy_engine_from_the_entry_gets_int8(rig, engine_patch):
     assert vc.model_config.quantization == "ascend"
     assert isinstance(vc.quant_config, compat.quant_config_class())
     assert engine_choice(vc) == EngineChoice(fn="int8_profile_free")
+    assert vc.compute_hash()  # vLLM hashes additional_config with json.dumps: the choice serialises
     with cpu_vllm.CpuVllm(rig.w8a8, vllm_config=vc) as v:
         _, _, dyn = compat.quant_method_classes()
         assert isinstance(v.model.model.layers[0].self_attn.qkv_proj.quant_method.quant_method, dyn)
