@@ -188,7 +188,9 @@ def test_bad_expert_tensors_are_refused_by_name_before_anything_is_written(va, m
 
 def test_flashrl_int8_profile_is_refused_for_a_moe_model(va, moe):
     dirs, _ = moe
-    profile = {"model.layers.0.self_attn.q_proj.weight": {}}  # a dense profile: no expert entries
+    # a dense profile (FlashRL format, as the engine's profile file holds it): no expert entries
+    profile = {"model.layers.0.self_attn.q_proj.weight": {
+        "input_scale": torch.ones(1, 128), "output_scale": torch.ones(192, 1), "type": torch.int8}}
     with pytest.raises(WeightSyncError, match="int8_profile_free") as info:
         with build(va, dirs[0], fn="int8", profile=profile):
             pass
