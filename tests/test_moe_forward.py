@@ -136,8 +136,7 @@ def vllm_moe(va, hf_moe):
     if unsupported:
         pytest.skip(unsupported)
     d, hf = hf_moe
-    va.configure_online_quantization("int8_profile_free")
-    with cpu_vllm.CpuVllm(d, quantization="ascend") as v:
+    with cpu_vllm.CpuVllm(d, quantization="ascend", choice=cpu_vllm.int8()) as v:
         # what npu_flashrl's cold load put there, for test_cold_loaded_experts_forward
         v.cold_experts = [{n: t.detach().clone() for n, t in _expert_tensors(layer.mlp.experts).items()}
                           for layer in v.model.model.layers]

@@ -32,13 +32,10 @@ PENDING = {
     # the engine choice, config_check's verl lines
     "adapters/__init__.py": "engine", "adapters/verl/__init__.py": "engine",
     "adapters/verl/config_check.py": "engine", "adapters/verl/moe_names.py": "engine",
-    "adapters/verl/server_091.py": "engine", "adapters/verl/sync_51d2104.py": "engine",
-    "adapters/verl/tis_091.py": "engine", "adapters/vllm_engine.py": "engine",
+    "adapters/vllm_engine.py": "engine",
     "adapters/vllm_ascend/hooks.py": "engine",
     # helper "sync": the reload rewritten as a sync-lifecycle object
     "adapters/vllm_ascend/reload.py": "sync", "adapters/vllm_ascend/experts.py": "sync",
-    # activation imports adapters/verl/server_091 (engine renames it)
-    "activation.py": "engine",
     # moves to tests/ (test-only, issue 21 item 3)
     "sim/sync.py": "sim move",
     # the rehearsal and the command line (other helpers; only import paths changed here)

@@ -60,8 +60,7 @@ def qwen2_tied():
 
 
 def build(va, model_dir, **kw):
-    va.configure_online_quantization("int8_profile_free")
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", **kw)
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8(), **kw)
 
 
 def trainer_weights(model):

@@ -37,9 +37,13 @@ def hf_weights(model, dtype=None):
             for n, p in model.named_parameters()]
 
 
-def build(va, model_dir, fn="int8_profile_free", profile=None, **kw):
-    va.configure_online_quantization(fn, profile)
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend" if fn or kw.pop("ascend", True) else None, **kw)
+def build(va, model_dir, fn="int8_profile_free", profile=None, ascend=True, **kw):
+    """The policy rollout's INT8 model (fn None: the checkpoint as loaded, profile-free reloads);
+    `ascend=False` with fn None: vLLM's own model, no npu_flashrl."""
+    if not (fn or ascend):
+        return cpu_vllm.CpuVllm(model_dir, **kw)
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
+                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
 
 
 def state(model):
@@ -58,7 +62,6 @@ def test_profile_mode_cold_load_logits_match_bf16_before_any_sync(va, pair):
 
     bf16, w8, _, _ = pair
     profile = compute_int8_profile(bf16, w8, progress=False)
-    va.configure_online_quantization(None)
     with cpu_vllm.CpuVllm(bf16) as ref:
         want = ref.logits(IDS)
     with build(va, w8, fn="int8", profile=profile) as v:

@@ -15,13 +15,16 @@ Pieces:
 * patch ``vllm_lmhead_fp32_compute`` wraps ``UnquantizedEmbeddingMethod.apply``: that method is only
   ever used to turn hidden states into logits (embedding lookups use ``.embedding``), by vLLM's
   ``LogitsProcessor`` and by vllm-ascend's ``AscendLogitsProcessor`` (normal and lm-head-TP paths, on
-  every supported line). It computes ``F.linear(h.float(), W.float(), b.float())``; with an
-  fp32 weight the ``.float()`` is free. Quantized lm heads (another quant method) are untouched.
+  every supported line). For an fp32 lm head (marked by the init patch or
+  :func:`upcast_lm_head`) it computes ``F.linear(h.float(), W.float(), b.float())``; any other lm
+  head keeps vLLM's own. Quantized lm heads (another quant method) are untouched.
 * patch ``vllm_lmhead_fp32_init`` wraps ``ParallelLMHead.__init__`` and, when vllm-ascend is
   importable, ``AscendParallelLMHead.__init__`` (vllm-ascend registers it as the out-of-tree op that
   ``ParallelLMHead(...)`` instantiates, and its ``__init__`` does not call ``ParallelLMHead.__init__``),
   so the weight is *created* in fp32 inside vLLM's model construction (i.e. inside the "weights" memory
-  pool of sleep mode) before anything is loaded.
+  pool of sleep mode) before anything is loaded. Only the policy rollout's model (its engine config
+  carries npu_flashrl's `EngineChoice`, any entry): a reward or teacher model built in the same
+  process keeps vLLM's lm head.
 * :func:`upcast_lm_head(model)` does the same on an already built/loaded model (and handles tied
   embeddings). Call it right after the model is loaded, before ACL graph capture and before the first
   ``sleep()``: it re-allocates the lm head storage (outside the sleep-mode pool when called later).
@@ -155,6 +158,8 @@ def _fp32_logits(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 def _make_apply(original):
     def apply(self, layer, x, bias=None):
+        if not getattr(layer, MARK, False):
+            return original(self, layer, x, bias)  # not an fp32 lm head: vLLM's own
         return _fp32_logits(layer, x, bias)
 
     apply.__wrapped__ = original
@@ -168,10 +173,20 @@ def _apply_compute() -> None:
     patches.replace(f"{_VPE}:UnquantizedEmbeddingMethod.apply", _make_apply)
 
 
+def _policy_model_in_build() -> bool:
+    """The model vLLM is building belongs to the policy rollout (its config, current while the
+    model is built, carries npu_flashrl's engine choice)."""
+    from vllm.config import get_current_vllm_config
+
+    from npu_flashrl.adapters.engine_choice import engine_choice
+
+    return engine_choice(get_current_vllm_config()) is not None
+
+
 def _make_init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if _is_unquantized(self):
+        if _is_unquantized(self) and _policy_model_in_build():
             _upcast_param(self, "weight")
             _upcast_param(self, "bias")
             setattr(self, MARK, True)

@@ -29,6 +29,10 @@ _Q = "vllm_ascend.quantization"
 GET_QUANT_CONFIG_TARGET = "vllm.model_executor.model_loader.weight_utils:get_quant_config"
 INITIALIZE_MODEL_TARGET = "vllm.model_executor.model_loader.base_loader:initialize_model"
 PWAL = "process_weights_after_loading"
+# Set by the INT8 loader attach (adapters.vllm_ascend.hooks) on every module of the policy
+# rollout's model: the run-once guard acts on those only; any other engine's layers get upstream's
+# post-processing unchanged.
+POLICY_ATTR = "_npu_flashrl_policy"
 
 
 def resolve(path: str):
@@ -193,6 +197,8 @@ class StackLine:
         transposes and re-allocates on every call, so a second call would corrupt the layer;
         afterwards the layer is marked (its layout is now [in, out]) and `after(layer)` ran."""
         def process_weights_after_loading(scheme, layer):
+            if not getattr(layer, POLICY_ATTR, False):
+                return original(scheme, layer)  # not the policy rollout's: upstream's behaviour
             if getattr(layer, "_npu_flashrl_processed", False):
                 return
             original(scheme, layer)
@@ -246,12 +252,13 @@ class StackLine:
                              after=self.fold_checkpoint_bias),
             self._once_patch(self.PATCH_MOE, self.moe_method, self.WHY_MOE),
             patches.Patch(self.PATCH_DESCRIPTION, GET_QUANT_CONFIG_TARGET, vllm, apply_redirect,
-                          "bf16 and compressed-tensors w8a8 checkpoints load on vllm-ascend "
-                          "W8A8_DYNAMIC", lines=mine),
+                          "the policy engine's bf16 and compressed-tensors w8a8 checkpoints load "
+                          "on vllm-ascend W8A8_DYNAMIC", lines=mine),
             patches.Patch(self.PATCH_OVERRIDE, self.override_target, ascend, apply_override,
-                          "compressed-tensors w8a8 checkpoints go to 'ascend' on any platform "
-                          "that runs it", lines=mine),
+                          "the policy engine's compressed-tensors w8a8 checkpoint goes to 'ascend' "
+                          "on any platform that runs it (other engines: vllm-ascend's own method)",
+                          lines=mine),
             patches.Patch(self.PATCH_ATTACH, INITIALIZE_MODEL_TARGET, vllm, apply_attach,
-                          "models built while active get the INT8 online-quantizing load_weights",
+                          "the policy rollout's INT8 model gets the online-quantizing load_weights",
                           lines=mine),
         )

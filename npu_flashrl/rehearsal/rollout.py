@@ -30,16 +30,18 @@ class _NpuVllm:
 
         from npu_flashrl.sim import ascend_harness, cpu_vllm
 
+        from npu_flashrl.adapters import engine_choice
+
         torch.npu.set_device(0)
-        mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
-                         quantization=self.quantization, enforce_eager=True)
-        self.vllm_config = VllmConfig(model_config=mc, device_config=DeviceConfig(device="npu"),
-                                      load_config=LoadConfig(load_format=self.load_format,
-                                                             use_tqdm_on_load=False),
-                                      parallel_config=ParallelConfig(tensor_parallel_size=1),
-                                      compilation_config=ascend_harness.eager_compilation_config(native_ops=False))
-        if self.additional_config:
-            self.vllm_config.additional_config = dict(self.additional_config)
+        with engine_choice.building(engine_choice.choice_in(self.additional_config)):
+            mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
+                             quantization=self.quantization, enforce_eager=True)
+            self.vllm_config = VllmConfig(
+                model_config=mc, device_config=DeviceConfig(device="npu"),
+                load_config=LoadConfig(load_format=self.load_format, use_tqdm_on_load=False),
+                parallel_config=ParallelConfig(tensor_parallel_size=1),
+                compilation_config=ascend_harness.eager_compilation_config(native_ops=False),
+                additional_config=dict(self.additional_config or {}))
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         cpu_vllm.ensure_distributed(1, backend="hccl")
         ascend_harness.init_vllm_ascend_config(self.vllm_config)
@@ -85,9 +87,7 @@ def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_
 
     # no vLLM "Loading safetensors checkpoint shards" bar: the rehearsal has its own per-variant bars
     vc = cpu_vllm.make_vllm_config(model_dir, torch.bfloat16, quantization, load_format=load_format,
-                                   use_tqdm_on_load=False)
-    if additional_config:
-        vc.additional_config = dict(additional_config)
+                                   use_tqdm_on_load=False, additional_config=additional_config)
     return cpu_vllm.CpuVllm(model_dir, dtype=torch.bfloat16, quantization=quantization, load_format=load_format,
                             use_tqdm_on_load=False, vllm_config=vc)
 

@@ -42,6 +42,8 @@ def prepare_process(enable_nz: bool = True) -> None:
     if not isinstance(platforms._current_platform, cls):
         platforms._current_platform = cls()
     line().quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    cls.supported_quantization = _npu_supported_quantization()
+    _register_ascend_compressed_tensors()
     emulation.register_cpu_ops()
     _device_neutral_ops_on_cpu()
     ascend_harness.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
@@ -50,10 +52,36 @@ def prepare_process(enable_nz: bool = True) -> None:
 
 
 
-def prepare_int8_worker(fn: Optional[str] = "int8_profile_free"):
+def _npu_supported_quantization() -> list:
+    """The methods vllm-ascend's NPU platform accepts (on the current line: "ascend", "compressed-tensors", ...),
+    read from it where it imports on the CPU; else "ascend" alone (the pinned line's list)."""
+    try:
+        import importlib
+
+        methods = importlib.import_module("vllm_ascend.platform").NPUPlatform.supported_quantization
+    except Exception:  # noqa: BLE001 - a line whose platform module needs the device
+        return ["ascend"]
+    return list(methods) if "ascend" in methods else ["ascend", *methods]
+
+
+def _register_ascend_compressed_tensors() -> None:
+    """Stand-in for `NPUPlatform.pre_register_and_update` importing vllm-ascend's quantization
+    configs (where it has one, its `AscendCompressedTensorsConfig` replaces vLLM's "compressed-tensors"
+    method on import); lines whose vllm-ascend has none have nothing to register."""
+    import importlib
+
+    try:
+        importlib.import_module("vllm_ascend.quantization.compressed_tensors_config")
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("vllm_ascend.quantization"):
+            raise
+
+
+def prepare_int8_worker():
     """Set-up of a spawned worker process that builds INT8 models (the `va` test fixture's work
     in the test process): no device-backend autoload, no vLLM plugins, `prepare_process`,
-    vllm-ascend's patches applied and `fn` configured. Returns the vllm-ascend adapter module."""
+    vllm-ascend's patches applied. Returns the vllm-ascend adapter module; the INT8 function is
+    the engine's own (`CpuVllm(choice=...)`)."""
     os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     os.environ["VLLM_PLUGINS"] = "none"
     prepare_process()
@@ -61,8 +89,23 @@ def prepare_int8_worker(fn: Optional[str] = "int8_profile_free"):
     from npu_flashrl.adapters import vllm_ascend
 
     patches.apply_patches(list(vllm_ascend.PATCHES))
-    vllm_ascend.configure_online_quantization(fn)
     return vllm_ascend
+
+
+def int8(fn: str = "int8_profile_free", profile=None):
+    """The `EngineChoice` the engine patch writes for an INT8 policy engine of entry `fn`.
+    `profile`: the fn-int8 profile file, or a profile in memory (saved to a temporary file: the
+    engine's config carries a path, as the entry does)."""
+    from npu_flashrl.adapters.engine_choice import EngineChoice
+
+    if profile is not None and not isinstance(profile, str):
+        import tempfile
+
+        from npu_flashrl.profile import save_profile
+
+        profile = save_profile(profile, os.path.join(tempfile.mkdtemp(prefix="npu_flashrl_profile_"),
+                                                     "profile.pt"))
+    return EngineChoice(fn=fn, profile=profile)
 
 _cpu_libs: dict = {}
 
@@ -163,16 +206,25 @@ def free_port() -> int:
 
 def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                      quantization: Optional[str] = None, tp_size: int = 1,
-                     load_format: str = "auto", use_tqdm_on_load: bool = True):
+                     load_format: str = "auto", use_tqdm_on_load: bool = True,
+                     additional_config: Optional[dict] = None):
+    """vLLM's config for a CPU engine, built as `EngineArgs.create_engine_config` builds one under
+    npu_flashrl's engine patch: `additional_config` (e.g. `with_choice({}, int8(...))`) goes into
+    the config, and the hooks that run inside the build see the engine's choice."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    model_config = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True,
-                               quantization=quantization, enforce_eager=True)
-    return VllmConfig(model_config=model_config,
-                      device_config=DeviceConfig(device="cpu"),
-                      load_config=LoadConfig(load_format=load_format, use_tqdm_on_load=use_tqdm_on_load),
-                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-                      compilation_config=ascend_harness.eager_compilation_config())
+    from npu_flashrl.adapters import engine_choice
+
+    with engine_choice.building(engine_choice.choice_in(additional_config)):
+        model_config = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True,
+                                   quantization=quantization, enforce_eager=True)
+        return VllmConfig(model_config=model_config,
+                          device_config=DeviceConfig(device="cpu"),
+                          load_config=LoadConfig(load_format=load_format,
+                                                 use_tqdm_on_load=use_tqdm_on_load),
+                          parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+                          compilation_config=ascend_harness.eager_compilation_config(),
+                          additional_config=dict(additional_config or {}))
 
 
 def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[str] = None,
@@ -212,6 +264,8 @@ class CpuVllm:
     """A vLLM model built on the CPU from a local checkpoint, with its config kept current.
 
     Use as a context manager; `model` is the loaded (and post-processed) vLLM model.
+    `choice`: the engine's `EngineChoice` (`int8(fn, profile)`), as the engine patch records it
+    for the policy rollout (None: an engine npu_flashrl leaves alone).
     `ascend_moe_layers=False` (a fresh process only: the registration is process-wide) keeps
     vLLM's own FusedMoE: same parameters and the same `weight_loader` (vllm-ascend's AscendFusedMoE
     inherits them), none of vllm-ascend's MoE layer logic. For a weight-loading test of a setting
@@ -223,8 +277,9 @@ class CpuVllm:
                  quantization: Optional[str] = None, tp_size: int = 1, rank: int = 0,
                  load_format: str = "auto", init_method: Optional[str] = None,
                  enable_nz: bool = True, use_tqdm_on_load: bool = True, vllm_config=None,
-                 ascend_moe_layers: bool = True):
+                 ascend_moe_layers: bool = True, choice=None):
         self.ascend_moe_layers = ascend_moe_layers
+        self.choice = choice
         self.model_dir = model_dir
         self.dtype = dtype
         self.quantization = quantization
@@ -242,9 +297,12 @@ class CpuVllm:
         from vllm.config import set_current_vllm_config
 
         if self.vllm_config is None:
+            from npu_flashrl.adapters.engine_choice import with_choice
+
+            extra = with_choice({}, self.choice) if self.choice is not None else None
             self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
                                                 self.tp_size, self.load_format,
-                                                self.use_tqdm_on_load)
+                                                self.use_tqdm_on_load, extra)
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)

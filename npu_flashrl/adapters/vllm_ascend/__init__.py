@@ -18,8 +18,6 @@ from npu_flashrl.quant import (  # noqa: F401
     make_quantizer)
 from npu_flashrl.adapters.vllm_ascend.reload import (  # noqa: F401
     Int8WeightLoader, attach, end_weight_sync, find_targets)
-from npu_flashrl.adapters.vllm_ascend.hooks import (  # noqa: F401
-    _online, configure_online_quantization)
 from npu_flashrl.lines.derived import static_quant_bias  # noqa: F401
 
 
