@@ -86,7 +86,12 @@ def test_restores_vllm_after_flashrl_import():
     assert not any(out["after"].values()), out["after"]
     assert not any(out["again"].values()), out["again"]
     assert out["bad"] == []
-    assert sum(v == "restored" for v in out["result"].values()) >= len(patched_before)
+    # a target FlashRL patched twice (vllm.LLM.__init__, where vllm.LLM imports: config swap, then
+    # FLASHRL_TEST_RELOAD over it) is restored once, to the innermost original; its second
+    # marker is then already neutral ("kept-marker")
+    actions = list(out["result"].values())
+    assert actions.count("restored") >= 1
+    assert sum(v in ("restored", "kept-marker") for v in actions) >= len(patched_before), out["result"]
     assert out["root_handlers"] == 1  # FlashRL's root-logger handler is reported, not removed
     assert err.count("vLLM patch site(s) neutralized") == 1  # applied once
     assert "restored vLLM's BaseModelLoader.load_model" in err
