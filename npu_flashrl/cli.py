@@ -30,7 +30,7 @@ from npu_flashrl.verify import (  # noqa: F401  (re-exported: npu_flashrl.cli.ve
     cann_version, config_rows, format_table, line_row, package_rows, patch_rows, read_overrides,
     verify_rows, verl_rows)
 
-logger = get_logger("cli")
+logger = get_logger(__name__)
 
 PROG = "npu-flashrl"
 DEFAULT_CONFIG_OUTPUT = os.path.join("~", ".flashrl_config.yaml")  # FlashRL's default

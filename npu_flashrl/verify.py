@@ -16,7 +16,7 @@ import yaml
 
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("cli")
+logger = get_logger(__name__)
 
 W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHatAI's, or a ModelSlim "
             "W8A8 export); for a bf16 checkpoint use --fn int8_profile_free")

@@ -14,7 +14,7 @@ from npu_flashrl import config as flashrl_config
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("vllm_engine")
+logger = get_logger(__name__)
 
 TARGET = "vllm.engine.arg_utils:EngineArgs.create_engine_config"
 PATCH_NAME = "vllm_engine_flashrl_config"

@@ -7,7 +7,7 @@ import sys
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import when_imported  # noqa: F401  (re-exported for the adapter's modules)
 
-logger = get_logger("adapters.megatron")
+logger = get_logger(__package__)  # one logger for the Megatron adapter package
 
 VERL_PIN = "51d2104ecb61563c41123a8f0bce2f06b18387dc"
 ADAPTOR = "mindspeed.megatron_adaptor"

@@ -23,8 +23,9 @@ from typing import Any, List, Mapping, Optional
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import NpuFlashrlError
 
-logger = get_logger("adapters.verl.server")
+logger = get_logger(__name__)
 
 _UTILS = "verl.workers.rollout.vllm_rollout.utils"
 _TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
@@ -48,7 +49,7 @@ _VERL_QUANT = {"fp8": "actor_rollout_ref.rollout.quantization=fp8",
                "compressed-tensors": "actor_rollout_ref.rollout.qat.enable=true (compressed-tensors)"}
 
 
-class ServerModeError(RuntimeError):
+class ServerModeError(NpuFlashrlError, RuntimeError):
     """verl's server-mode rollout cannot run the FlashRL config as set up; the message says why
     and what to change."""
 

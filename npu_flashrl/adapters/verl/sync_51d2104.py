@@ -20,7 +20,7 @@ import functools
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("adapters.verl.sync")
+logger = get_logger(__name__)
 
 ROLLOUT_MODULE = "verl.workers.rollout.vllm_rollout.vllm_rollout_spmd"
 TARGET = f"{ROLLOUT_MODULE}:vLLMRollout.update_weights"

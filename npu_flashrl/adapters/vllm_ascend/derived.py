@@ -8,7 +8,7 @@ import torch
 from npu_flashrl import kernels
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("vllm_ascend")
+logger = get_logger(__name__)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from npu_flashrl.adapters.vllm_ascend.description import checkpoint_is_quantized
 from npu_flashrl.adapters.vllm_ascend.reload import attach
 from npu_flashrl.quant import PerChannelQuantizer, make_quantizer
 
-logger = get_logger("vllm_ascend")
+logger = get_logger(__name__)
 
 # Set by `vllm_engine.apply_entry` in the process that builds the engine; read when vLLM builds
 # the model only if the engine's config carries no choice of its own (`online_choice`).
