@@ -2,7 +2,8 @@
 
 Packages against `pins.yaml` (the matching stack line, or what differs), torch_npu / CANN, the
 FlashRL config and its profiles against their models, the registered patches, and optionally verl
-Hydra overrides. `verify_rows` runs them all; `npu_flashrl.cli` wires the subcommand and prints.
+Hydra overrides. `verify_rows` runs them all, `failing_rows` says which fail; `npu_flashrl.cli` wires the
+subcommand and prints.
 """
 from __future__ import annotations
 
@@ -427,6 +428,11 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
         rows += verl_rows(verl_overrides)
     rows += patch_rows(apply_patches)
     return rows
+
+
+def failing_rows(rows: List[Dict[str, str]], strict: bool = False) -> List[Dict[str, str]]:
+    """The rows that make `npu-flashrl verify` fail: FAIL, and with `strict` WARN too."""
+    return [r for r in rows if r["status"] == FAIL or (strict and r["status"] == WARN)]
 
 
 def format_table(rows: List[Dict[str, str]]) -> str:
