@@ -1,7 +1,12 @@
 """The `npu_flashrl` logger tree. Never touches the root logger (FlashRL 1.0.3 does; we do not).
 
-FLASHRL_LOGGING_LEVEL (default INFO) and FLASHRL_LOGGING_FILE keep FlashRL's names and meaning but
-apply to the `npu_flashrl` logger only.
+Loggers are named `npu_flashrl.<module>` (`get_logger(__name__)`) and propagate to the root, so a
+user's or verl's logging config sees our lines; with none, Python's last-resort handler prints
+WARNING and above on stderr.
+
+FLASHRL_LOGGING_LEVEL and FLASHRL_LOGGING_FILE keep FlashRL's names and meaning but apply to the
+`npu_flashrl` logger only: when either is set, that logger gets its own handler (the file, or
+stderr) at that level (default INFO) and stops propagating, so a line is not printed twice.
 """
 from __future__ import annotations
 
@@ -9,11 +14,15 @@ import logging
 import os
 
 ROOT_NAME = "npu_flashrl"
+LEVEL_ENV = "FLASHRL_LOGGING_LEVEL"
+FILE_ENV = "FLASHRL_LOGGING_FILE"
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _configured = False
 
 
 def get_logger(name: str | None = None) -> logging.Logger:
-    """Logger `npu_flashrl` or `npu_flashrl.<name>`; configures the tree once from the env vars."""
+    """Logger `npu_flashrl` or `npu_flashrl.<name>` (a module's `__name__` is used as it is);
+    configures the tree once from the env vars."""
     _configure()
     if not name or name == ROOT_NAME:
         return logging.getLogger(ROOT_NAME)
@@ -27,30 +36,30 @@ def _configure() -> None:
     if _configured:
         return
     _configured = True
+    level_name = os.environ.get(LEVEL_ENV, "").strip()
+    log_file = os.environ.get(FILE_ENV, "").strip()
+    if not level_name and not log_file:
+        return  # propagate to whatever the host configured (or Python's last resort)
     logger = logging.getLogger(ROOT_NAME)
-    level_name = os.environ.get("FLASHRL_LOGGING_LEVEL", "INFO").upper()
-    level = logging.getLevelName(level_name)
+    problems = []
+    level = logging.getLevelName(level_name.upper()) if level_name else logging.INFO
     if not isinstance(level, int):
         level = logging.INFO
-        logging.getLogger(ROOT_NAME).warning(
-            "FLASHRL_LOGGING_LEVEL=%r is not a logging level; using INFO", level_name)
+        problems.append(f"{LEVEL_ENV}={level_name!r} is not a logging level; using INFO")
     logger.setLevel(level)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log_file = os.environ.get("FLASHRL_LOGGING_FILE")
-    problem = None
     handler: logging.Handler
     if log_file:
         try:
             handler = logging.FileHandler(log_file)
         except OSError as exc:
             # a bad log path must not break every command (nor activation at import): stderr instead
-            problem = f"FLASHRL_LOGGING_FILE={log_file!r}: cannot open it ({exc.strerror or exc}); logging to stderr"
+            problems.append(f"{FILE_ENV}={log_file!r}: cannot open it ({exc.strerror or exc}); logging to stderr")
             handler = logging.StreamHandler()
     else:
         handler = logging.StreamHandler()
-    handler.setFormatter(fmt)
+    handler.setFormatter(logging.Formatter(FORMAT))
     logger.addHandler(handler)
-    if problem:
-        logger.warning("%s", problem)
     # Our handler prints; do not print twice through whatever the host configured on root.
     logger.propagate = False
+    for problem in problems:
+        logger.warning("%s", problem)

@@ -13,7 +13,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.config import lmhead_fp32_requested
 
-logger = get_logger("activation")
+logger = get_logger(__name__)
 
 def _importable(name: str) -> bool:
     import importlib.util

@@ -13,27 +13,21 @@ Exit codes: 0 success, 1 a check/operation failed (message says what and the fix
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import importlib.util
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
-import yaml
-
+from npu_flashrl import commands
 from npu_flashrl._logging import get_logger
-from npu_flashrl.errors import CliError  # noqa: F401  (re-exported: npu_flashrl.cli.CliError)
-from npu_flashrl.verify import (  # noqa: F401  (re-exported: npu_flashrl.cli.verify_rows, ...)
-    FAIL, INFO, OK, WARN, W8A8_FIX, activation_rows, cann_roots, cann_row,
-    cann_version, config_rows, format_table, line_row, package_rows, patch_rows, read_overrides,
-    verify_rows, verl_rows)
+from npu_flashrl.commands import DEFAULT_CONFIG_OUTPUT
+from npu_flashrl.errors import CliError
 
-logger = get_logger("cli")
+logger = get_logger(__name__)
 
 PROG = "npu-flashrl"
-DEFAULT_CONFIG_OUTPUT = os.path.join("~", ".flashrl_config.yaml")  # FlashRL's default
 
 
 def _out(msg: str = "") -> None:
@@ -58,64 +52,13 @@ def _add_profile(sub) -> None:
 
 
 def _run_profile(args) -> int:
-    from npu_flashrl.profile import make_profile
-
-    if args.fn != "int8":
-        raise CliError("--fn fp8: FP8 profiles are not supported: Ascend 910B (Atlas A2) has no FP8 "
-                       "matmul; use --fn int8", code=2)
-    if not args.model:
-        raise CliError("--fn int8 needs the original bf16 checkpoint: -m BF16_DIR", code=2)
-    _refuse_overwriting_a_checkpoint_file(args.output, (args.model, args.quantized))
-    profile = make_profile(args.model, args.quantized, args.output, fn=args.fn,
-                           progress=not args.no_progress)
+    profile = commands.write_profile(args.model, args.quantized, args.output, fn=args.fn,
+                                     progress=not args.no_progress)
     _out(f"int8 profile with {len(profile)} entries written to {args.output}")
     return 0
 
 
-def _refuse_overwriting_a_checkpoint_file(output: str, dirs) -> None:
-    """-o must not replace a file of -m / -q (a shard, config.json) by a profile; a previous profile there
-    (FlashRL's default place is <w8a8>/profile.pt) may be replaced."""
-    from npu_flashrl.profile import ProfileError, load_profile
-
-    if not os.path.isfile(output):
-        return
-    parent = os.path.realpath(os.path.dirname(os.path.abspath(output)))
-    if parent not in {os.path.realpath(d) for d in dirs if d}:
-        return
-    try:
-        load_profile(output)
-    except ProfileError:
-        raise CliError(f"-o {output}: is a file of the checkpoint dir {os.path.dirname(output) or '.'} and not a "
-                       f"profile; not replaced (choose another -o, e.g. {os.path.join(parent, 'profile.pt')})") from None
-
-
 # ============================================================================ setup
-
-def parse_value(text: str) -> Any:
-    """A key=value value: a Python literal (what FlashRL users wrote for its eval) or YAML; never eval."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        pass
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise CliError(f"cannot parse value {text!r}: neither a Python literal nor YAML ({exc})", code=2)
-
-
-def parse_columns(columns: Sequence[str]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for column in columns:
-        if column == "--":
-            continue
-        key, sep, value = column.partition("=")
-        key = key.strip()
-        if not sep or not key or not key.replace("_", "a").isalnum():
-            raise CliError(f"bad argument {column!r}: expected key=value "
-                           f"(e.g. module_attribute_to_preserve='[\"workspace\"]')", code=2)
-        out[key] = parse_value(value)
-    return out
-
 
 def _add_setup(sub) -> None:
     from npu_flashrl.config import ALL_FLASHRL_FNS, SUPPORTED_FNS
@@ -146,123 +89,14 @@ def _add_setup(sub) -> None:
     p.set_defaults(func=_run_setup)
 
 
-def _check_model_dir(model: str, what: str = "model") -> None:
-    if not os.path.isdir(model):
-        raise CliError(f"-m {model}: {what} dir not found (pass --no-check for a model that is not local)")
-    try:
-        names = os.listdir(model)
-    except OSError as exc:
-        raise CliError(f"-m {model}: cannot list the {what} dir: {exc.strerror or exc}") from None
-    if not any(f.endswith(".safetensors") for f in names):
-        raise CliError(f"-m {model}: no *.safetensors files in the {what} dir (a safetensors HF "
-                       f"checkpoint is needed)")
-
-
-
-def _check_w8a8(model: str) -> None:
-    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
-
-    moe = moe_profile_problem(model)
-    if moe:
-        raise CliError(f"--fn int8 -m {model}: {moe}\nfix: {MOE_FIX}")
-    problems = check_w8a8_checkpoint(model)
-    if problems:
-        raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
-
-
-def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
-                check: bool = True, allow_unknown_keys: bool = False):
-    """The config entry `setup` writes, validated (profile vs model when check)."""
-    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile, unknown_key_problems
-    from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
-
-    try:
-        data = RolloutConfig.default(fn).to_dict()
-    except ConfigError as exc:
-        raise CliError(f"--fn: {exc}", code=2) from None
-    if model is not None:
-        data["model"] = model
-    if profile is not None:
-        data["profile"] = profile
-    data.update(columns)
-    try:
-        entry = RolloutConfig.from_dict(data, "new entry")
-    except ConfigError as exc:
-        raise CliError(str(exc), code=2) from None
-    unknown = unknown_key_problems(entry, "key=value")
-    if unknown and not allow_unknown_keys:
-        raise CliError("\n  ".join(unknown) + "\n(--force keeps such keys)", code=2)
-    if profile is not None and not needs_profile(entry):
-        raise CliError(f"-p {profile}: only --fn int8 uses a profile (--fn {entry.fn} would ignore it)", code=2)
-    if needs_profile(entry) and not entry.model:
-        raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
-    if needs_profile(entry) and str(entry.load_format).lower() == "dummy":
-        raise CliError(f"load_format=dummy with --fn {entry.fn}: the W8A8 model would keep random "
-                       "weight_scale tensors that no weight sync replaces; drop it (setup writes "
-                       "load_format: auto)", code=2)
-    if check:
-        if entry.model:
-            _check_model_dir(entry.model)
-        if needs_profile(entry):
-            _check_w8a8(entry.model)
-            path = entry.profile_path()
-            try:
-                prof = load_profile(path)
-            except ProfileError as exc:
-                raise CliError(f"-p: {exc}") from None
-            offenders = check_profile_against_model(prof, entry.model)
-            if offenders:
-                raise CliError(f"profile {path} does not match model {entry.model}; first offenders:\n  "
-                               + "\n  ".join(offenders)
-                               + "\nfix: make the profile for this model: npu-flashrl profile -m BF16 "
-                                 f"-q {entry.model} -o {path}")
-    return entry
-
-
 def _run_setup(args) -> int:
-    from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
-                                    output_path_problem, write_config)
-
-    output = os.path.expanduser(args.config_output or DEFAULT_CONFIG_OUTPUT)
     if args.config_output is None:
-        _out(f"No -o given; writing {output} (FlashRL's default)")
-    # everything about -o first: the profile check below reads the whole model
-    problem = output_path_problem(output)
-    if problem:
-        raise CliError(f"-o {problem}")
-    if args.append and not os.path.exists(output):
-        raise CliError(f"-a: {output} does not exist, nothing to append to (drop -a to create it)")
-    if args.append:  # read again under the lock below; this finds a bad file before any work
-        try:
-            load_config(output)
-        except ConfigError as exc:
-            raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
-    elif os.path.exists(output) and not args.force:
-        try:
-            load_config(output)
-        except ConfigError as exc:
-            raise CliError(f"-o {output}: exists and is not a FlashRL config, not replaced ({exc}); "
-                           f"pass --force to replace it") from None
-    columns = parse_columns(args.columns)
-    entry = build_entry(args.fn, args.model, args.profile, columns, check=not args.no_check,
-                        allow_unknown_keys=args.force)
-    try:
-        if args.append:
-            with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
-                try:
-                    cfg = load_config(output)
-                except ConfigError as exc:
-                    raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
-                cfg.entries.append(entry)
-                write_config(cfg, output)
-        else:
-            cfg = FlashRLConfig(entries=[entry], path=output)
-            write_config(cfg, output)
-    except OSError as exc:
-        raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
+        _out(f"No -o given; writing {os.path.expanduser(DEFAULT_CONFIG_OUTPUT)} (FlashRL's default)")
+    cfg = commands.setup(args.fn, args.model, args.profile, args.config_output, append=args.append,
+                         check=not args.no_check, force=args.force, columns=args.columns)
     _out(f"FlashRL config with {len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'} "
-         f"written to {output}")
-    _out(f"Enable it with: export FLASHRL_CONFIG={output}")
+         f"written to {cfg.path}")
+    _out(f"Enable it with: export FLASHRL_CONFIG={cfg.path}")
     return 0
 
 
@@ -282,61 +116,8 @@ def _add_cleanup(sub) -> None:
     p.set_defaults(func=_run_cleanup)
 
 
-def disable_usercustomize(path: str, dry_run: bool = False) -> List[str]:
-    """Comment out FlashRL's import lines in one usercustomize.py. Returns messages; raises CliError
-    for a line it cannot safely change (nothing is written then)."""
-    from npu_flashrl.config import atomic_write
-
-    with open(path) as f:
-        lines = f.readlines()
-    changed, notes = False, []
-    i = 0
-    while i < len(lines):
-        stripped = lines[i].strip()
-        if "import flash_rl" in stripped and not stripped.startswith("#"):
-            if stripped == "import flash_rl":
-                lines[i] = "# " + lines[i]
-                changed = True
-            elif stripped == "try: import flash_rl":
-                lines[i] = "# " + lines[i]
-                nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                if nxt.startswith("except") and not nxt.startswith("#"):
-                    lines[i + 1] = "# " + lines[i + 1]
-                    i += 1
-                changed = True
-            else:
-                raise CliError(f"{path}:{i + 1}: FlashRL import in an unknown form, not changed: "
-                               f"{stripped!r}; remove it by hand")
-        i += 1
-    if changed:
-        if not dry_run:
-            atomic_write(path, lambda f: f.writelines(lines))
-        notes.append(f"{'would disable' if dry_run else 'disabled'} `import flash_rl` in {path}")
-    return notes
-
-
 def _run_cleanup(args) -> int:
-    from npu_flashrl.adapters.flashrl import site_packages_dirs, usercustomize_files
-    from npu_flashrl.config import ConfigError, load_config
-
-    dirs = args.site_dir if args.site_dir else site_packages_dirs()
-    notes: List[str] = []
-    for path in usercustomize_files(dirs):
-        notes += disable_usercustomize(path, dry_run=args.dry_run)
-    if args.path:
-        if not os.path.exists(args.path):
-            notes.append(f"{args.path}: no such config (nothing to remove)")
-        else:
-            try:
-                load_config(args.path)
-            except ConfigError as exc:
-                raise CliError(f"-p {args.path}: not removed, it is not a FlashRL config ({exc})") from None
-            if not args.dry_run:
-                os.remove(args.path)
-            notes.append(f"{'would remove' if args.dry_run else 'removed'} config {args.path}")
-    if os.environ.get("FLASHRL_CONFIG"):
-        notes.append(f"FLASHRL_CONFIG={os.environ['FLASHRL_CONFIG']} is still set in this shell: "
-                     f"unset FLASHRL_CONFIG")
+    notes = commands.cleanup(args.path, args.site_dir, dry_run=args.dry_run)
     for n in notes or ["nothing to clean up"]:
         _out(n)
     return 0
@@ -364,12 +145,14 @@ def _add_verify(sub) -> None:
 
 
 def _run_verify(args) -> int:
-    rows = verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
-    failing = [r for r in rows if r["status"] == FAIL or (args.strict and r["status"] == WARN)]
+    from npu_flashrl import verify
+
+    rows = verify.verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
+    failing = verify.failing_rows(rows, strict=args.strict)
     if args.json:
         _out(json.dumps({"ok": not failing, "strict": bool(args.strict), "rows": rows}, indent=2))
     else:
-        _out(format_table(rows))
+        _out(verify.format_table(rows))
         _out("")
         _out(f"{len(failing)} check(s) failed" if failing else "all required checks passed")
     return 1 if failing else 0

@@ -36,9 +36,10 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 import yaml
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.quant.registry import names as _quantizer_names
 
-logger = get_logger("config")
+logger = get_logger(__name__)
 
 ENV_CONFIG = "FLASHRL_CONFIG"
 EXTERNAL_LAUNCHER = "external_launcher"
@@ -116,7 +117,7 @@ def unknown_key_problems(entry: "RolloutConfig", where: str = "entry") -> List[s
     return out
 
 
-class ConfigError(ValueError):
+class ConfigError(NpuFlashrlError, ValueError):
     """A FlashRL config that cannot be used; the message names the file/key and what was expected."""
 
 

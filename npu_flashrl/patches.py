@@ -18,15 +18,16 @@ import sys
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import NpuFlashrlError
 
-logger = get_logger("patches")
+logger = get_logger(__name__)
 
 
-class PatchNotApplicable(RuntimeError):
+class PatchNotApplicable(NpuFlashrlError, RuntimeError):
     """Raised by a patch's apply function when the target is absent or of an unsupported version."""
 
 
-class DuplicatePatch(ValueError):
+class DuplicatePatch(NpuFlashrlError, ValueError):
     """Two different declarations of one patch name."""
 
 

@@ -5,7 +5,7 @@ so setting FLASHRL_CONFIG in the job's environment is enough: no `import` in the
 """
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("plugin")
+logger = get_logger(__name__)
 
 
 def register() -> None:

@@ -37,8 +37,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import NpuFlashrlError
 
-logger = get_logger("profile")
+logger = get_logger(__name__)
 
 LAYERNORM_KEY = "layernorm"
 INPUT_LINEAR_MAP = {  # linear weight -> layernorm feeding it (None: o_proj, no smoothing)
@@ -60,7 +61,7 @@ _MODULE_ORDER = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", 
 _LAYER_RE = re.compile(r"^(.*?\.layers\.)(\d+)\.")
 
 
-class ProfileError(ValueError):
+class ProfileError(NpuFlashrlError, ValueError):
     """A profile (or a checkpoint it is computed from) that cannot be used; names file and tensor."""
 
 

@@ -2,7 +2,8 @@
 
 Packages against `pins.yaml` (the matching stack line, or what differs), torch_npu / CANN, the
 FlashRL config and its profiles against their models, the registered patches, and optionally verl
-Hydra overrides. `verify_rows` runs them all; `npu_flashrl.cli` wires the subcommand and prints.
+Hydra overrides. `verify_rows` runs them all, `failing_rows` says which fail; `npu_flashrl.cli` wires the
+subcommand and prints.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import yaml
 
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("cli")
+logger = get_logger(__name__)
 
 W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHatAI's, or a ModelSlim "
             "W8A8 export); for a bf16 checkpoint use --fn int8_profile_free")
@@ -442,6 +443,11 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
         rows += verl_rows(verl_overrides)
     rows += patch_rows(apply_patches)
     return rows
+
+
+def failing_rows(rows: List[Dict[str, str]], strict: bool = False) -> List[Dict[str, str]]:
+    """The rows that make `npu-flashrl verify` fail: FAIL, and with `strict` WARN too."""
+    return [r for r in rows if r["status"] == FAIL or (strict and r["status"] == WARN)]
 
 
 def format_table(rows: List[Dict[str, str]]) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from npu_flashrl import cli
+from npu_flashrl import cli, commands, verify
 from npu_flashrl import config as C
 from npu_flashrl import profile as P
 from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
@@ -118,7 +118,7 @@ def test_setup_values_are_literals_never_eval(tmp_path):
     assert entry.extra["n"] == 3 and entry.extra["flag"] is True and entry.extra["words"] == "plain text"
     assert entry.extra["lst"] == [1, "a"] and entry.extra["yml"] == {"a": 1}
     assert entry.extra["none"] is None and entry.extra["null"] is None
-    assert cli.parse_value("auto") == "auto"
+    assert commands.parse_value("auto") == "auto"
 
 
 @pytest.mark.parametrize("argv,code,needle", [
@@ -284,9 +284,9 @@ def test_verify_cann_detection(tmp_path, monkeypatch):
     (root / "aarch64-linux").mkdir(parents=True)
     (root / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
         "package_name=Ascend-cann-toolkit\nversion=8.2.RC3\narch=aarch64\n")
-    assert cli.cann_version([str(root)])["version"] == "8.2.RC3"
+    assert verify.cann_version([str(root)])["version"] == "8.2.RC3"
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(root))
-    row = cli.cann_row({"cann": "8.2.RC3"})
+    row = verify.cann_row({"cann": "8.2.RC3"})
     assert row["status"] == "ok" and "8.2.RC3" in row["detail"]
-    assert cli.cann_row({"cann": "8.3.RC1"})["status"] == "warn"
-    assert cli.cann_version([str(tmp_path / "none")]) is None
+    assert verify.cann_row({"cann": "8.3.RC1"})["status"] == "warn"
+    assert verify.cann_version([str(tmp_path / "none")]) is None

@@ -403,7 +403,7 @@ def test_verify_reports_the_line_the_installed_stack_matches(tmp_path, line):
     """The real importlib.metadata lookups of npu_flashrl.pins.match_line and verify's `stack line`
     row, over installed-package metadata made for the test (stand-in: dist-info directories without
     code, since no interpreter here has either production stack)."""
-    probe = ("from npu_flashrl import cli; row, used = cli.line_row(); "
+    probe = ("from npu_flashrl import verify; row, used = verify.line_row(); "
              "print(row['status'], used); print(row['detail'])")
 
     def run(site):

@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from npu_flashrl import cli
+from npu_flashrl import cli, verify
 from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe
 
 
@@ -43,6 +43,6 @@ def test_verify_fails_an_int8_entry_on_a_moe_model(moe_dir, tmp_path):
     path.write_text(yaml.safe_dump({"configs": [{"fn": "int8", "model": moe_dir,
                                                  "profile": str(tmp_path / "p.pt"),
                                                  "load_format": "auto"}]}))
-    rows = [r for r in cli.config_rows(str(path)) if r["check"].startswith("configs[0]")]
-    assert rows[0]["status"] == cli.FAIL
+    rows = [r for r in verify.config_rows(str(path)) if r["check"].startswith("configs[0]")]
+    assert rows[0]["status"] == verify.FAIL
     assert "MoE expert" in rows[0]["detail"] and "int8_profile_free" in rows[0]["fix"]

@@ -22,6 +22,8 @@ from npu_flashrl.sim.sync import (BucketBuffer, assert_same_state, bucket_bytes,
                                       ptrs, random_buckets, state)
 from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe, trainer_weights
 
+from helpers import build
+
 pytestmark = pytest.mark.every_line
 
 LAYERS, EXPERTS = 2, 8
@@ -36,11 +38,6 @@ def moe():
         models.append(build_tiny_qwen3_moe(d, seed=seed, tokenizer=False))
         dirs.append(d)
     return dirs, models
-
-
-def build(va, model_dir, fn="int8_profile_free", profile=None, **kw):
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
-                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
 
 
 def hf_experts(hf, i):

@@ -2,7 +2,7 @@
 
 The rehearsal (real vLLM 0.11.0 / vllm-ascend W8A8_DYNAMIC layers and the npu_flashrl INT8 loader on
 CPU, torch_npu emulated by the reference kernels) runs once healthy and once per fault of the test
-seam `npu_flashrl.rehearsal.faults` (NPU_FLASHRL_REHEARSAL_FAULT): after the cold load the loader's
+seam `npu_flashrl.sim.faults` (NPU_FLASHRL_REHEARSAL_FAULT): after the cold load the loader's
 quantizer is wrapped through the adapter's public `attach`, or the model is tampered with after
 `end_weight_sync`. Nothing upstream or in the adapter is edited. On the current line the syncs come through verl 0.9.1's
 real bucketed transfer (`--transport auto`: sender process, `update_weights_from_ipc`, shared memory),

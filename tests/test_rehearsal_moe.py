@@ -4,7 +4,7 @@ A tiny Qwen3-MoE (2 layers, 8 experts, top-2, `sim.tiny_models.build_tiny_qwen3_
 weights, not pre-trained) is written to a tmp dir; ONE subprocess runs the rehearsal on it five
 times (2 syncs, 4 evaluation sequences of 24 tokens, no fp32-head variant): healthy (the line's
 transport, then `--transport direct`), and with faults of the test seam
-`npu_flashrl.rehearsal.faults`: two expert faults (one expert's down_proj scales at half; one
+`npu_flashrl.sim.faults`: two expert faults (one expert's down_proj scales at half; one
 expert left at the first sync's weights) and truncation instead of rounding in every quantized
 tensor, experts included. Each run is the real path: transformers'
 Qwen3MoeForCausalLM as the trainer (AdamW steps on the CPU), its weights pushed as verl's trainer
@@ -245,12 +245,11 @@ def test_unsupported_moe_architecture_is_refused(tmp_path, capsys):
 
 
 def test_expert_fault_on_a_dense_model_is_refused(monkeypatch):
-    from npu_flashrl.rehearsal import faults
-    from npu_flashrl.rehearsal.common import RehearsalError
+    from npu_flashrl.sim import faults
 
     class DenseLoader:
         targets, experts = {}, {}
 
     monkeypatch.setenv(faults.FAULT_ENV, "stale_expert")
-    with pytest.raises(RehearsalError, match="needs a MoE --model"):
+    with pytest.raises(faults.FaultError, match="needs a MoE --model"):
         faults.install(torch.nn.Linear(2, 2), DenseLoader())

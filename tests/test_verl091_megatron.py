@@ -82,11 +82,11 @@ def test_megatron_escape_hatch_warns(caplog):
 
 
 def test_verify_refuses_it(tmp_path):
-    from npu_flashrl import cli
+    from npu_flashrl import verify
 
     path = tmp_path / "overrides.txt"
     path.write_text("\n".join(["FLASHRL_CONFIG=int8.yaml python3 -m verl.trainer.main_ppo",
                                "actor_rollout_ref.actor.strategy=megatron", *TIS]))
-    rows = cli.verl_rows(str(path), "0.9")
-    assert rows[0]["status"] == cli.FAIL and "strategy=megatron" in rows[0]["detail"]
+    rows = verify.verl_rows(str(path), "0.9")
+    assert rows[0]["status"] == verify.FAIL and "strategy=megatron" in rows[0]["detail"]
     assert rows[0]["fix"].startswith("actor_rollout_ref.actor.strategy=fsdp2")

@@ -319,17 +319,17 @@ def test_tis_overrides_refuse_what_verl_09_does_not_have():
 
 
 def test_verify_knows_verl_091_keys(tmp_path):
-    from npu_flashrl import cli
+    from npu_flashrl import verify
 
     good = tmp_path / "good.txt"
     good.write_text("\n".join(ad.tis_overrides(verl="0.9")))
-    rows = cli.verl_rows(str(good))
-    assert [r["status"] for r in rows] == [cli.OK] and "verl 0.9" in rows[0]["detail"]
+    rows = verify.verl_rows(str(good))
+    assert [r["status"] for r in rows] == [verify.OK] and "verl 0.9" in rows[0]["detail"]
     bad = tmp_path / "bad.txt"
     bad.write_text("\n".join([RC + "rollout_is=token", RC + "bypass_mode=True",
                               RC + "use_policy_gradient=True",
                               "actor_rollout_ref.rollout.calculate_log_probs=True"]))
-    rows = cli.verl_rows(str(bad))
-    assert rows[0]["status"] == cli.FAIL
+    rows = verify.verl_rows(str(bad))
+    assert rows[0]["status"] == verify.FAIL
     assert "use_policy_gradient does not exist" in rows[0]["detail"]
     assert "for metrics only" in rows[0]["detail"] and "bypass_mode=False" in rows[0]["fix"]

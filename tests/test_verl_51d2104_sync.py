@@ -26,6 +26,9 @@ import torch
 from npu_flashrl import patches
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2
+from npu_flashrl.sim.sync import state
+
+from helpers import build
 
 pytestmark = pytest.mark.every_line
 
@@ -60,14 +63,6 @@ def synced(va, spmd):
 
     assert patches.apply_patch(verl_adapter.PATCH_SYNC_END)
     return spmd.vLLMRollout
-
-
-def build(va, model_dir):
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8())
-
-
-def state(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def rollout_for(cls, v):
@@ -184,10 +179,10 @@ def test_patch_is_registered_idempotent_and_activated(synced, monkeypatch):
     assert synced.update_weights is wrapped
     assert asyncio.iscoroutinefunction(wrapped)
     assert any(p["name"] == verl_adapter.PATCH_SYNC_END and p["applied"] for p in patches.status())
-    from npu_flashrl import cli
+    from npu_flashrl import verify
 
-    rows = [r for r in cli.patch_rows() if r["check"] == f"patch {verl_adapter.PATCH_SYNC_END}"]
-    assert rows and rows[0]["status"] == cli.OK and "vLLMRollout.update_weights" in rows[0]["detail"]
+    rows = [r for r in verify.patch_rows() if r["check"] == f"patch {verl_adapter.PATCH_SYNC_END}"]
+    assert rows and rows[0]["status"] == verify.OK and "vLLMRollout.update_weights" in rows[0]["detail"]
     seen = []
     monkeypatch.setattr(activation.patches, "apply_patches", lambda names: seen.extend(names) or {})
     import npu_flashrl.config as config_mod

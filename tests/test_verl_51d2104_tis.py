@@ -52,7 +52,7 @@ def _dry_run(script, tmp_path, *extra, **env_extra):
 @pytest.mark.parametrize("script", ["test_grpo_qwen25_7b_fsdp_int8_A2.sh",
                                     "test_grpo_qwen25_7b_megatron_int8_A2.sh"])
 def test_recipes_use_the_tis_overrides_of_the_adapter(script, tmp_path):
-    from npu_flashrl.cli import read_overrides
+    from npu_flashrl.verify import read_overrides
 
     proc = _dry_run(script, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -83,19 +83,19 @@ def test_recipe_preflight_refuses_the_combination_without_tis(env, extra, needle
 
 
 def test_verify_refuses_the_broken_overrides(tmp_path):
-    from npu_flashrl import cli
-    from npu_flashrl.cli import verl_rows
+    from npu_flashrl import verify
+    from npu_flashrl.verify import verl_rows
 
     proc = _dry_run("test_grpo_qwen25_7b_fsdp_int8_A2.sh", tmp_path)
     good = tmp_path / "good.txt"
     good.write_text(proc.stdout)
-    assert [r["status"] for r in verl_rows(str(good), "51d2104")] == [cli.OK]
+    assert [r["status"] for r in verl_rows(str(good), "51d2104")] == [verify.OK]
     bad = tmp_path / "bad.txt"
     bad.write_text("\n".join(BROKEN[:1] + (RC + "rollout_is=token",
                                            "actor_rollout_ref.rollout.mode=sync",
                                            "actor_rollout_ref.rollout.calculate_log_probs=True")))
     rows = verl_rows(str(bad), "51d2104")
-    assert rows[0]["status"] == cli.FAIL and "computes no IS weights" in rows[0]["detail"]
+    assert rows[0]["status"] == verify.FAIL and "computes no IS weights" in rows[0]["detail"]
     assert "bypass_mode=False" in rows[0]["fix"]
     with pytest.raises(ad.TisConfigError, match="use_policy_gradient=True"):
         ad.tis_overrides(use_policy_gradient=True, verl="51d2104")

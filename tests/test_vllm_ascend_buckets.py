@@ -21,10 +21,10 @@ from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2, build_tiny_qwen3
 
+from helpers import FUSED, build
+
 pytestmark = pytest.mark.every_line
 
-FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-         "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -57,10 +57,6 @@ def qwen3():
 @pytest.fixture(scope="module")
 def qwen2_tied():
     return _make("qwen2_tied", range(3))
-
-
-def build(va, model_dir, **kw):
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8(), **kw)
 
 
 def trainer_weights(model):

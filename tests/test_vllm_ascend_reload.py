@@ -13,7 +13,10 @@ import torch
 
 from npu_flashrl import kernels
 from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.sync import assert_same_state, state
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2
+
+from helpers import FUSED, build, hf_weights
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
@@ -38,30 +41,6 @@ def ckpts():
     return dirs, models
 
 
-def hf_weights(model, dtype=None):
-    out = []
-    for n, p in model.named_parameters():
-        t = p.detach().clone()
-        out.append((n, t.to(dtype) if dtype is not None else t))
-    return out
-
-
-def build(va, model_dir, fn="int8_profile_free", profile=None, **kw):
-    """The policy rollout's INT8 model (fn None: the checkpoint as loaded, profile-free reloads)."""
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
-                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
-
-
-def state(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), f"{n} differs"
-
-
 def ref_fused(hf, layer, names):
     """Reference per-channel INT8 of the HF projections `names` of decoder layer `layer`."""
     mods = hf.model.layers[layer]
@@ -72,10 +51,6 @@ def ref_fused(hf, layer, names):
         qs.append(q)
         ss.append(s)
     return torch.cat(qs), torch.cat(ss)
-
-
-FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-         "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
 
 
 def check_against_reference(model, hf):

@@ -15,6 +15,9 @@ import torch
 
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
+from npu_flashrl.sim.sync import state
+
+from helpers import build, hf_weights
 
 pytestmark = pytest.mark.every_line
 
@@ -30,24 +33,6 @@ def pair(tmp_path_factory):
     bf16, w8 = tiny_checkpoint_pair(root, seed=0, smooth=True)
     other = build_tiny_qwen2(os.path.join(root, "other"), seed=5)
     return bf16, w8, AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16), other
-
-
-def hf_weights(model, dtype=None):
-    return [(n, p.detach().clone().to(dtype) if dtype else p.detach().clone())
-            for n, p in model.named_parameters()]
-
-
-def build(va, model_dir, fn="int8_profile_free", profile=None, ascend=True, **kw):
-    """The policy rollout's INT8 model (fn None: the checkpoint as loaded, profile-free reloads);
-    `ascend=False` with fn None: vLLM's own model, no npu_flashrl."""
-    if not (fn or ascend):
-        return cpu_vllm.CpuVllm(model_dir, **kw)
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
-                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
-
-
-def state(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 IDS = torch.randint(0, 512, (3, 12), generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from npu_flashrl import cli
+from npu_flashrl import cli, verify
 from npu_flashrl import config as C
 from npu_flashrl.profile import check_w8a8_checkpoint
 from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
@@ -83,16 +83,16 @@ def test_verify_refuses_a_non_w8a8_model_and_dummy_load_format(pair, profile_pt,
     def rows(entry):
         path = tmp_path / "v.yaml"
         path.write_text(yaml.safe_dump({"configs": [entry]}))
-        return [r for r in cli.config_rows(str(path)) if r["check"].startswith("configs[0]")]
+        return [r for r in verify.config_rows(str(path)) if r["check"].startswith("configs[0]")]
 
     r = rows({"fn": "int8", "model": bf16, "profile": profile_pt, "load_format": "auto"})
-    assert r[0]["status"] == cli.FAIL and "not int8" in r[0]["detail"] and "int8_profile_free" in r[0]["fix"]
+    assert r[0]["status"] == verify.FAIL and "not int8" in r[0]["detail"] and "int8_profile_free" in r[0]["fix"]
     r = rows({"fn": "int8", "model": w8a8, "profile": profile_pt, "load_format": "dummy"})
-    assert r[0]["status"] == cli.FAIL and "weight_scale" in r[0]["detail"] and r[0]["fix"] == "load_format: auto"
+    assert r[0]["status"] == verify.FAIL and "weight_scale" in r[0]["detail"] and r[0]["fix"] == "load_format: auto"
     r = rows({"fn": "int8", "model": w8a8, "profile": profile_pt})
-    assert [x["status"] for x in r] == [cli.WARN, cli.OK] and "dummy" in r[0]["detail"]
+    assert [x["status"] for x in r] == [verify.WARN, verify.OK] and "dummy" in r[0]["detail"]
     r = rows({"fn": "int8", "model": w8a8, "profile": profile_pt, "load_format": "auto"})
-    assert [x["status"] for x in r] == [cli.OK]
+    assert [x["status"] for x in r] == [verify.OK]
 
 
 def _engine_args(model, load_format):

@@ -59,7 +59,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable
 
-logger = get_logger("adapters.flashrl")
+logger = get_logger(__name__)
 
 PATCH_NAME = "flashrl_yield_to_npu_flashrl"
 YIELD_ENV = "NPU_FLASHRL_YIELD_FLASHRL"  # 1: always yield, 0: never, unset: on Ascend only

@@ -40,7 +40,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import register
 
-logger = get_logger("adapters.transformers")
+logger = get_logger(__name__)
 
 MARK = "_npu_flashrl_fp32_lm_head"
 PATCH_NAME = "transformers_lmhead_fp32"

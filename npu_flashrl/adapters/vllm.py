@@ -47,7 +47,7 @@ from npu_flashrl import lines, patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable, register
 
-logger = get_logger("adapters.vllm")
+logger = get_logger(__name__)
 
 _VPE = "vllm.model_executor.layers.vocab_parallel_embedding"
 _ASCEND_VPE = "vllm_ascend.ops.vocab_parallel_embedding"

@@ -17,7 +17,7 @@ from npu_flashrl.adapters.engine_choice import (  # noqa: F401  (engine_choice, 
     CHOICE_KEY, EngineChoice, building, engine_choice, with_choice)
 from npu_flashrl.errors import UnquantizedRolloutError
 
-logger = get_logger("vllm_engine")
+logger = get_logger(__name__)
 
 TARGET = "vllm.engine.arg_utils:EngineArgs.create_engine_config"
 PATCH_NAME = "vllm_engine_flashrl_config"

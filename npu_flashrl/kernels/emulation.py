@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import torch
 
+from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.kernels import moe_reference, reference
 
 EMULATED_PACKAGES = ("torch_npu", "torchair")
@@ -174,7 +175,7 @@ def register_cpu_ops() -> List[str]:
     return done
 
 
-class RealTorchNpuPresent(RuntimeError):
+class RealTorchNpuPresent(NpuFlashrlError, RuntimeError):
     pass
 
 

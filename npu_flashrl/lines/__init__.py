@@ -12,22 +12,19 @@ version literals outside `lines/` and `pins.yaml`):
 - `verl`: the verl config line and how the installed verl drives its rollout.
 
 Adding a line: a module with its `LINE` (subclassing the nearest line's class for what it
-shares), listed in `LINES` below; its pins in pins.yaml.
+shares), listed in `detect.LINES`; its pins in pins.yaml.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from npu_flashrl.lines import v0_10_1rc1, v0_11_0, v0_23_0
 from npu_flashrl.lines.base import (  # noqa: F401
     GET_QUANT_CONFIG_TARGET, INITIALIZE_MODEL_TARGET, PatchBodies, StackLine, resolve)
 from npu_flashrl.lines.detect import (  # noqa: F401
-    UnsupportedVersion, line, line_for_tree, line_for_version, supported)
+    LINES, UnsupportedVersion, line, line_for_tree, line_for_version, supported)
 from npu_flashrl.lines.verl import (  # noqa: F401
     SYNC_PIN, VERL_ALIASES, VERL_LINES, verl_line, verl_server_mode)
 
-# Oldest first; source-tree detection tries them in this order (each layout's files decide).
-LINES = (v0_10_1rc1.LINE, v0_11_0.LINE, v0_23_0.LINE)
 SUPPORTED_VLLM_ASCEND = tuple(ln.name for ln in LINES)
 
 

@@ -9,7 +9,7 @@ import torch
 from npu_flashrl import kernels
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("lines.derived")
+logger = get_logger(__name__)
 
 
 @torch.no_grad()

@@ -17,18 +17,21 @@ import re
 from typing import Optional, Tuple
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import NpuFlashrlError
+from npu_flashrl.lines import v0_10_1rc1, v0_11_0, v0_23_0
 from npu_flashrl.lines.base import StackLine
 
-logger = get_logger("lines")
+# Oldest first; source-tree detection tries them in this order (each layout's files decide).
+LINES: Tuple[StackLine, ...] = (v0_10_1rc1.LINE, v0_11_0.LINE, v0_23_0.LINE)
+
+logger = get_logger(__name__)
 
 
-class UnsupportedVersion(RuntimeError):
-    pass
+class UnsupportedVersion(NpuFlashrlError, RuntimeError):
+    """The installed vllm-ascend (or a named release) is not a supported line."""
 
 
 def _all() -> Tuple[StackLine, ...]:
-    from npu_flashrl.lines import LINES
-
     return LINES
 
 

@@ -30,7 +30,7 @@ from npu_flashrl._logging import get_logger
 from npu_flashrl.lines.verl import SERVER, SYNC  # noqa: F401  (the verl line names)
 from npu_flashrl.values import is_null, is_true
 
-logger = get_logger("adapters.verl.lines")
+logger = get_logger(__name__)
 
 RC = "algorithm.rollout_correction."
 WORKER_LOSS = "actor_rollout_ref.actor.policy_loss."

@@ -6,8 +6,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from npu_flashrl.errors import NpuFlashrlError
 
-class WeightSyncError(ValueError):
+
+class WeightSyncError(NpuFlashrlError, ValueError):
     """A weight sync was refused; the message names the parameter. Live weights are unchanged
     for every layer the failing tensor belongs to."""
 

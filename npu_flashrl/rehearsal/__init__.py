@@ -11,8 +11,8 @@ What one run does (each phase with a progress bar):
    safetensors checkpoint instead, or a Qwen3-MoE (its weights pushed per expert as verl's trainer
    sends them, its fused-MoE experts checked per expert: `state_moe.py`).
 2. **Setup, as a user does it.** `npu-flashrl profile` (``--mode profile``: on a compressed-tensors
-   w8a8 checkpoint written from the bf16 one, or ``--w8a8 DIR``) and `npu-flashrl setup` write a
-   FlashRL config; `npu_flashrl.activate(config)` applies the patches; the config entry is applied
+   w8a8 checkpoint written from the bf16 one, or ``--w8a8 DIR``) and `npu-flashrl setup` (their
+   library functions, `npu_flashrl.commands`) write a FlashRL config; `npu_flashrl.activate(config)` applies the patches; the config entry is applied
    to a real `vllm.engine.arg_utils.EngineArgs` by the engine adapter (`apply_entry`), which picks the
    rollout checkpoint, `quantization="ascend"` and the online quantizer (profile loaded).
 3. **Rollout models**, built by vLLM's own loader through the real vLLM + vllm-ascend code (vLLM
@@ -46,9 +46,11 @@ installation check; with `--device npu` the hardware check of the kernels and th
 (not verified on hardware here).
 
 Modules: `arguments` (options, checked once), `device` (device / environment), `model` (tiny /
---model), `trainer` (trainer side), `rollout` (rollout side), `state` (+ `state_moe`: fused-MoE experts) and `checks` (the verdict),
-`output`, `cli_setup` (setup through the CLI), `transport` (how syncs reach the rollout), `main` (the
-run), `faults` (a test seam only).
+--model), `trainer` (trainer side), `rollout` (rollout side), `state` (+ `state_moe`: fused-MoE
+experts) and `checks` (the verdict), `output`, `user_setup` (profile / setup / activate through
+their library functions, `npu_flashrl.commands`), `transport` (how syncs reach the rollout), `main`
+(the run, one function per phase). The test seam that injects faults is part of the simulation:
+`npu_flashrl.sim.faults`.
 
 Process-global state: vLLM's process group, the torch_npu emulation and npu_flashrl's patches stay
 in the process after `run()` (the FP32 lm-head patches included), and so does verl's sender process

@@ -1,7 +1,7 @@
 """The verdict: the mismatch metric, the INT8 state after every sync and each layer's output error.
 
 Every failing check names the layer(s) and the number. Which fault each check catches (proven by
-tests/test_rehearsal_checks.py, faults from `faults.py`):
+tests/test_rehearsal_checks.py, faults from `npu_flashrl.sim.faults`):
 
 * int8 weights equal the reference quantization: one layer's int8 transposed, a shard left stale
   after a sync, truncation instead of rounding (off by one);

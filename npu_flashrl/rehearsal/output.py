@@ -6,8 +6,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS, VARIANT_BF16, VARIANT_ORDER
-from npu_flashrl.rehearsal.faults import FAULT_ENV
 from npu_flashrl.rehearsal.state import by_type
+from npu_flashrl.sim.faults import FAULT_ENV
 
 TABLE_COLUMNS = ("step", "variant", "token_mult_prob_error", "kl_k1", "kl_k3", "prob_diff_max", "int8_state",
                  "layer_err_max", "reload_s")

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from npu_flashrl.rehearsal.common import RehearsalError, progress_bar
 from npu_flashrl.rehearsal.trainer import target_logp
@@ -114,28 +115,53 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
     return torch.cat(rows)
 
 
-def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: str, args, vocab_size: int,
-                device: str, int8: bool, progress: bool, sync, profile: Optional[Dict[str, dict]] = None,
-                model_config: Optional[Dict[str, Any]] = None
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One rollout model to measure: `build()` returns its context manager (`make_rollout`);
+    `logp_key`: which trainer log-probs it is compared with ("bf16" or "fp32head")."""
+    name: str
+    build: Callable[[], Any]
+    logp_key: str
+    int8: bool
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """What every variant of a run shares. `snapshots`: per step, the weights as the trainer sends
+    them (MoE: per-expert names); `train_logps`: per step, {logp_key: trainer log-probs};
+    `sync`: how syncs reach the model (`transport.py`); `profile`: the state check's own copy of
+    the int8 profile (profile mode); `model_config`: the checkpoint's config.json (MoE top-k)."""
+    snapshots: List[Any]
+    eval_ids: Any
+    train_logps: List[Dict[str, Any]]
+    vocab_size: int
+    device: str
+    seed: int
+    progress: bool
+    sync: Any
+    profile: Optional[Dict[str, dict]] = None
+    model_config: Optional[Dict[str, Any]] = None
+
+
+def run_variant(variant: Variant, run: Rollouts
                 ) -> Tuple[List[Dict[str, Any]], Dict[str, Any], List[Dict[str, Any]]]:
-    """Build one rollout model, push every step's weights into it through `sync` (`transport.py`),
-    measure; for INT8, check the INT8 state and every quantized layer's output error after each sync
-    (`state.py`, fused-MoE layers `state_moe.py`). `snapshots`: per step, the weights as the trainer
-    sends them (MoE: per-expert names); `model_config`: the checkpoint's config.json (MoE top-k).
-    Returns (rows, info, per-layer state results)."""
+    """Build one rollout model, push every step's weights into it through `run.sync`, measure; for
+    INT8, check the INT8 state and every quantized layer's output error after each sync
+    (`state.py`, fused-MoE layers `state_moe.py`). Returns (rows, info, per-layer state results)."""
     import torch
 
     from npu_flashrl.metrics import mismatch_metrics
-    from npu_flashrl.rehearsal import faults
     from npu_flashrl.rehearsal.model import is_moe
     from npu_flashrl.rehearsal.state import Int8StateCheck, summarize_step
+    from npu_flashrl.sim import faults
 
+    name, int8, device, sync, model_config = variant.name, variant.int8, run.device, run.sync, run.model_config
     rows: List[Dict[str, Any]] = []
     layer_results: List[Dict[str, Any]] = []
     info: Dict[str, Any] = {"name": name}
-    with progress_bar(len(snapshots) + 1, f"rollout {name}", progress) as bar:
+    with progress_bar(len(run.snapshots) + 1, f"rollout {name}", run.progress) as bar:
         t0 = time.perf_counter()
-        ctx = build()
+        ctx = variant.build()
         with ctx as v:
             info["build_s"] = time.perf_counter() - t0
             model = v.model
@@ -165,14 +191,17 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
             checker = fault = None
             if int8:
                 # right after the cold load: pointers, formats and cold scales are the reference
-                checker = Int8StateCheck(model, loader.targets, device, profile=profile, seed=args.seed,
+                checker = Int8StateCheck(model, loader.targets, device, profile=run.profile, seed=run.seed,
                                          experts=experts, moe_config=model_config, forward_context=fwd)
-                fault = faults.install(model, loader)
+                try:
+                    fault = faults.install(model, loader)
+                except faults.FaultError as exc:
+                    raise RehearsalError(str(exc)) from None
                 info["fault_injected"] = fault.name if fault else None
             sync.attach(v)
             bar.update(1)
-            rng = random.Random(args.seed + 7)
-            for step, snap in enumerate(snapshots, start=1):
+            rng = random.Random(run.seed + 7)
+            for step, snap in enumerate(run.snapshots, start=1):
                 prepared = sync.prepare(snap, rng)  # the trainer's side, not timed
                 if device == "npu":
                     torch.npu.synchronize()
@@ -190,8 +219,8 @@ def run_variant(name: str, build, snapshots, eval_ids, train_logps, logp_key: st
                         r["variant"] = name
                     layer_results += results
                     state = summarize_step(results)
-                logp_r = rollout_logp(model, eval_ids, vocab_size, device, forward_context=fwd)
-                logp_t = train_logps[step - 1][logp_key]
+                logp_r = rollout_logp(model, run.eval_ids, run.vocab_size, device, forward_context=fwd)
+                logp_t = run.train_logps[step - 1][variant.logp_key]
                 mask = torch.ones_like(logp_t, dtype=torch.bool)
                 m = mismatch_metrics(logp_t, logp_r, mask, tis_threshold=2.0, prefix="")
                 rows.append({"step": step, "variant": name, "reload_s": reload_s, "buckets": n_buckets,

@@ -37,6 +37,8 @@ from typing import Optional
 
 import torch
 
+from npu_flashrl.errors import NpuFlashrlError
+
 PREFIX = "@npu_flashrl@ "
 _TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
 
@@ -142,7 +144,7 @@ def save_weights(named_tensors, path: str) -> str:
     return path
 
 
-class TransferError(RuntimeError):
+class TransferError(NpuFlashrlError, RuntimeError):
     """The sender process did not answer as expected; the message carries its stderr tail."""
 
 

@@ -8,7 +8,7 @@ from npu_flashrl import lines
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import when_imported  # noqa: F401  (re-exported for the adapter's modules)
 
-logger = get_logger("adapters.megatron")
+logger = get_logger(__package__)  # one logger for the Megatron adapter package
 
 VERL_PIN = lines.SYNC_PIN
 ADAPTOR = "mindspeed.megatron_adaptor"

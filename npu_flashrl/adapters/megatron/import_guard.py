@@ -34,6 +34,7 @@ import sys
 from typing import Dict, Optional, Sequence, Tuple
 
 from npu_flashrl.adapters.megatron._common import ADAPTOR, logger, remove_finder
+from npu_flashrl.errors import NpuFlashrlError
 
 # The one hook the recipes (tests/verl_examples/common.sh) set; '++' adds it or overrides the recipe's
 # '+' without Hydra's "Could not append" error.
@@ -41,7 +42,7 @@ RAY_HOOK = "npu_flashrl.activation.worker_process_setup"
 RAY_HOOK_OVERRIDE = f"++ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={RAY_HOOK}"
 
 
-class MindSpeedError(RuntimeError):
+class MindSpeedError(NpuFlashrlError, RuntimeError):
     """MindSpeed / Megatron set-up problem on the trainer side."""
 
 

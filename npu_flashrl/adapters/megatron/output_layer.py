@@ -23,12 +23,13 @@ import types
 from npu_flashrl import patches
 from npu_flashrl.adapters.megatron._common import PATCH_LMHEAD, logger, when_imported
 from npu_flashrl.config import lmhead_fp32_requested
+from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.patches import register
 
 MARK = "_npu_flashrl_fp32_output_layer"
 
 
-class FusedKernelsConflict(ValueError):
+class FusedKernelsConflict(NpuFlashrlError, ValueError):
     """FLASHRL_LMHEAD_FP32=1 together with verl's fused kernels, which bypass the output layer."""
 
 

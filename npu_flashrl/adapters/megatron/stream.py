@@ -35,6 +35,7 @@ import torch
 from npu_flashrl.adapters.megatron import _common
 from npu_flashrl.adapters.megatron._common import PATCH_STREAM, WRAPPED, logger, when_imported
 from npu_flashrl import lines
+from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.patches import register
 
 # HF architectures whose weights verl sends through McoreToHFWeightConverterDense (the pinned
@@ -44,7 +45,7 @@ DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM
 _DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-class WeightStreamError(ValueError):
+class WeightStreamError(NpuFlashrlError, ValueError):
     """A tensor of the trainer's weight stream that the rollout cannot take."""
 
 

@@ -54,7 +54,7 @@ from npu_flashrl.metrics import mismatch_metrics
 from npu_flashrl.patches import PatchNotApplicable, register
 from npu_flashrl.adapters.verl.sync_mode import PATCH_SYNC_END  # noqa: F401  (declares the patch)
 
-logger = get_logger("adapters.verl")
+logger = get_logger(__name__)
 
 VERL_PIN = "51d2104ecb61563c41123a8f0bce2f06b18387dc"
 PREFIX = "npu_flashrl/"

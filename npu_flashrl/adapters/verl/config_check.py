@@ -8,17 +8,18 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.lines import verl_rules
 from npu_flashrl.values import is_null, is_true
 
-logger = get_logger("adapters.verl")
+logger = get_logger(__name__)
 
 
-class RolloutModeError(ValueError):
+class RolloutModeError(NpuFlashrlError, ValueError):
     """The verl config cannot work with a FlashRL/npu_flashrl INT8 rollout."""
 
 
-class TisConfigError(ValueError):
+class TisConfigError(NpuFlashrlError, ValueError):
     """An ``algorithm.rollout_correction`` combination that silently does no TIS on the verl line
     (51d2104 or 0.9, :func:`check_tis`)."""
 

@@ -29,8 +29,9 @@ from npu_flashrl.adapters import vllm_engine
 from npu_flashrl.adapters.verl import sync_end
 from npu_flashrl.lines import verl_rules
 from npu_flashrl.lines.verl_rules import MEGATRON_ENV  # noqa: F401  (re-exported)
+from npu_flashrl.errors import NpuFlashrlError
 
-logger = get_logger("adapters.verl.server")
+logger = get_logger(__name__)
 
 _UTILS = "verl.workers.rollout.vllm_rollout.utils"
 _TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
@@ -54,7 +55,7 @@ _VERL_QUANT = {"fp8": "actor_rollout_ref.rollout.quantization=fp8",
                "compressed-tensors": "actor_rollout_ref.rollout.qat.enable=true (compressed-tensors)"}
 
 
-class ServerModeError(RuntimeError):
+class ServerModeError(NpuFlashrlError, RuntimeError):
     """verl's server-mode rollout cannot run the FlashRL config as set up; the message says why
     and what to change."""
 

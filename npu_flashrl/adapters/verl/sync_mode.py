@@ -24,7 +24,7 @@ from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters.verl import sync_end
 from npu_flashrl.lines import verl_rules
 
-logger = get_logger("adapters.verl.sync")
+logger = get_logger(__name__)
 
 ROLLOUT_MODULE = "verl.workers.rollout.vllm_rollout.vllm_rollout_spmd"
 TARGET = f"{ROLLOUT_MODULE}:vLLMRollout.update_weights"

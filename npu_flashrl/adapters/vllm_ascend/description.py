@@ -27,6 +27,8 @@ import os
 import re
 from typing import List, Optional, Sequence
 
+from npu_flashrl.errors import NpuFlashrlError
+
 # The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names); MoE experts
 # (`mlp.experts.E.gate_proj`, ...) and shared experts end in the same names.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,7 +41,7 @@ FLOAT = "FLOAT"
 DESCRIPTION_FILE = "quant_model_description.json"
 
 
-class UnsupportedScheme(ValueError):
+class UnsupportedScheme(NpuFlashrlError, ValueError):
     """A checkpoint quantization scheme vllm-ascend's W8A8 layers cannot run."""
 
 

@@ -27,7 +27,7 @@ from npu_flashrl.errors import UnquantizedRolloutError
 from npu_flashrl.lines.base import POLICY_ATTR  # set on every module of the policy rollout's model
 from npu_flashrl.quant import make_quantizer
 
-logger = get_logger("vllm_ascend")
+logger = get_logger(__name__)
 
 
 

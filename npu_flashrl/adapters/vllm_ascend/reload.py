@@ -21,7 +21,7 @@ from npu_flashrl.adapters.vllm_ascend import layout as _layout
 from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
-logger = get_logger("vllm_ascend")
+logger = get_logger(__name__)
 
 @dataclasses.dataclass
 class _Target:

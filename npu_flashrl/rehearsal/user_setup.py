@@ -1,29 +1,31 @@
-"""Setup as a user does it: `npu-flashrl profile` / `setup` in-process, then activation on real EngineArgs."""
+"""Setup as a user does it: `npu-flashrl profile` / `setup` (their library functions,
+`npu_flashrl.commands`), `npu_flashrl.activate`, then the engine adapter on real EngineArgs."""
 from __future__ import annotations
 
-import contextlib
-import io
 import os
+import shutil
 import time
-from typing import Any, Dict, Sequence
+from typing import Any, Dict
 
 from npu_flashrl.rehearsal.common import RehearsalError
 
 
-def run_cli(argv: Sequence[str]) -> str:
-    """Run `npu-flashrl <argv>` in-process (the user's code path); its output is returned, a failure raises."""
-    from npu_flashrl import cli
+def _user_step(command: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, its refusal reported as the rehearsal's error naming the user's command."""
+    from npu_flashrl.config import ConfigError
+    from npu_flashrl.errors import CliError
+    from npu_flashrl.profile import ProfileError
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(list(argv))
-    if code != 0:
-        raise RehearsalError(f"`npu-flashrl {' '.join(argv)}` failed ({code}): {err.getvalue().strip()}")
-    return out.getvalue()
+    try:
+        return fn(*args, **kwargs)
+    except (CliError, ConfigError, ProfileError) as exc:
+        raise RehearsalError(f"`npu-flashrl {command}` failed: {exc}") from None
 
 
 def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, Any]:
     """profile (profile mode) and setup, as a user runs them; returns paths and timings."""
+    from npu_flashrl import commands
+
     out: Dict[str, Any] = {"mode": args.mode}
     config_path = os.path.join(work, "flashrl_config.yaml")
     t0 = time.perf_counter()
@@ -33,20 +35,18 @@ def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, 
             from npu_flashrl.sim.checkpoints import write_w8a8_compressed_tensors
 
             w8a8 = os.path.join(work, "w8a8")
-            import shutil
-
             shutil.rmtree(w8a8, ignore_errors=True)
             write_w8a8_compressed_tensors(bf16_dir, w8a8)
             out["w8a8_written"] = True
         profile = os.path.join(work, "profile.pt")
-        argv = ["profile", "-m", bf16_dir, "-q", w8a8, "-o", profile]
-        if not progress:
-            argv.append("--no-progress")
-        run_cli(argv)
-        run_cli(["setup", "-m", w8a8, "-p", profile, "--fn", "int8", "-o", config_path])
+        _user_step(f"profile -m {bf16_dir} -q {w8a8} -o {profile}", commands.write_profile, bf16_dir, w8a8,
+                   profile, progress=progress)
+        _user_step(f"setup -m {w8a8} -p {profile} --fn int8 -o {config_path}", commands.setup, "int8", w8a8,
+                   profile, config_path)
         out.update(w8a8_dir=w8a8, profile=profile, fn="int8")
     else:
-        run_cli(["setup", "-m", bf16_dir, "--fn", "int8_profile_free", "-o", config_path])
+        _user_step(f"setup -m {bf16_dir} --fn int8_profile_free -o {config_path}", commands.setup,
+                   "int8_profile_free", bf16_dir, None, config_path)
         out["fn"] = "int8_profile_free"
     out["config"] = config_path
     out["setup_s"] = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""TEST SEAM: faults injected into the rehearsal's rollout path, to prove each check can fail.
+"""TEST SEAM: faults injected into the rehearsal's rollout path, to prove each check can fail
+(part of the simulation: nothing at run time imports it).
 
 Used only by tests (tests/test_rehearsal_checks.py): `NPU_FLASHRL_REHEARSAL_FAULT=<name>` in the
 environment of `npu-flashrl rehearse`. Nothing in npu_flashrl or upstream is edited: after the cold
@@ -32,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from npu_flashrl.errors import NpuFlashrlError
+
 FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
 EXPERT_FAULTS = ("expert_scale_x0.5", "stale_expert")
 QUANTIZER_FAULTS = ("scale_x0.5", "scale_x1.1", "int8_transposed", "stale_shard", "round_trunc") + EXPERT_FAULTS
@@ -41,13 +44,15 @@ SCALED_EXPERT = "layers.0.mlp.experts.3.down_proj.weight"
 STALE_EXPERT = "layers.0.mlp.experts.5."
 
 
+class FaultError(NpuFlashrlError, ValueError):
+    """An unknown fault name, or a fault this model cannot take (the rehearsal reports it as its error)."""
+
+
 def active() -> Optional[str]:
     """The fault named in the environment, or None; an unknown name is refused."""
     name = os.environ.get(FAULT_ENV) or None
     if name is not None and name not in FAULTS:
-        from npu_flashrl.rehearsal.common import RehearsalError
-
-        raise RehearsalError(f"{FAULT_ENV}={name}: unknown fault; known: {', '.join(FAULTS)}")
+        raise FaultError(f"{FAULT_ENV}={name}: unknown fault; known: {', '.join(FAULTS)}")
     return name
 
 
@@ -91,10 +96,8 @@ class Fault:
             experts = getattr(loader, "experts", None) or {}
             needle = SCALED_EXPERT if name == "expert_scale_x0.5" else STALE_EXPERT
             if not any(needle in n for n in experts):
-                from npu_flashrl.rehearsal.common import RehearsalError
-
-                raise RehearsalError(f"{FAULT_ENV}={name}: needs a MoE --model with fused-MoE experts "
-                                     f"(no '{needle}' among the INT8 loader's expert weights)")
+                raise FaultError(f"{FAULT_ENV}={name}: needs a MoE --model with fused-MoE experts "
+                                 f"(no '{needle}' among the INT8 loader's expert weights)")
         if name in QUANTIZER_FAULTS:
             from npu_flashrl.adapters import vllm_ascend
 

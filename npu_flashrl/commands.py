@@ -1,0 +1,264 @@
+"""What `npu-flashrl profile / setup / cleanup` do, as library functions.
+
+Each takes plain arguments, returns what it did and raises `CliError` (message naming the flag and
+the fix, plus the command's exit code: 2 bad usage, 1 a failed check) on bad input; nothing is
+printed. `npu_flashrl.cli` parses the command line, calls these and prints; the rehearsal and
+users' scripts call them directly. (`npu-flashrl verify`'s checks are in `npu_flashrl.verify`.)
+"""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import yaml
+
+from npu_flashrl.errors import CliError
+
+DEFAULT_CONFIG_OUTPUT = os.path.join("~", ".flashrl_config.yaml")  # FlashRL's default
+
+
+# ============================================================================ profile
+
+def write_profile(model: Optional[str], quantized: str, output: str, fn: str = "int8",
+                  progress: bool = True) -> Dict[str, dict]:
+    """FlashRL's int8 profile of the bf16 checkpoint `model` against the W8A8 one `quantized`,
+    written to `output` (`npu-flashrl profile`); returns the profile."""
+    from npu_flashrl.profile import make_profile
+
+    if fn != "int8":
+        raise CliError(f"--fn {fn}: FP8 profiles are not supported: Ascend 910B (Atlas A2) has no FP8 "
+                       "matmul; use --fn int8", code=2)
+    if not model:
+        raise CliError("--fn int8 needs the original bf16 checkpoint: -m BF16_DIR", code=2)
+    _refuse_overwriting_a_checkpoint_file(output, (model, quantized))
+    return make_profile(model, quantized, output, fn=fn, progress=progress)
+
+
+def _refuse_overwriting_a_checkpoint_file(output: str, dirs) -> None:
+    """-o must not replace a file of -m / -q (a shard, config.json) by a profile; a previous profile there
+    (FlashRL's default place is <w8a8>/profile.pt) may be replaced."""
+    from npu_flashrl.profile import ProfileError, load_profile
+
+    if not os.path.isfile(output):
+        return
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(output)))
+    if parent not in {os.path.realpath(d) for d in dirs if d}:
+        return
+    try:
+        load_profile(output)
+    except ProfileError:
+        raise CliError(f"-o {output}: is a file of the checkpoint dir {os.path.dirname(output) or '.'} and not a "
+                       f"profile; not replaced (choose another -o, e.g. {os.path.join(parent, 'profile.pt')})") from None
+
+
+# ============================================================================ setup
+
+def parse_value(text: str) -> Any:
+    """A key=value value: a Python literal (what FlashRL users wrote for its eval) or YAML; never eval."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        pass
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CliError(f"cannot parse value {text!r}: neither a Python literal nor YAML ({exc})", code=2)
+
+
+def parse_columns(columns: Sequence[str]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for column in columns:
+        if column == "--":
+            continue
+        key, sep, value = column.partition("=")
+        key = key.strip()
+        if not sep or not key or not key.replace("_", "a").isalnum():
+            raise CliError(f"bad argument {column!r}: expected key=value "
+                           f"(e.g. module_attribute_to_preserve='[\"workspace\"]')", code=2)
+        out[key] = parse_value(value)
+    return out
+
+
+def _check_model_dir(model: str, what: str = "model") -> None:
+    if not os.path.isdir(model):
+        raise CliError(f"-m {model}: {what} dir not found (pass --no-check for a model that is not local)")
+    try:
+        names = os.listdir(model)
+    except OSError as exc:
+        raise CliError(f"-m {model}: cannot list the {what} dir: {exc.strerror or exc}") from None
+    if not any(f.endswith(".safetensors") for f in names):
+        raise CliError(f"-m {model}: no *.safetensors files in the {what} dir (a safetensors HF "
+                       f"checkpoint is needed)")
+
+
+def _check_w8a8(model: str) -> None:
+    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
+    from npu_flashrl.verify import W8A8_FIX
+
+    moe = moe_profile_problem(model)
+    if moe:
+        raise CliError(f"--fn int8 -m {model}: {moe}\nfix: {MOE_FIX}")
+    problems = check_w8a8_checkpoint(model)
+    if problems:
+        raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
+
+
+def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
+                check: bool = True, allow_unknown_keys: bool = False):
+    """The config entry `setup` writes, validated (profile vs model when check)."""
+    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile, unknown_key_problems
+    from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
+
+    try:
+        data = RolloutConfig.default(fn).to_dict()
+    except ConfigError as exc:
+        raise CliError(f"--fn: {exc}", code=2) from None
+    if model is not None:
+        data["model"] = model
+    if profile is not None:
+        data["profile"] = profile
+    data.update(columns)
+    try:
+        entry = RolloutConfig.from_dict(data, "new entry")
+    except ConfigError as exc:
+        raise CliError(str(exc), code=2) from None
+    unknown = unknown_key_problems(entry, "key=value")
+    if unknown and not allow_unknown_keys:
+        raise CliError("\n  ".join(unknown) + "\n(--force keeps such keys)", code=2)
+    if profile is not None and not needs_profile(entry):
+        raise CliError(f"-p {profile}: only --fn int8 uses a profile (--fn {entry.fn} would ignore it)", code=2)
+    if needs_profile(entry) and not entry.model:
+        raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
+    if needs_profile(entry) and str(entry.load_format).lower() == "dummy":
+        raise CliError(f"load_format=dummy with --fn {entry.fn}: the W8A8 model would keep random "
+                       "weight_scale tensors that no weight sync replaces; drop it (setup writes "
+                       "load_format: auto)", code=2)
+    if check:
+        if entry.model:
+            _check_model_dir(entry.model)
+        if needs_profile(entry):
+            _check_w8a8(entry.model)
+            path = entry.profile_path()
+            try:
+                prof = load_profile(path)
+            except ProfileError as exc:
+                raise CliError(f"-p: {exc}") from None
+            offenders = check_profile_against_model(prof, entry.model)
+            if offenders:
+                raise CliError(f"profile {path} does not match model {entry.model}; first offenders:\n  "
+                               + "\n  ".join(offenders)
+                               + "\nfix: make the profile for this model: npu-flashrl profile -m BF16 "
+                                 f"-q {entry.model} -o {path}")
+    return entry
+
+
+def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] = None,
+          output: Optional[str] = None, append: bool = False, check: bool = True, force: bool = False,
+          columns: Iterable[str] = ()):
+    """Write (or with `append`, extend) the FlashRL config at `output` (default
+    `DEFAULT_CONFIG_OUTPUT`) with one entry (`npu-flashrl setup`); `columns`: extra `key=value`
+    entry keys. Everything about `output` is checked before the model is read. Returns the
+    written `FlashRLConfig` (its `path` is where)."""
+    from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
+                                    output_path_problem, write_config)
+
+    output = os.path.expanduser(output or DEFAULT_CONFIG_OUTPUT)
+    # everything about -o first: the profile check below reads the whole model
+    problem = output_path_problem(output)
+    if problem:
+        raise CliError(f"-o {problem}")
+    if append and not os.path.exists(output):
+        raise CliError(f"-a: {output} does not exist, nothing to append to (drop -a to create it)")
+    if append:  # read again under the lock below; this finds a bad file before any work
+        try:
+            load_config(output)
+        except ConfigError as exc:
+            raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
+    elif os.path.exists(output) and not force:
+        try:
+            load_config(output)
+        except ConfigError as exc:
+            raise CliError(f"-o {output}: exists and is not a FlashRL config, not replaced ({exc}); "
+                           f"pass --force to replace it") from None
+    entry = build_entry(fn, model, profile, parse_columns(list(columns)), check=check, allow_unknown_keys=force)
+    try:
+        if append:
+            with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
+                try:
+                    cfg = load_config(output)
+                except ConfigError as exc:
+                    raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
+                cfg.entries.append(entry)
+                write_config(cfg, output)
+        else:
+            cfg = FlashRLConfig(entries=[entry], path=output)
+            write_config(cfg, output)
+    except OSError as exc:
+        raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
+    cfg.path = output
+    return cfg
+
+
+# ============================================================================ cleanup
+
+def disable_usercustomize(path: str, dry_run: bool = False) -> List[str]:
+    """Comment out FlashRL's import lines in one usercustomize.py. Returns messages; raises CliError
+    for a line it cannot safely change (nothing is written then)."""
+    from npu_flashrl.config import atomic_write
+
+    with open(path) as f:
+        lines = f.readlines()
+    changed, notes = False, []
+    i = 0
+    while i < len(lines):
+        stripped = lines[i].strip()
+        if "import flash_rl" in stripped and not stripped.startswith("#"):
+            if stripped == "import flash_rl":
+                lines[i] = "# " + lines[i]
+                changed = True
+            elif stripped == "try: import flash_rl":
+                lines[i] = "# " + lines[i]
+                nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                if nxt.startswith("except") and not nxt.startswith("#"):
+                    lines[i + 1] = "# " + lines[i + 1]
+                    i += 1
+                changed = True
+            else:
+                raise CliError(f"{path}:{i + 1}: FlashRL import in an unknown form, not changed: "
+                               f"{stripped!r}; remove it by hand")
+        i += 1
+    if changed:
+        if not dry_run:
+            atomic_write(path, lambda f: f.writelines(lines))
+        notes.append(f"{'would disable' if dry_run else 'disabled'} `import flash_rl` in {path}")
+    return notes
+
+
+def cleanup(config: Optional[str] = None, site_dirs: Optional[Sequence[str]] = None,
+            dry_run: bool = False) -> List[str]:
+    """Undo setup (`npu-flashrl cleanup`): FlashRL's usercustomize.py import lines commented out in
+    `site_dirs` (default: every site-packages dir), the config file `config` removed (only if it is
+    a FlashRL config). Returns what was (or with `dry_run`, would be) done."""
+    from npu_flashrl.adapters.flashrl import site_packages_dirs, usercustomize_files
+    from npu_flashrl.config import ConfigError, load_config
+
+    dirs = site_dirs if site_dirs else site_packages_dirs()
+    notes: List[str] = []
+    for path in usercustomize_files(dirs):
+        notes += disable_usercustomize(path, dry_run=dry_run)
+    if config:
+        if not os.path.exists(config):
+            notes.append(f"{config}: no such config (nothing to remove)")
+        else:
+            try:
+                load_config(config)
+            except ConfigError as exc:
+                raise CliError(f"-p {config}: not removed, it is not a FlashRL config ({exc})") from None
+            if not dry_run:
+                os.remove(config)
+            notes.append(f"{'would remove' if dry_run else 'removed'} config {config}")
+    if os.environ.get("FLASHRL_CONFIG"):
+        notes.append(f"FLASHRL_CONFIG={os.environ['FLASHRL_CONFIG']} is still set in this shell: "
+                     f"unset FLASHRL_CONFIG")
+    return notes

@@ -1,0 +1,27 @@
+"""Helpers shared by the reload / sync tests (imported as `helpers`: tests/ is on sys.path, as for
+`modelslim_writer` and `verl_server_engine`). Weight-sync delivery and state comparison helpers
+are in `npu_flashrl.sim.sync` (the benchmarks use them too)."""
+import torch
+
+from npu_flashrl.sim import cpu_vllm
+
+# vLLM's fused rollout layers of a Qwen2-style decoder layer -> the checkpoint projections in them
+FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+         "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+
+
+def build(va, model_dir, fn="int8_profile_free", profile=None, ascend=True, **kw):
+    """The policy rollout's INT8 model of `model_dir` on the CPU harness, its engine choice
+    carrying npu_flashrl's online quantizer `fn` (None: the checkpoint as loaded, profile-free
+    reloads); with `fn` None and not `ascend`, vLLM's own model, no npu_flashrl. `va` (the
+    vllm_ascend adapter fixture) only makes sure the patches are applied."""
+    if not (fn or ascend):
+        return cpu_vllm.CpuVllm(model_dir, **kw)
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
+                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
+
+
+def hf_weights(model, dtype=None):
+    """(name, tensor) of a transformers model's parameters, cloned (cast to `dtype` when given)."""
+    return [(n, p.detach().clone().to(dtype) if dtype is not None else p.detach().clone())
+            for n, p in model.named_parameters()]
