@@ -37,6 +37,9 @@ class ExpertTarget:
     def full_shape(self, name: str) -> Tuple[int, int]:
         return self.shapes[self.names[name][1]]
 
+    def weight_device(self) -> torch.device:
+        return self.layer.w13_weight.device
+
     def holds(self, name: str) -> bool:
         """False for an expert another rank holds (expert parallel): checked, then dropped, as
         vLLM's loader drops it."""

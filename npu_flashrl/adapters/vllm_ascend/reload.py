@@ -100,6 +100,12 @@ class Int8WeightLoader:
                 f"{bad[0]}: not in the {self.quantizer.name} profile ({len(bad)} of "
                 f"{len(self.targets)} projections missing); the profile was made for another "
                 "model (re-run `npu-flashrl profile`)")
+        # what the quantizer needs beyond the projections (FlashRL's profile: an entry for every
+        # layernorm, of the model's shapes), checked as `npu-flashrl verify` checks it
+        shapes = {name: t.full_shape(name) for name, t in self.targets.items()}
+        shapes.update((n, tuple(p.shape)) for n, p in self.validator.params.items()
+                      if n.rsplit(".", 1)[0] not in self._layers())
+        self.quantizer.check_model(shapes, f"the rollout model ({type(self.model).__name__})")
 
     def begin_sync(self) -> WeightSync:
         """The sync in progress, begun now if none is."""
@@ -118,11 +124,25 @@ class Int8WeightLoader:
             return self._original(self._cold_stream(weights, copy=reloading))
         return self.begin_sync().load(weights)
 
-    def end_sync(self) -> List[str]:
-        """End the current sync. Raises WeightSyncError when it failed part-way or when shards
-        never arrived (those layers keep their previous weights); returns [] otherwise."""
+    def end_sync(self, partial: bool = False) -> List[str]:
+        """End the current sync: [] when everything arrived since the last complete sync (or the
+        sync is declared `partial` and clean); otherwise a WeightSyncError naming what failed or
+        never arrived (see `WeightSync.end`)."""
         sync, self.sync = self.begin_sync(), None
-        return sync.end()
+        return sync.end(partial)
+
+    def names_of(self, layers: Set[str], floats: Set[str]) -> List[str]:
+        """HF names of quantized layers (by path) and float parameters, in the model's order."""
+        order = {n: i for i, n in enumerate(self.validator.params)}
+        by_path = self._layers()
+        keyed = []
+        for path in layers:
+            t = by_path[path]
+            first = f"{path}.weight" if f"{path}.weight" in order else f"{path}.w13_weight"
+            names = t.shard_names() if hasattr(t, "shard_names") else sorted(t.local)
+            keyed += [(order.get(first, -1), i, n) for i, n in enumerate(names)]
+        keyed += [(order.get(n, -1), 0, n) for n in floats]
+        return [n for _, _, n in sorted(keyed)]
 
     def pending(self) -> Dict[str, List[str]]:
         """Staged (uncommitted) layers of the sync in progress: layer path -> shards received."""
@@ -160,7 +180,7 @@ class Int8WeightLoader:
                 missing_offsets.pop(name, None)
             target = self.targets.get(name) or self.experts.get(name)
             if target is not None and tensor.is_floating_point():
-                self.validator.check(name, tensor, self.quantizer, values=False)  # the quantizer checks values
+                self.validator.check(name, tensor, self.quantizer, values=False, device=False)  # the quantizer checks values
                 q, scale = self.quantizer.quantize(name, tensor)
                 yield name, q
                 if scale is not None:
@@ -200,10 +220,13 @@ def attach(model: torch.nn.Module, quantizer: OnlineQuantizer,
     return loader
 
 
-def end_weight_sync(model: torch.nn.Module) -> List[str]:
+def end_weight_sync(model: torch.nn.Module, partial: bool = False) -> List[str]:
+    """End the model's current weight sync (`Int8WeightLoader.end_sync`). `partial=True`
+    declares a sync that sends a subset on purpose: it is not refused for what it left out,
+    and what it wrote counts toward the next complete sync."""
     loader = getattr(model, "_npu_flashrl_loader", None)
     if loader is None:
         raise RuntimeError("this model has no npu_flashrl INT8 loader (was npu_flashrl active when "
                            "the rollout engine was built?)")
-    return loader.end_sync()
+    return loader.end_sync(partial=partial)
 

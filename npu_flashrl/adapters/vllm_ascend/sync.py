@@ -3,6 +3,15 @@
 previous sync ended, takes any number of `load(weights)` calls in any split and order, and
 `end()`s once. The model's consistency across syncs (weights of two syncs => refuse to generate
 until a complete sync) is `Consistency`, the one place that marks, refuses and lifts.
+
+Completeness is the rule: the end of a sync names every quantized layer and float parameter that
+did not arrive since the last complete sync, and refuses it; layers that did arrive hold new
+weights and the others old ones, so the model refuses to generate until a complete sync. A
+partial sync that is meant (a subset on purpose) is declared, `end(partial=True)`: it ends clean
+and what it wrote counts toward the next complete sync. An empty sync is refused (declared
+partial: warned about). Any exit from a load (an error, KeyboardInterrupt, asyncio
+cancellation) after something of the sync was written leaves the model refusing to generate,
+and the exception propagates unchanged.
 """
 from __future__ import annotations
 
@@ -28,8 +37,14 @@ class Consistency:
         self._modules = [model] + [t.layer for t in layers]
         self.reason: Optional[str] = None
         self._hooks: list = []
+        # written by syncs that ended clean since the model last held one complete set of
+        # weights (declared partial syncs); what a sync adds to these must complete them
+        self.layers: Set[str] = set()
+        self.floats: Set[str] = set()
 
     def mark(self, reason: str) -> None:
+        # a complete sync from here on must bring everything again
+        self.layers, self.floats = set(), set()
         if self.reason is None:
             self.reason = reason
             logger.error("npu_flashrl: weight sync failed part-way (%s); the model refuses to "
@@ -37,6 +52,7 @@ class Consistency:
             self._hooks = [m.register_forward_pre_hook(self._refuse) for m in self._modules]
 
     def clear(self) -> None:
+        self.layers, self.floats = set(), set()
         self.reason = None
         for h in self._hooks:
             h.remove()
@@ -47,8 +63,16 @@ class Consistency:
                               f"({self.reason}); run a complete sync before generating")
 
 
-def _names(items: List[str]) -> str:
-    return f"{items[:8]}{' ...' if len(items) > 8 else ''}"
+def _names(items: List[str], n: int = 8) -> str:
+    return f"{items[:n]}{' ...' if len(items) > n else ''}"
+
+
+def _reason(exc: BaseException) -> str:
+    """What a sync's failure is called: a refusal's own message; an interruption by its type."""
+    text = str(exc)
+    if isinstance(exc, Exception) and text:
+        return text
+    return f"interrupted by {type(exc).__name__}{': ' + text if text else ''}"
 
 
 class WeightSync:
@@ -69,6 +93,7 @@ class WeightSync:
         self.wrote = False                  # something of this sync reached the live weights
         self.layers: Set[str] = set()       # quantized layers committed
         self.floats: Set[str] = set()       # float parameters written (resolved names)
+        self.items = 0                      # (name, tensor) items pushed
 
     # ------------------------------------------------------------------ load
     def load(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
@@ -81,16 +106,20 @@ class WeightSync:
         buffer: List[Tuple[str, torch.Tensor]] = []
         buffered = 0
         limit = loader.passthrough_buffer_bytes
+        seen: dict = {}
         try:
             if checked:
                 # refuse a bad call before writing anything of it
                 weights = [validator.item(i, w) for i, w in enumerate(weights)]
-                for name, tensor in weights:
+                for i, (name, tensor) in enumerate(weights):
+                    validator.once(name, i, seen)
                     validator.check(name, tensor, loader.quantizer)
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
+                self.items += 1
                 target = validator.target(name)
                 if not checked:
+                    validator.once(name, i, seen)
                     # streamed: the quantizer finds NaN/Inf in projections during its own pass
                     validator.check(name, tensor, loader.quantizer, values=target is None)
                 if target is not None:
@@ -109,7 +138,7 @@ class WeightSync:
                     buffered = 0
             if buffer:
                 loaded |= self._flush(buffer)
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
             self.fail(exc)
             raise
         return loaded
@@ -158,37 +187,56 @@ class WeightSync:
         previous weights; anything already written makes the model inconsistent."""
         self.staged.drop()
         if self.failure is None:
-            self.failure = str(exc)
+            self.failure = _reason(exc)
         if self.wrote:
-            self.loader.consistency.mark(str(exc))
+            self.loader.consistency.mark(_reason(exc))
 
     # ------------------------------------------------------------------ end
-    def complete(self) -> bool:
-        """Every quantized layer and every float parameter was written, nothing failed."""
-        return (self.failure is None and not self.staged.missing()
-                and self.loader.required_layers <= self.layers
-                and self.loader.required_floats <= self.floats)
+    def not_arrived(self) -> List[str]:
+        """Every quantized layer and float parameter that no sync wrote since the model last held
+        one complete set of weights (this one included), as HF names where they have one."""
+        loader, c = self.loader, self.loader.consistency
+        layers = loader.required_layers - c.layers - self.layers
+        floats = loader.required_floats - c.floats - self.floats
+        return loader.names_of(layers, floats)
 
-    def end(self) -> List[str]:
-        """End this sync. Raises WeightSyncError when it failed part-way or when shards never
-        arrived (those layers keep their previous weights); returns [] otherwise."""
+    def end(self, partial: bool = False) -> List[str]:
+        """End this sync: [] when it is complete (or declared `partial` and clean); otherwise a
+        WeightSyncError naming what failed or never arrived, saying whether the model holds
+        weights of two syncs (then it refuses to generate until a complete sync)."""
         consistency = self.loader.consistency
         missing = self.staged.missing()
-        complete = self.complete()
         self.staged.drop()
-        failure = self.failure
-        if missing and self.wrote:
-            failure = f"{len(missing)} shard(s) never arrived: {_names(missing)}"
-            consistency.mark(failure)
-        if complete and consistency.reason is not None:
-            logger.info("npu_flashrl: a complete weight sync replaced the mixed weights; the "
-                        "model generates again")
-            consistency.clear()
-        if failure is not None or missing:
-            if failure is None:
-                failure = f"{len(missing)} shard(s) missing: {_names(missing)}"
+        failure, empty = self.failure, self.items == 0 and self.failure is None
+        if failure is None and missing:
+            failure = (f"{len(missing)} shard(s) {'never arrived' if self.wrote else 'missing'}: "
+                       f"{_names(missing)}")
+        elif failure is None and empty:
+            if partial:
+                logger.warning("npu_flashrl: a partial weight sync ended with nothing arrived "
+                               "(no load_weights call, or only empty ones); the model keeps its "
+                               "previous weights")
+                return []
+            failure = ("nothing arrived (no load_weights call, or only empty ones) since the "
+                       "last end of a sync")
+        elif failure is None and not partial:
+            gone = self.not_arrived()
+            if gone:
+                failure = (f"{len(gone)} tensor(s) never arrived since the last complete sync: "
+                           f"{_names(gone, 16)} (a partial sync on purpose is declared: "
+                           "end_weight_sync(model, partial=True))")
+        if failure is not None:
+            if self.wrote:  # what arrived holds new weights, the rest old ones
+                consistency.mark(failure)
             tail = ("the model holds weights of two syncs and refuses to generate until a "
                     "complete sync succeeds" if consistency.reason is not None
                     else "nothing of it was written; the model keeps its previous weights")
             raise WeightSyncError(f"weight sync failed: {failure}; {tail}")
-        return missing
+        consistency.layers |= self.layers
+        consistency.floats |= self.floats
+        if not self.not_arrived():
+            if consistency.reason is not None:
+                logger.info("npu_flashrl: a complete weight sync replaced the mixed weights; the "
+                            "model generates again")
+            consistency.clear()
+        return []

@@ -1,6 +1,6 @@
 """What a weight sync writes into: the model's quantized linear layers (vllm-ascend W8A8 /
 W8A8_DYNAMIC, possibly fused) by HF projection name. The fused-MoE experts are `experts.py`.
-Both kinds answer `path`, `layer`, `full_shape(name)` and `holds(name)`, which is all the
+Both kinds answer `path`, `layer`, `full_shape(name)`, `holds(name)` and `weight_device()`, which is all the
 validation and the staging of a sync ask of a target."""
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class LinearTarget:
     def holds(self, name: str) -> bool:
         """Every rank holds a part of every linear layer (TP narrows inside the loader)."""
         return True
+
+    def weight_device(self) -> torch.device:
+        return self.layer.weight.device
 
     def shard_names(self) -> Tuple[str, ...]:
         """The HF names one complete write of this layer needs."""

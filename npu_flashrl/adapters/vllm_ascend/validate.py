@@ -1,7 +1,7 @@
 """What a weight sync accepts: every `(name, tensor)` is checked by name before anything of it is
-written (form, known name, dtype, shape, NaN/Inf as the rollout model will hold it, the
-quantizer's own entry), and every refusal is a WeightSyncError naming the tensor and what was
-expected."""
+written (form, each name once per call, known name, dtype class, device, shape, NaN/Inf as the
+rollout model will hold it, the quantizer's own entry), and every refusal is a WeightSyncError
+naming the tensor and what was expected."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -22,12 +22,22 @@ class Validator:
         self.targets = targets
         self.experts = experts
         self.params = dict(model.named_parameters())
+        # where a tensor without a parameter of its own (inv_freq, a tied lm_head) would go
+        self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self._packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         self._expert_names = _experts.expert_name_mapping(model)
 
     def target(self, name: str):
         """The quantized layer (linear or fused-MoE) `name` loads into, or None."""
         return self.targets.get(name) or self.experts.get(name)
+
+    @staticmethod
+    def once(name: str, index: int, seen: Dict[str, int]) -> None:
+        """Refuse a name a call already brought (`seen`: name -> item index, of this call)."""
+        first = seen.setdefault(name, index)
+        if first != index:
+            raise WeightSyncError(f"{name}: appears twice in one load_weights call (items {first} "
+                                  f"and {index}); a sync sends each tensor once")
 
     @staticmethod
     def item(index: int, item) -> Tuple[str, torch.Tensor]:
@@ -47,16 +57,22 @@ class Validator:
                                   f"got {type(name).__name__}")
         return name, tensor
 
-    def check(self, name: str, tensor, quantizer, values: bool = True) -> None:
-        """Refuse a tensor by name: type, dtype, shape, and (with `values`) NaN/Inf as the
-        rollout model will hold it (an fp32 1e5 is Inf in an fp16 model)."""
+    def check(self, name: str, tensor, quantizer, values: bool = True, device: bool = True) -> None:
+        """Refuse a tensor by name: type, dtype class, device (with `device`: the cold load reads
+        from disk), shape, and (with `values`) NaN/Inf as the rollout model will hold it (an fp32
+        1e5 is Inf in an fp16 model)."""
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type == "meta":
+            raise WeightSyncError(f"{name}: is a meta tensor (no data: a model or state dict that "
+                                  "was never materialized); expected the weight's values")
         target = self.target(name)
         if target is not None:
             if not tensor.is_floating_point():
                 raise WeightSyncError(f"{name}: expected a floating-point tensor (bf16/fp16/fp32) "
                                       f"to quantize online, got {tensor.dtype}")
+            if device:
+                self._check_device(name, tensor, target.weight_device())
             want = target.full_shape(name)
             if tuple(tensor.shape) != tuple(want):
                 raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
@@ -66,16 +82,33 @@ class Validator:
             resolved = self.resolve(name)
             if resolved is None:
                 raise WeightSyncError(f"{name}: no such parameter in the rollout model")
-            if not (tensor.is_floating_point() or tensor.dtype == torch.bool):
-                raise WeightSyncError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
+            param = self.params.get(resolved)
+            if param is not None and not param.is_floating_point():
+                if tensor.dtype != param.dtype:
+                    raise WeightSyncError(f"{name}: expected a {param.dtype} tensor (the parameter's "
+                                          f"dtype), got {tensor.dtype}")
+            elif not tensor.is_floating_point():
+                # a bool or integer tensor would be cast into the float parameter (a norm of 0/1)
+                raise WeightSyncError(f"{name}: expected a floating-point tensor (bf16/fp16/fp32), "
+                                      f"got {tensor.dtype}")
+            if device:
+                self._check_device(name, tensor, param.device if param is not None else self.device)
             want = self._full_shape(name, resolved)
             if want is not None and tuple(tensor.shape) != tuple(want):
                 raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
-            param = self.params.get(resolved)
             dtype = param.dtype if param is not None and param.is_floating_point() else tensor.dtype
         if values and tensor.is_floating_point() and not finite_as(tensor, dtype):
             raise WeightSyncError(f"{name}: contains NaN or Inf{_as_note(tensor, dtype)}; "
                                   "refusing the sync")
+
+    @staticmethod
+    def _check_device(name: str, tensor: torch.Tensor, want: torch.device) -> None:
+        """The parameter's device, or the CPU (copied in, as vLLM's loaders do); never a third
+        device, which the quantizer and the loaders would meet half-way through a sync."""
+        if tensor.device.type == "cpu" or tensor.device == want:
+            return
+        raise WeightSyncError(f"{name}: is on {tensor.device}; expected {want} (where the rollout "
+                              "model's parameter lives) or the CPU")
 
     def _full_shape(self, name: str, resolved: str) -> Optional[Tuple[int, ...]]:
         """The HF (unsharded) shape `name` must have, or None when it cannot be told."""
