@@ -70,8 +70,8 @@ def _names(items: List[str], n: int = 8) -> str:
 def _reason(exc: BaseException) -> str:
     """What a sync's failure is called: a refusal's own message; an interruption by its type."""
     text = str(exc)
-    if isinstance(exc, Exception) and text:
-        return text
+    if isinstance(exc, Exception):
+        return text or type(exc).__name__
     return f"interrupted by {type(exc).__name__}{': ' + text if text else ''}"
 
 
