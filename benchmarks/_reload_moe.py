@@ -133,22 +133,22 @@ def expert_staging_bytes(cfg, tp=1, ep=1):
 def sample_staging(loader):
     """Record `loader.staging_bytes()` after every expert shard staged (the last shard of a
     layer is sampled before its commit frees the buffer): the peak of a sync."""
-    from npu_flashrl.adapters.vllm_ascend import experts
+    from npu_flashrl.adapters.vllm_ascend import staging
 
     seen = {"peak": 0, "layers": 0}
-    original = experts.ExpertStaging.stage
+    original = staging.ExpertStaging.stage
 
     def stage(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         seen["peak"] = max(seen["peak"], loader.staging_bytes())
-        seen["layers"] = max(seen["layers"], len(loader._pending))
+        seen["layers"] = max(seen["layers"], len(loader.pending()))
         return out
 
-    experts.ExpertStaging.stage = stage
+    staging.ExpertStaging.stage = stage
     try:
         yield seen
     finally:
-        experts.ExpertStaging.stage = original
+        staging.ExpertStaging.stage = original
 
 
 def _mib(n):

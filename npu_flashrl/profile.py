@@ -38,20 +38,12 @@ import torch
 
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
+from npu_flashrl.quant.profile import (  # noqa: F401  (the profile's name rules live with its quantizer)
+    INPUT_LINEAR_MAP, LAYERNORM_KEY, OUTPUT_LINEAR_MAP, profile_entry_names, profile_problems)
 
 logger = get_logger(__name__)
 
-LAYERNORM_KEY = "layernorm"
-INPUT_LINEAR_MAP = {  # linear weight -> layernorm feeding it (None: o_proj, no smoothing)
-    "self_attn.q_proj.weight": "input_layernorm.weight",
-    "self_attn.k_proj.weight": "input_layernorm.weight",
-    "self_attn.v_proj.weight": "input_layernorm.weight",
-    "self_attn.o_proj.weight": None,
-    "mlp.gate_proj.weight": "post_attention_layernorm.weight",
-    "mlp.up_proj.weight": "post_attention_layernorm.weight",
-}
 EXTRA_OUTPUT = ("mlp.up_proj.weight",)
-OUTPUT_LINEAR_MAP = {"mlp.down_proj.weight": "mlp.up_proj.weight"}
 PROFILE_FIELDS = ("input_scale", "output_scale", "type")
 
 # FlashRL iterates named_parameters (module order); within a decoder layer that is:
@@ -449,9 +441,7 @@ def expected_profile_names(model_dir: str) -> List[str]:
     """Names FlashRL's profiler makes entries for, from a checkpoint's tensor names."""
     ckpt = SafetensorsCheckpoint(model_dir)
     try:
-        names = [n for n in ckpt.names() if not n.endswith("_scale")]
-        return [n for n in names if LAYERNORM_KEY in n
-                or any(b in n for b in (*INPUT_LINEAR_MAP, *OUTPUT_LINEAR_MAP))]
+        return profile_entry_names(ckpt.names())
     finally:
         ckpt.close()
 
@@ -516,48 +506,29 @@ def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, lim
     """First `limit` inconsistencies between a profile and a checkpoint (empty list: consistent).
 
     Each line names the tensor: missing from the model, wrong shape, or a model tensor the profile
-    does not cover (it would be loaded unquantized into an int8 parameter).
+    does not cover (it would be loaded unquantized into an int8 parameter, or a layernorm left
+    unsmoothed). `profile_problems` is the check, the one the engine build runs too; here the
+    shapes come from the safetensors headers, plus the checkpoint's own weight_scale.
     """
     ckpt = SafetensorsCheckpoint(model_dir)
-    offenders: List[str] = []
+
+    def output_scale_of_this_checkpoint(name: str, entry: Mapping[str, Any]) -> Optional[str]:
+        outs = entry.get("output_scale")
+        if (entry.get("type") == torch.int8 and isinstance(outs, torch.Tensor)
+                and name + "_scale" in ckpt and not any(e in name for e in EXTRA_OUTPUT)):
+            # output_scale is 1 / weight_scale of the W8A8 checkpoint it was made from
+            # (up_proj folds in beta): another model of the same shape differs here
+            ws = ckpt.get(name + "_scale").float().view(-1, 1)
+            if ws.shape == outs.shape and not torch.allclose(outs.float() * ws, torch.ones_like(ws),
+                                                              rtol=0, atol=1e-2):
+                worst = float((outs.float() * ws - 1).abs().max())
+                return (f"{name}: profile output_scale is not 1 / weight_scale of {model_dir} (off by "
+                        f"up to {worst:.3g}): the profile was made from another W8A8 checkpoint")
+        return None
+
     try:
-        for name, entry in profile.items():
-            if len(offenders) >= limit:
-                break
-            if name not in ckpt:
-                offenders.append(f"{name}: in the profile but not in {model_dir}")
-                continue
-            shape = ckpt.shape(name)
-            ins, outs = entry.get("input_scale"), entry.get("output_scale")
-            if entry.get("type") == torch.int8:
-                if len(shape) != 2:
-                    offenders.append(f"{name}: model tensor has shape {list(shape)}, expected a 2-D weight")
-                    continue
-                if isinstance(ins, torch.Tensor) and ins.shape[-1] != shape[1]:
-                    offenders.append(f"{name}: profile input_scale {list(ins.shape)} vs model weight "
-                                     f"{list(shape)} (in_features {shape[1]})")
-                elif isinstance(outs, torch.Tensor) and outs.shape[0] != shape[0]:
-                    offenders.append(f"{name}: profile output_scale {list(outs.shape)} vs model weight "
-                                     f"{list(shape)} (out_features {shape[0]})")
-                elif (isinstance(outs, torch.Tensor) and name + "_scale" in ckpt
-                      and not any(e in name for e in EXTRA_OUTPUT)):
-                    # output_scale is 1 / weight_scale of the W8A8 checkpoint it was made from
-                    # (up_proj folds in beta): another model of the same shape differs here
-                    ws = ckpt.get(name + "_scale").float().view(-1, 1)
-                    if ws.shape == outs.shape and not torch.allclose(outs.float() * ws, torch.ones_like(ws),
-                                                                      rtol=0, atol=1e-2):
-                        worst = float((outs.float() * ws - 1).abs().max())
-                        offenders.append(f"{name}: profile output_scale is not 1 / weight_scale of "
-                                         f"{model_dir} (off by up to {worst:.3g}): the profile was made "
-                                         f"from another W8A8 checkpoint")
-            elif isinstance(ins, torch.Tensor) and tuple(ins.shape) != tuple(shape):
-                offenders.append(f"{name}: profile input_scale {list(ins.shape)} vs model {list(shape)}")
-        if len(offenders) < limit:
-            for name in expected_profile_names(model_dir):
-                if len(offenders) >= limit:
-                    break
-                if name not in profile:
-                    offenders.append(f"{name}: in {model_dir} but not in the profile")
+        shapes = {n: ckpt.shape(n) for n in ckpt.names()}
+        return profile_problems(profile, shapes, model_dir, limit=limit,
+                                entry_check=output_scale_of_this_checkpoint)
     finally:
         ckpt.close()
-    return offenders

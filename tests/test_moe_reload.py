@@ -160,6 +160,41 @@ def test_missing_expert_shard_is_named_and_blocks_generation_until_a_complete_sy
         check_experts(m, models[2])
 
 
+def test_a_sync_leaving_out_a_layers_experts_names_them_and_blocks_generation(va, moe):
+    """Issue 22 (weight syncs 1): a sync without ANY expert of layer 1 staged nothing there, so
+    nothing was "missing" and it ended clean with layer 1's experts of the previous sync."""
+    dirs, models = moe
+    with build(va, dirs[0]) as v:
+        m = v.model
+        m.load_weights([(n, t) for n, t in trainer_weights(models[1])
+                        if not n.startswith("model.layers.1.mlp.experts.")])
+        with pytest.raises(WeightSyncError, match=r"never arrived since the last complete sync: "
+                                                  r".*model\.layers\.1\.mlp\.experts\.0\.") as info:
+            va.end_weight_sync(m)
+        assert "refuses to generate" in str(info.value)
+        with pytest.raises(WeightSyncError, match="two syncs"):
+            m.model.layers[0].mlp.experts(torch.zeros(1, 128, dtype=torch.bfloat16),
+                                          torch.zeros(1, EXPERTS, dtype=torch.bfloat16))
+        m.load_weights(trainer_weights(models[2]))
+        assert va.end_weight_sync(m) == []
+        check_experts(m, models[2])
+
+
+def test_an_expert_twice_in_one_call_is_refused_by_name(va, moe):
+    """Issue 22 (weight syncs 4): the second copy re-staged the layer, and the sync was reported
+    as other experts that "never arrived"."""
+    dirs, models = moe
+    with build(va, dirs[0]) as v:
+        m = v.model
+        before = state(m)
+        name = "model.layers.0.mlp.experts.2.gate_proj.weight"
+        good = trainer_weights(models[1])
+        with pytest.raises(WeightSyncError, match=rf"^{name}: appears twice in one load_weights call"):
+            m.load_weights(good + [(name, dict(good)[name].clone())])
+        assert_same_state(state(m), before)
+        assert m._npu_flashrl_loader.inconsistent is None
+
+
 def test_bad_expert_tensors_are_refused_by_name_before_anything_is_written(va, moe):
     dirs, models = moe
     with build(va, dirs[0]) as v:

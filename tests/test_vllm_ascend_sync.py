@@ -156,9 +156,16 @@ def test_streamed_sync_failing_part_way_is_reported_and_blocks_generation(va, pa
         x = torch.randn(2, 128).to(torch.bfloat16)
         with pytest.raises(va.WeightSyncError, match=bad_name):
             m.model.layers[0].self_attn.qkv_proj(x)
-        # a clean but partial sync (layer 0 only) does not lift it
-        m.load_weights([(n, t) for n, t in new if n.startswith("model.layers.0.")])
-        assert va.end_weight_sync(m) == []
+        # a clean but partial sync (layer 0 only) does not lift it: refused when not declared,
+        # accepted when declared partial, the model refusing to generate either way
+        layer0 = [(n, t) for n, t in new if n.startswith("model.layers.0.")]
+        m.load_weights(layer0)
+        with pytest.raises(va.WeightSyncError, match="never arrived since the last complete sync"):
+            va.end_weight_sync(m)
+        with pytest.raises(va.WeightSyncError):
+            v.logits(IDS)
+        m.load_weights(layer0)
+        assert va.end_weight_sync(m, partial=True) == []
         with pytest.raises(va.WeightSyncError):
             v.logits(IDS)
         # a complete sync does
@@ -224,3 +231,28 @@ def test_profile_missing_an_entry_is_refused_before_any_write(va, pair):
         with pytest.raises(va.WeightSyncError, match=gone):
             va.attach(v.model, va.ProfileQuantizer(partial))
         assert loader.quantizer is before
+
+
+def test_profile_missing_a_layernorm_entry_is_refused_at_engine_build_as_verify_does(va, pair):
+    """Issue 22 (weight syncs 3): an int8 profile without one layernorm entry was refused by
+    `setup` / `verify` but accepted when the engine built (the norm left unsmoothed: ~8% logit
+    error). Both now run `quant.profile.profile_problems`; an entry of the wrong shape too."""
+    from npu_flashrl.profile import check_profile_against_model, compute_int8_profile
+
+    bf16, w8, _, _ = pair
+    profile = compute_int8_profile(bf16, w8, progress=False)
+    gone = "model.layers.1.input_layernorm.weight"
+    partial = {k: v for k, v in profile.items() if k != gone}
+    assert check_profile_against_model(partial, w8) == [f"{gone}: in {w8} but not in the profile"]
+    with pytest.raises(va.WeightSyncError, match=rf"^{gone}: in the rollout model \(Qwen2ForCausalLM\) "
+                                                 r"but not in the profile"):
+        with build(va, w8, fn="int8", profile=partial):
+            pass
+    wrong = dict(profile)
+    wrong[gone] = dict(profile[gone], input_scale=profile[gone]["input_scale"][:-1])
+    assert check_profile_against_model(wrong, w8) == [f"{gone}: profile input_scale [127] vs model [128]"]
+    with pytest.raises(va.WeightSyncError, match=rf"^{gone}: profile input_scale \[127\] vs model \[128\]"):
+        with build(va, w8, fn="int8", profile=wrong):
+            pass
+    with build(va, w8, fn="int8", profile=profile) as v:  # the complete profile builds
+        assert v.model._npu_flashrl_loader.quantizer.name == "int8"

@@ -38,6 +38,10 @@ class OnlineQuantizer:
     def check(self, name: str, weight: torch.Tensor) -> None:
         """Refuse a projection this quantizer cannot handle, before any write (default: all ok)."""
 
+    def check_model(self, shapes, source: str) -> None:
+        """Refuse, when the engine builds, a quantizer that cannot serve the model whose tensors
+        have `shapes` (HF name -> full shape; `source` names the model). Default: all ok."""
+
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A non-quantized tensor as the INT8 model wants it (identity unless a profile says)."""
         return tensor

@@ -1,0 +1,168 @@
+"""What a weight sync accepts: every `(name, tensor)` is checked by name before anything of it is
+written (form, each name once per call, known name, dtype class, device, shape, NaN/Inf as the
+rollout model will hold it, the quantizer's own entry), and every refusal is a WeightSyncError
+naming the tensor and what was expected."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from npu_flashrl.adapters.vllm_ascend import experts as _experts
+from npu_flashrl.adapters.vllm_ascend.targets import LinearTarget
+from npu_flashrl.quant import WeightSyncError
+
+
+class Validator:
+    """The rules of one rollout model (its parameters, quantized targets and fused-MoE experts)."""
+
+    def __init__(self, model: torch.nn.Module, targets: Dict[str, LinearTarget],
+                 experts: Dict[str, "_experts.ExpertTarget"]):
+        self.model = model
+        self.targets = targets
+        self.experts = experts
+        self.params = dict(model.named_parameters())
+        # where a tensor without a parameter of its own (inv_freq, a tied lm_head) would go
+        self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        self._packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self._expert_names = _experts.expert_name_mapping(model)
+
+    def target(self, name: str):
+        """The quantized layer (linear or fused-MoE) `name` loads into, or None."""
+        return self.targets.get(name) or self.experts.get(name)
+
+    @staticmethod
+    def once(name: str, index: int, seen: Dict[str, int]) -> None:
+        """Refuse a name a call already brought (`seen`: name -> item index, of this call)."""
+        first = seen.setdefault(name, index)
+        if first != index:
+            raise WeightSyncError(f"{name}: appears twice in one load_weights call (items {first} "
+                                  f"and {index}); a sync sends each tensor once")
+
+    @staticmethod
+    def item(index: int, item) -> Tuple[str, torch.Tensor]:
+        """One `(name, tensor)` pair of a sync, or a WeightSyncError naming what it got."""
+        if isinstance(item, str):
+            raise WeightSyncError(f"{item}: expected a (name, tensor) pair, got a bare string "
+                                  f"(item {index} of the weights)")
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            what = (f"a {len(item)}-item {type(item).__name__}" if isinstance(item, (tuple, list))
+                    else f"a {type(item).__name__}")
+            label = item[0] if isinstance(item, (tuple, list)) and item and isinstance(item[0], str) \
+                else f"weights item {index}"
+            raise WeightSyncError(f"{label}: expected a (name, tensor) pair, got {what}")
+        name, tensor = item
+        if not isinstance(name, str):
+            raise WeightSyncError(f"weights item {index}: expected a parameter name (str) first, "
+                                  f"got {type(name).__name__}")
+        return name, tensor
+
+    def check(self, name: str, tensor, quantizer, values: bool = True, device: bool = True) -> None:
+        """Refuse a tensor by name: type, dtype class, device (with `device`: the cold load reads
+        from disk), shape, and (with `values`) NaN/Inf as the rollout model will hold it (an fp32
+        1e5 is Inf in an fp16 model)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightSyncError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type == "meta":
+            raise WeightSyncError(f"{name}: is a meta tensor (no data: a model or state dict that "
+                                  "was never materialized); expected the weight's values")
+        target = self.target(name)
+        if target is not None:
+            if not tensor.is_floating_point():
+                raise WeightSyncError(f"{name}: expected a floating-point tensor (bf16/fp16/fp32) "
+                                      f"to quantize online, got {tensor.dtype}")
+            if device:
+                self._check_device(name, tensor, target.weight_device())
+            want = target.full_shape(name)
+            if tuple(tensor.shape) != tuple(want):
+                raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
+            quantizer.check(name, tensor)
+            dtype = quantizer.compute_dtype
+        else:
+            resolved = self.resolve(name)
+            if resolved is None:
+                raise WeightSyncError(f"{name}: no such parameter in the rollout model")
+            param = self.params.get(resolved)
+            if param is not None and not param.is_floating_point():
+                if tensor.dtype != param.dtype:
+                    raise WeightSyncError(f"{name}: expected a {param.dtype} tensor (the parameter's "
+                                          f"dtype), got {tensor.dtype}")
+            elif not tensor.is_floating_point():
+                # a bool or integer tensor would be cast into the float parameter (a norm of 0/1)
+                raise WeightSyncError(f"{name}: expected a floating-point tensor (bf16/fp16/fp32), "
+                                      f"got {tensor.dtype}")
+            if device:
+                self._check_device(name, tensor, param.device if param is not None else self.device)
+            want = self._full_shape(name, resolved)
+            if want is not None and tuple(tensor.shape) != tuple(want):
+                raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
+            dtype = param.dtype if param is not None and param.is_floating_point() else tensor.dtype
+        if values and tensor.is_floating_point() and not finite_as(tensor, dtype):
+            raise WeightSyncError(f"{name}: contains NaN or Inf{_as_note(tensor, dtype)}; "
+                                  "refusing the sync")
+
+    @staticmethod
+    def _check_device(name: str, tensor: torch.Tensor, want: torch.device) -> None:
+        """The parameter's device, or the CPU (copied in, as vLLM's loaders do); never a third
+        device, which the quantizer and the loaders would meet half-way through a sync."""
+        if tensor.device.type == "cpu" or tensor.device == want:
+            return
+        raise WeightSyncError(f"{name}: is on {tensor.device}; expected {want} (where the rollout "
+                              "model's parameter lives) or the CPU")
+
+    def _full_shape(self, name: str, resolved: str) -> Optional[Tuple[int, ...]]:
+        """The HF (unsharded) shape `name` must have, or None when it cannot be told."""
+        module_path, _, leaf = resolved.rpartition(".")
+        try:
+            module = self.model.get_submodule(module_path)
+        except AttributeError:
+            return None
+        if hasattr(module, "org_vocab_size") and leaf == "weight":  # (padded) vocab-parallel
+            return (module.org_vocab_size, module.embedding_dim)
+        weight_name = name[: -len("bias")] + "weight" if name.endswith(".bias") else None
+        target = self.targets.get(weight_name) if weight_name else None
+        if target is not None:  # a projection's bias: its out features
+            return (target.full_shape(weight_name)[0],)
+        param = self.params.get(resolved)
+        if param is None:
+            return None
+        if getattr(param, "output_dim", None) is None and getattr(param, "input_dim", None) is None:
+            return tuple(param.shape)  # replicated (norms)
+        return None
+
+    def resolve(self, name: str) -> Optional[str]:
+        """The rollout model's parameter a non-quantized HF tensor loads into, or None."""
+        if name in self.params:
+            return name
+        if name.endswith("rotary_emb.inv_freq"):
+            return name
+        for fused, shards in self._packed.items():
+            for s in shards:
+                if f".{s}." in name:
+                    fused_name = name.replace(f".{s}.", f".{fused}.")
+                    if fused_name in self.params:
+                        return fused_name
+        if name == "lm_head.weight" and getattr(getattr(self.model, "config", None),
+                                                "tie_word_embeddings", False):
+            return name  # vLLM drops it (tied to the embedding); its shape is still checked
+        expert = _experts.resolve_float_expert(self._expert_names, name)  # unquantized experts
+        if expert is not None and expert in self.params:
+            return expert
+        return None
+
+
+def finite_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """NaN/Inf check of `t` as `dtype` will hold it, in one reduction pass and no temporary of
+    the tensor's size: casting is monotonic, so the extremes decide an overflow."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    if dtype.is_floating_point and dtype != t.dtype:
+        lo, hi = lo.to(dtype), hi.to(dtype)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def _as_note(t: torch.Tensor, dtype: torch.dtype) -> str:
+    if t.dtype == dtype or not dtype.is_floating_point or not finite_as(t, t.dtype):
+        return ""
+    return f" as {str(dtype).replace('torch.', '')} (the rollout dtype; finite in {str(t.dtype).replace('torch.', '')})"

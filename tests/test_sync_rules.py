@@ -1,0 +1,239 @@
+"""What ends a weight sync (issue 22, weight syncs 1, 2, 4), on every stack line: a sync is
+complete, refused, or the model refuses to generate, whatever interrupts it; no tensor is
+trusted.
+
+1. Completeness is the rule: the end of a sync names every tensor that did not arrive since the
+   last complete sync; a partial sync is declared (`end_weight_sync(model, partial=True)`); an
+   empty sync is refused.
+2. An interrupted stream (KeyboardInterrupt, asyncio.CancelledError: BaseException, not
+   Exception) re-raises unchanged and leaves the model refusing to generate.
+4. Odd tensors (a bool norm, a meta tensor, a tensor on another device, a name twice in one
+   call) are refused by name before anything is written.
+
+Real vLLM Qwen2 + vllm-ascend W8A8 layers on the CPU (`cpu_vllm.CpuVllm`). Stand-ins: torch_npu
+(the reference kernels of npu_flashrl.kernels.emulation), vLLM attention (plain causal SDPA); for
+"another device" a FakeTensor that reports a CUDA device (a CPU test machine has no second device).
+"""
+import asyncio
+import logging
+import os
+
+import pytest
+import torch
+
+from npu_flashrl.sim import cpu_vllm
+from npu_flashrl.sim.sync import state
+from npu_flashrl.sim.tiny_models import build_tiny_qwen2
+
+pytestmark = pytest.mark.every_line
+
+IDS = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
+LAYER1 = "model.layers.1."
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(cold checkpoint dir, trainer weights of a second model, its checkpoint dir)."""
+    root = str(tmp_path_factory.mktemp("syncrules"))
+    dirs, weights = [], []
+    for seed in (0, 1):
+        d = os.path.join(root, f"w{seed}")
+        hf = build_tiny_qwen2(d, seed=seed, tokenizer=False)
+        dirs.append(d)
+        weights.append([(n, p.detach().clone()) for n, p in hf.named_parameters()])
+    return dirs[0], weights[1], dirs[1]
+
+
+def build(va, model_dir):
+    va.configure_online_quantization("int8_profile_free")
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend")
+
+
+def unchanged(before, model):
+    after = state(model)
+    return after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+
+
+# --------------------------------------------------------------------------- 1. completeness
+
+@pytest.mark.parametrize("pushed", ["all_but_layer_1", "only_norms"])
+def test_a_sync_leaving_out_tensors_names_them_and_the_model_refuses_to_generate(va, models, pushed):
+    """A sync that omits every tensor of layer 1 (or sends only the norms) ended clean before:
+    `end_weight_sync` returned [] and the model generated with weights of two syncs."""
+    cold, new, _ = models
+    if pushed == "all_but_layer_1":
+        sent = [(n, t) for n, t in new if not n.startswith(LAYER1)]
+        named = [f"{LAYER1}self_attn.q_proj.weight", f"{LAYER1}input_layernorm.weight"]
+    else:
+        sent = [(n, t) for n, t in new if "norm" in n]
+        named = ["model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"]
+    with build(va, cold) as v:
+        m = v.model
+        m.load_weights(sent)
+        with pytest.raises(va.WeightSyncError, match="never arrived since the last complete sync") as info:
+            va.end_weight_sync(m)
+        for name in named:
+            assert name in str(info.value), (name, str(info.value))
+        assert "refuses to generate" in str(info.value)
+        with pytest.raises(va.WeightSyncError, match="two syncs"):
+            v.logits(IDS)
+        m.load_weights(new)  # a complete sync lifts it
+        assert va.end_weight_sync(m) == []
+        v.logits(IDS)
+
+
+def test_a_declared_partial_sync_ends_clean_and_counts_toward_the_next_complete_one(va, models):
+    cold, new, new_dir = models
+    with build(va, new_dir) as fresh:
+        want = fresh.logits(IDS)
+    layer0 = [(n, t) for n, t in new if n.startswith("model.layers.0.")]
+    rest = [(n, t) for n, t in new if not n.startswith("model.layers.0.")]
+    with build(va, cold) as v:
+        m = v.model
+        m.load_weights(layer0)
+        assert va.end_weight_sync(m, partial=True) == []  # meant: no error, still generates
+        assert m._npu_flashrl_loader.inconsistent is None
+        v.logits(IDS)
+        m.load_weights(rest)  # with layer 0 above: everything arrived since the last complete sync
+        assert va.end_weight_sync(m) == []
+        assert torch.equal(v.logits(IDS), want)
+        # the next sync starts counting afresh: layer 0 alone is incomplete again
+        m.load_weights(layer0)
+        with pytest.raises(va.WeightSyncError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight"):
+            va.end_weight_sync(m)
+
+
+def test_an_empty_sync_is_refused_and_a_declared_empty_one_warned(va, models, caplog):
+    cold, _, _ = models
+    with build(va, cold) as v:
+        m = v.model
+        before = state(m)
+        with pytest.raises(va.WeightSyncError, match="nothing arrived"):
+            va.end_weight_sync(m)
+        m.load_weights([])
+        with pytest.raises(va.WeightSyncError, match="nothing arrived"):
+            va.end_weight_sync(m)
+        assert m._npu_flashrl_loader.inconsistent is None  # nothing was written: still one sync
+        v.logits(IDS)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert va.end_weight_sync(m, partial=True) == []
+        assert any("nothing arrived" in r.getMessage() and r.levelno == logging.WARNING
+                   for r in caplog.records), caplog.text
+        assert unchanged(before, m)
+
+
+# --------------------------------------------------------------------------- 2. interruption
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, asyncio.CancelledError, RuntimeError])
+def test_an_interrupted_stream_reraises_unchanged_and_blocks_generation(va, models, exc_type):
+    """KeyboardInterrupt / CancelledError (what cancelling verl's asyncio receiver raises) are
+    BaseException: they passed the loader's `except Exception`, the model kept generating with a
+    mix and `end_weight_sync` returned []. RuntimeError was handled; all three alike now."""
+    cold, new, _ = models
+    raised = exc_type("stop")
+
+    def stream():
+        yield from new[: len(new) // 2]
+        raise raised
+
+    with build(va, cold) as v:
+        m = v.model
+        with pytest.raises(exc_type) as info:
+            m.load_weights(stream())
+        assert info.value is raised  # re-raised unchanged
+        assert m._npu_flashrl_loader.inconsistent is not None
+        assert m._npu_flashrl_loader.pending() == {}
+        with pytest.raises(va.WeightSyncError, match="two syncs"):
+            v.logits(IDS)
+        with pytest.raises(va.WeightSyncError, match="weight sync failed.*refuses to generate"):
+            va.end_weight_sync(m)
+        m.load_weights(new)
+        assert va.end_weight_sync(m) == []
+        v.logits(IDS)
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, asyncio.CancelledError])
+def test_an_interruption_before_any_write_keeps_the_model_usable(va, models, exc_type):
+    cold, _, _ = models
+
+    def stream():
+        raise exc_type()
+        yield  # a generator
+
+    with build(va, cold) as v:
+        before = state(v.model)
+        with pytest.raises(exc_type):
+            v.model.load_weights(stream())
+        assert v.model._npu_flashrl_loader.inconsistent is None
+        with pytest.raises(va.WeightSyncError, match="nothing of it was written"):
+            va.end_weight_sync(v.model)
+        assert unchanged(before, v.model)
+        v.logits(IDS)
+
+
+# --------------------------------------------------------------------------- 4. odd tensors
+
+def _fake(t):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode()
+    return FakeTensor(mode, t.to("meta"), torch.device("cuda", 0))
+
+
+NORM = "model.layers.1.post_attention_layernorm.weight"
+PROJ = "model.layers.0.self_attn.k_proj.weight"
+
+# (id, spoil the good list, the tensor the message names, expected text)
+ODD = [
+    ("bool_norm", lambda w: _swap(w, NORM, lambda t: t > 0), NORM,
+     r"expected a floating-point tensor.*got torch\.bool"),
+    ("meta_norm", lambda w: _swap(w, NORM, lambda t: t.to("meta")), NORM, r"meta tensor \(no data"),
+    ("meta_projection", lambda w: _swap(w, PROJ, lambda t: t.to("meta")), PROJ, r"meta tensor \(no data"),
+    ("other_device_norm", lambda w: _swap(w, NORM, _fake), NORM, r"is on cuda:0; expected cpu"),
+    ("other_device_projection", lambda w: _swap(w, PROJ, _fake), PROJ, r"is on cuda:0; expected cpu"),
+    ("duplicate_projection", lambda w: w + [(PROJ, dict(w)[PROJ].clone())], PROJ,
+     r"appears twice in one load_weights call"),
+    ("duplicate_norm", lambda w: w + [(NORM, dict(w)[NORM].clone())], NORM,
+     r"appears twice in one load_weights call"),
+]
+
+
+def _swap(weights, name, fn):
+    assert any(n == name for n, _ in weights), name
+    return [(n, fn(t) if n == name else t) for n, t in weights]
+
+
+@pytest.mark.parametrize("form", ["list", "stream"])
+@pytest.mark.parametrize("case", ODD, ids=[c[0] for c in ODD])
+def test_odd_tensors_are_refused_by_name_before_anything_is_written(va, models, case, form):
+    """Before: a bool norm was accepted (the norm became 0/1), a meta tensor gave a raw
+    NotImplementedError and marked the model inconsistent though nothing was written, a name
+    twice in one list was reported as other shards that "never arrived"."""
+    import re
+
+    cold, new, _ = models
+    _, spoil, named, expected = case
+    bad = spoil(list(new))
+    if form == "stream":  # the odd item first (a duplicate: its second copy right after the first,
+        # still staged / buffered, so nothing was written either)
+        odd = [i for i, (n, _) in enumerate(bad) if n == named]
+        order = odd + [i for i in range(len(bad)) if i not in odd]
+        bad = [bad[i] for i in order]
+    with build(va, cold) as v:
+        m = v.model
+        before = state(m)
+        with pytest.raises(va.WeightSyncError) as info:
+            m.load_weights(bad if form == "list" else iter(bad))
+        msg = str(info.value)
+        assert msg.startswith(named + ":"), msg
+        assert re.search(expected, msg), msg
+        loader = m._npu_flashrl_loader
+        assert loader.pending() == {}
+        assert unchanged(before, m)
+        assert loader.inconsistent is None
+        with pytest.raises(va.WeightSyncError, match="nothing of it was written"):
+            va.end_weight_sync(m)
+        m.load_weights(new)
+        assert va.end_weight_sync(m) == []
+        assert loader.inconsistent is None
