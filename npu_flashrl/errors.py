@@ -8,3 +8,7 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+class ProfileError(ValueError):
+    """A profile (or a checkpoint it is computed from) that cannot be used; names file and tensor."""
