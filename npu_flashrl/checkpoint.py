@@ -3,9 +3,10 @@ without loading tensor data until a tensor is asked for; every error names the f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,8 +25,6 @@ class SafetensorsCheckpoint:
         self._handles: Dict[str, Any] = {}
 
     def _index(self) -> Dict[str, str]:
-        from safetensors import safe_open
-
         index_path = os.path.join(self.dir, "model.safetensors.index.json")
         if os.path.exists(index_path):
             try:
@@ -35,17 +34,20 @@ class SafetensorsCheckpoint:
                     raise ValueError("weight_map must map tensor names to shard file names")
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ProfileError(f"{index_path}: unreadable safetensors index ({_first_line(exc)})") from exc
+            for name, shard in weight_map.items():
+                problem = shard_name_problem(shard)
+                if problem:
+                    raise ProfileError(f"{index_path}: weight_map[{name!r}] = {shard!r}: {problem}")
             out = {k: os.path.join(self.dir, v) for k, v in weight_map.items()}
-            missing = sorted({p for p in out.values() if not os.path.exists(p)})
+            missing = sorted({p for p in out.values() if not os.path.lexists(p)})
             if missing:
                 raise ProfileError(f"{index_path}: lists missing shard(s) {missing[:3]}")
             for path in sorted(set(out.values())):  # headers only: a bad shard named up front
-                try:
-                    with safe_open(path, framework="pt"):
-                        pass
-                except Exception as exc:
-                    raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
-                                       f"truncated or corrupt shard?") from exc
+                have = set(read_header_names(path))
+                absent = sorted(k for k, p in out.items() if p == path and k not in have)
+                if absent:
+                    raise ProfileError(f"{index_path}: lists {absent[0]!r} in {path}, whose header has no such "
+                                       f"tensor ({len(absent)} such name(s)): the index and the shard do not match")
             return out
         try:
             files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
@@ -56,13 +58,8 @@ class SafetensorsCheckpoint:
         out = {}
         for fname in files:
             path = os.path.join(self.dir, fname)
-            try:
-                with safe_open(path, framework="pt") as f:
-                    for k in f.keys():
-                        out[k] = path
-            except Exception as exc:  # safetensors raises its own error types
-                raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
-                                   f"truncated or corrupt shard?") from exc
+            for k in read_header_names(path):
+                out[k] = path
         return out
 
     def __contains__(self, name: str) -> bool:
@@ -75,6 +72,7 @@ class SafetensorsCheckpoint:
         from safetensors import safe_open
 
         if path not in self._handles:
+            _check_readable(path)
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
             except Exception as exc:  # safetensors raises its own error types; name the shard
@@ -120,3 +118,94 @@ class SafetensorsCheckpoint:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def shard_name_problem(shard: str) -> Optional[str]:
+    """Why a weight_map entry is not a file of the checkpoint dir itself (None: it is): an absolute
+    path or a `..` component would read another model's weights. Lexical, not resolved: shards that
+    are symlinks into a cache (the Hugging Face hub layout) stay valid."""
+    if not shard or os.path.isabs(shard) or shard.startswith("~"):
+        return "expected a shard file name inside the checkpoint dir, not an absolute or empty path"
+    parts = shard.replace("\\", "/").split("/")
+    if ".." in parts:
+        return "expected a shard file name inside the checkpoint dir; '..' leaves it"
+    return None
+
+
+def _check_readable(path: str) -> None:
+    """An OSError opening `path` as itself (permissions, a dangling symlink), not as 'corrupt'."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        hint = {errno.EACCES: "check the file's permissions", errno.EPERM: "check the file's permissions",
+                errno.ENOENT: "a dangling symlink?", errno.EISDIR: "expected a file"}.get(exc.errno, "")
+        raise ProfileError(f"{path}: cannot open the shard: {exc.strerror or exc}"
+                           + (f" ({hint})" if hint else "")) from exc
+
+
+def read_header_names(path: str) -> List[str]:
+    """The tensor names of one safetensors file, from its header only. safetensors' own header
+    check refuses a truncated file, a header length past the file (e.g. 2^40 bytes) and data
+    offsets outside the file or not covering it; a file with no tensors is refused here."""
+    from safetensors import safe_open
+
+    _check_readable(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+    except Exception as exc:  # safetensors raises its own error types
+        raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
+                           f"truncated or corrupt shard?") from exc
+    if not names:
+        raise ProfileError(f"{path}: a safetensors file with no tensors (expected weights of the checkpoint; "
+                           f"an incomplete download or a placeholder?)")
+    return names
+
+
+def checkpoint_problem(model_dir: str) -> Optional[str]:
+    """Why `model_dir` cannot be loaded as a safetensors checkpoint (None: every shard's header and
+    data offsets are sound). Headers only: no tensor data is read, whatever the checkpoint's size."""
+    try:
+        SafetensorsCheckpoint(model_dir).close()
+    except ProfileError as exc:
+        return str(exc)
+    return None
+
+
+# config.json keys that one model's checkpoints (bf16, W8A8) share; a hybrid config's entries are
+# DP groups of one rollout model, so entries that differ here describe different models.
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
+                     "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def architecture(model_dir: str) -> Optional[Dict[str, Any]]:
+    """ARCHITECTURE_KEYS of `model_dir`/config.json (text_config for multimodal wrappers); None when
+    there is no readable config.json (nothing to compare)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("text_config"), dict) and "hidden_size" not in data:
+        data = data["text_config"]
+    return {k: data[k] for k in ARCHITECTURE_KEYS if k in data}
+
+
+def architecture_mismatch(models: List[Tuple[str, str]]) -> Optional[str]:
+    """Why the (label, model dir) pairs are not one model (None: they agree wherever both say)."""
+    seen: List[Tuple[str, str, Dict[str, Any]]] = []
+    for label, model_dir in models:
+        arch = architecture(model_dir)
+        if arch is None:
+            continue
+        for other_label, other_dir, other in seen:
+            for key in ARCHITECTURE_KEYS:
+                if key in arch and key in other and arch[key] != other[key]:
+                    return (f"{other_label} ({other_dir}) and {label} ({model_dir}) are different models: "
+                            f"{key} {other[key]!r} vs {arch[key]!r} in their config.json (the entries of one "
+                            f"config are DP groups of one rollout model)")
+        seen.append((label, model_dir, arch))
+    return None

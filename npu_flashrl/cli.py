@@ -85,8 +85,12 @@ def _refuse_overwriting_a_checkpoint_file(output: str, dirs) -> None:
     try:
         load_profile(output)
     except ProfileError:
-        raise CliError(f"-o {output}: is a file of the checkpoint dir {os.path.dirname(output) or '.'} and not a "
-                       f"profile; not replaced (choose another -o, e.g. {os.path.join(parent, 'profile.pt')})") from None
+        suggestion = os.path.join(parent, "profile.pt")
+        other = (f"e.g. {suggestion}" if os.path.realpath(output) != os.path.realpath(suggestion)
+                 else "outside the checkpoint dir")
+        raise CliError(f"-o {output}: an existing file of the checkpoint dir {os.path.dirname(output) or '.'} "
+                       f"that is not a profile; not replaced (move it away yourself if it is not needed, or "
+                       f"choose another -o, {other})") from None
 
 
 # ============================================================================ setup
@@ -100,7 +104,14 @@ def parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise CliError(f"cannot parse value {text!r}: neither a Python literal nor YAML ({exc})", code=2)
+        raise CliError(f"cannot parse value {_short(text)}: neither a Python literal nor YAML ({exc})", code=2)
+    except RecursionError:
+        raise CliError(f"cannot parse value {_short(text)}: nested too deeply (expected a string, number, "
+                       f"list or mapping a few levels deep)", code=2) from None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def parse_columns(columns: Sequence[str]) -> Dict[str, Any]:
@@ -156,6 +167,11 @@ def _check_model_dir(model: str, what: str = "model") -> None:
     if not any(f.endswith(".safetensors") for f in names):
         raise CliError(f"-m {model}: no *.safetensors files in the {what} dir (a safetensors HF "
                        f"checkpoint is needed)")
+    from npu_flashrl.checkpoint import checkpoint_problem
+
+    problem = checkpoint_problem(model)  # every shard's header, for every fn (no tensor data read)
+    if problem:
+        raise CliError(f"-m {model}: {problem}")
 
 
 
@@ -220,8 +236,9 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
 
 
 def _run_setup(args) -> int:
+    from npu_flashrl.checkpoint import architecture_mismatch
     from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
-                                    output_path_problem, write_config)
+                                    output_path_problem, write_config, write_target)
 
     output = os.path.expanduser(args.config_output or DEFAULT_CONFIG_OUTPUT)
     if args.config_output is None:
@@ -254,14 +271,19 @@ def _run_setup(args) -> int:
                 except ConfigError as exc:
                     raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
                 cfg.entries.append(entry)
+                mismatch = architecture_mismatch([(f"configs[{i}]", e.model) for i, e in enumerate(cfg.entries)
+                                                  if e.model and os.path.isdir(e.model)])
+                if mismatch and not args.no_check:
+                    raise CliError(f"-a {output}: the new entry {mismatch}; not appended")
                 write_config(cfg, output)
         else:
             cfg = FlashRLConfig(entries=[entry], path=output)
             write_config(cfg, output)
     except OSError as exc:
         raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
+    through = f" (through the symlink, to {write_target(output)})" if os.path.islink(output) else ""
     _out(f"FlashRL config with {len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'} "
-         f"written to {output}")
+         f"written to {output}{through}")
     _out(f"Enable it with: export FLASHRL_CONFIG={output}")
     return 0
 
@@ -285,10 +307,21 @@ def _add_cleanup(sub) -> None:
 def disable_usercustomize(path: str, dry_run: bool = False) -> List[str]:
     """Comment out FlashRL's import lines in one usercustomize.py. Returns messages; raises CliError
     for a line it cannot safely change (nothing is written then)."""
+    import tokenize
+
     from npu_flashrl.config import atomic_write
 
-    with open(path) as f:
-        lines = f.readlines()
+    try:  # Python's own rule for a source file's encoding (a coding: line, else UTF-8), kept on write
+        with open(path, "rb") as fb:
+            encoding, _ = tokenize.detect_encoding(fb.readline)
+        with open(path, encoding=encoding, newline="") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read: {exc.strerror or exc} (not changed)") from None
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise CliError(f"{path}: not a text file in its declared encoding (UTF-8 without a coding: line): "
+                       f"{getattr(exc, 'reason', None) or exc}; not changed: Python cannot import it either, "
+                       f"fix or remove it by hand") from None
     changed, notes = False, []
     i = 0
     while i < len(lines):
@@ -310,7 +343,13 @@ def disable_usercustomize(path: str, dry_run: bool = False) -> List[str]:
         i += 1
     if changed:
         if not dry_run:
-            atomic_write(path, lambda f: f.writelines(lines))
+            data = "".join(lines).encode(encoding)
+            try:
+                atomic_write(path, lambda f: f.write(data), binary=True)
+            except OSError as exc:
+                raise CliError(f"{path}: cannot write: {exc.strerror or exc} (nothing changed; run cleanup "
+                               f"with the permissions of that site dir, or comment out `import flash_rl` "
+                               f"there by hand)") from None
         notes.append(f"{'would disable' if dry_run else 'disabled'} `import flash_rl` in {path}")
     return notes
 
@@ -332,7 +371,10 @@ def _run_cleanup(args) -> int:
             except ConfigError as exc:
                 raise CliError(f"-p {args.path}: not removed, it is not a FlashRL config ({exc})") from None
             if not args.dry_run:
-                os.remove(args.path)
+                try:
+                    os.remove(args.path)
+                except OSError as exc:
+                    raise CliError(f"-p {args.path}: cannot remove: {exc.strerror or exc}") from None
             notes.append(f"{'would remove' if args.dry_run else 'removed'} config {args.path}")
     if os.environ.get("FLASHRL_CONFIG"):
         notes.append(f"FLASHRL_CONFIG={os.environ['FLASHRL_CONFIG']} is still set in this shell: "

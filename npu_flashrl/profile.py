@@ -117,6 +117,15 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
     from tqdm.auto import tqdm
 
     bf16 = SafetensorsCheckpoint(bf16_dir)
+    int8_in_bf16 = sorted((n for n in bf16.names() if _PROJECTION.search(n) and bf16.dtype(n) == "I8"),
+                          key=_order_key)
+    if int8_in_bf16:
+        bf16.close()
+        first = int8_in_bf16[0]
+        same = os.path.realpath(bf16_dir) == os.path.realpath(w8a8_dir)
+        raise ProfileError(f"-m {bf16_dir}: {bf16.files[first]}: {first} is int8: -m must be the original "
+                           f"bf16/fp16 checkpoint, not a W8A8 one"
+                           + (" (-m and -q are the same dir)" if same else f" (-q {w8a8_dir} is the W8A8 one)"))
     quant = SafetensorsCheckpoint(w8a8_dir)
     ln_entries: Dict[str, dict] = {}
     lin_entries: Dict[str, dict] = {}
@@ -133,6 +142,9 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
         if scale.numel() != rows:
             raise ProfileError(f"{w8a8_dir}: {name}_scale has {scale.numel()} values, expected one per "
                                f"output row ({rows}); only per-channel W8A8 checkpoints are supported")
+        problem = weight_scale_problem(scale, f"{quant.files[name + '_scale']}: {name}_scale")
+        if problem:  # the checkpoint's fault, said before any profile entry is made from it
+            raise ProfileError(f"-q {problem}")
         return scale.view(-1, 1)
 
     def check_int8(name: str) -> None:
@@ -151,6 +163,10 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
                     if lnq.shape != ln.shape:
                         raise ProfileError(f"{k}: shape {tuple(lnq.shape)} in {w8a8_dir} but "
                                            f"{tuple(ln.shape)} in {bf16_dir}: not the same model")
+                    if bool((ln == 0).any()) or not bool(torch.isfinite(ln.float()).all()):
+                        bad = int(((ln == 0) | ~torch.isfinite(ln.float())).sum())
+                        raise ProfileError(f"-m {bf16.files[k]}: {k} has {bad} zero or non-finite value(s): the "
+                                           f"smoothing ratio (W8A8 layernorm / bf16 layernorm) is undefined there")
                     ratio = lnq / ln.float()
                     ln_entries[k] = {"input_scale": ratio, "output_scale": 1.0, "type": lnq.dtype}
                     input_scale[k] = ratio
@@ -250,6 +266,21 @@ def make_profile(bf16_dir: str, w8a8_dir: str, output: str, fn: str = "int8",
     return profile
 
 
+def weight_scale_problem(scale: torch.Tensor, where: str) -> Optional[str]:
+    """Why a W8A8 checkpoint's weight_scale tensor is unusable (None: every value finite and > 0),
+    naming each kind: a zero, negative, NaN or Inf scale is a corrupt checkpoint, not a bad profile."""
+    if not scale.is_floating_point():
+        return f"{where}: dtype {scale.dtype}, expected a floating weight scale"
+    v = scale.float()
+    kinds = [(int(torch.isnan(v).sum()), "NaN"), (int(torch.isinf(v).sum()), "infinite"),
+             (int((v == 0).sum()), "zero"), (int((v < 0).sum()), "negative")]
+    found = [f"{n} {kind}" for n, kind in kinds if n]
+    if not found:
+        return None
+    return (f"{where}: {', '.join(found)} value(s) of {v.numel()}; a W8A8 checkpoint's weight scales are "
+            f"finite and > 0: the checkpoint is corrupt (re-download or re-quantize it)")
+
+
 def _check_scale(value: Any, where: str) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
@@ -298,6 +329,22 @@ def validate_profile(profile: Any, source: str = "<profile>") -> Dict[str, dict]
     return dict(profile)
 
 
+def _load_refusal(path: str, exc: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused `path`, without torch's advice to load it with
+    weights_only=False (that runs whatever code the file carries: never for a profile)."""
+    text = str(exc)
+    if "weights_only" in text or "Weights only load failed" in text:
+        detail = next((line.strip() for line in text.splitlines()
+                       if line.strip().startswith(("Unsupported", "WeightsUnpickler error"))), "")
+        detail = detail.replace("WeightsUnpickler error: ", "")
+        return (f"{path}: refused: the file holds Python objects beyond tensors, numbers and dtypes"
+                + (f" ({detail.split('. ')[0]})" if detail else "")
+                + "; a FlashRL profile holds only those, so this is not one (or it was tampered with): "
+                  "make the profile with `npu-flashrl profile`")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{path}: not a readable torch profile ({type(exc).__name__}{': ' + first if first else ''})"
+
+
 def load_profile(path: str) -> Dict[str, dict]:
     """Load and validate a FlashRL int8 profile: {param name: {input_scale, output_scale, type}}."""
     path = os.fspath(path)
@@ -321,8 +368,7 @@ def load_profile(path: str) -> Dict[str, dict]:
     try:
         profile = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ProfileError(f"{path}: not a readable torch profile ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        raise ProfileError(_load_refusal(path, exc)) from None
     return validate_profile(profile, path)
 
 
@@ -388,8 +434,12 @@ def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
             scale = name[: -len("weight")] + "weight_scale"
             if scale not in ckpt:
                 problems.append(f"{ckpt.files[name]}: {scale} is missing (int8 {name} without its scale)")
-                if len(problems) >= limit:
-                    break
+            else:  # one value per output row: small, read in full
+                problem = weight_scale_problem(ckpt.get(scale), f"{ckpt.files[scale]}: {scale}")
+                if problem:
+                    problems.append(problem)
+            if len(problems) >= limit:
+                break
     finally:
         ckpt.close()
     return problems
@@ -427,6 +477,10 @@ def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, lim
                     # output_scale is 1 / weight_scale of the W8A8 checkpoint it was made from
                     # (up_proj folds in beta): another model of the same shape differs here
                     ws = ckpt.get(name + "_scale").float().view(-1, 1)
+                    problem = weight_scale_problem(ws, f"{ckpt.files[name + '_scale']}: {name}_scale")
+                    if problem:
+                        offenders.append(problem)
+                        continue
                     if ws.shape == outs.shape and not torch.allclose(outs.float() * ws, torch.ones_like(ws),
                                                                       rtol=0, atol=1e-2):
                         worst = float((outs.float() * ws - 1).abs().max())
