@@ -176,7 +176,7 @@ def _check_model_dir(model: str, what: str = "model") -> None:
 
 
 def _check_w8a8(model: str) -> None:
-    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
+    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, corrupt_scale_problems, moe_profile_problem
 
     moe = moe_profile_problem(model)
     if moe:
@@ -184,6 +184,9 @@ def _check_w8a8(model: str) -> None:
     problems = check_w8a8_checkpoint(model)
     if problems:
         raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
+    problems = corrupt_scale_problems(model)
+    if problems:
+        raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems))
 
 
 def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],

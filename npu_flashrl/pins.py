@@ -70,28 +70,28 @@ def load_document(path: Optional[os.PathLike] = None) -> Dict[str, Any]:
     if isinstance(data, dict) and "lines" not in data and "packages" in data:
         data = {"default_line": "pinned", "lines": {"pinned": data}}  # the one-line layout
     if not isinstance(data, dict) or not isinstance(data.get("lines"), dict) or not data["lines"]:
-        raise ValueError(f"{p}: not a pins file (expected a mapping with 'lines: {{name: {{packages: ...}}}}')")
+        raise ValueError(f"{p}{origin}: not a pins file (expected a mapping with 'lines: {{name: {{packages: ...}}}}')")
     for name, line in data["lines"].items():
         if not isinstance(line, dict) or not isinstance(line.get("packages"), dict):
-            raise ValueError(f"{p}: line '{name}' has no 'packages' mapping")
+            raise ValueError(f"{p}{origin}: line '{name}' has no 'packages' mapping")
         for key, spec in line["packages"].items():  # every reader does spec.get(...)
             if spec is None:
                 line["packages"][key] = {}
             elif not isinstance(spec, dict):
-                raise ValueError(f"{p}: lines.{name}.packages.{key} is {spec!r}; expected a mapping "
+                raise ValueError(f"{p}{origin}: lines.{name}.packages.{key} is {spec!r}; expected a mapping "
                                  f"(version / commit / ref / repo / dist / env)")
             elif not isinstance(spec.get("env", {}) or {}, dict):
-                raise ValueError(f"{p}: lines.{name}.packages.{key}.env is {spec['env']!r}; expected a "
+                raise ValueError(f"{p}{origin}: lines.{name}.packages.{key}.env is {spec['env']!r}; expected a "
                                  f"mapping of environment variables")
             else:
                 bad = [f for f in ("version", "commit", "ref", "repo", "dist")
                        if isinstance(spec.get(f), (dict, list))]
                 if bad:
-                    raise ValueError(f"{p}: lines.{name}.packages.{key}.{bad[0]} is {spec[bad[0]]!r}; "
+                    raise ValueError(f"{p}{origin}: lines.{name}.packages.{key}.{bad[0]} is {spec[bad[0]]!r}; "
                                      f"expected a single value")
     default = data.setdefault("default_line", next(iter(data["lines"])))
     if default not in data["lines"]:
-        raise ValueError(f"{p}: default_line '{default}' is not one of the lines {sorted(data['lines'])}")
+        raise ValueError(f"{p}{origin}: default_line '{default}' is not one of the lines {sorted(data['lines'])}")
     return data
 
 

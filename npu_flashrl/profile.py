@@ -335,12 +335,13 @@ def _load_refusal(path: str, exc: BaseException) -> str:
     text = str(exc)
     if "weights_only" in text or "Weights only load failed" in text:
         detail = next((line.strip() for line in text.splitlines()
-                       if line.strip().startswith(("Unsupported", "WeightsUnpickler error"))), "")
-        detail = detail.replace("WeightsUnpickler error: ", "")
-        return (f"{path}: refused: the file holds Python objects beyond tensors, numbers and dtypes"
-                + (f" ({detail.split('. ')[0]})" if detail else "")
-                + "; a FlashRL profile holds only those, so this is not one (or it was tampered with): "
-                  "make the profile with `npu-flashrl profile`")
+                       if "Unsupported" in line or "WeightsUnpickler error" in line), "")
+        detail = detail.replace("WeightsUnpickler error: ", "").split(". ")[0]
+        if "Unsupported global" in detail:  # a pickle naming code to run: refused, never retried
+            return (f"{path}: refused: the file holds Python objects beyond tensors, numbers and dtypes "
+                    f"({detail}); a FlashRL profile holds only those, so this is not one (or it was "
+                    f"tampered with): make the profile with `npu-flashrl profile`")
+        return f"{path}: not a readable torch profile (not a torch.save file{': ' + detail if detail else ''})"
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     return f"{path}: not a readable torch profile ({type(exc).__name__}{': ' + first if first else ''})"
 
@@ -434,12 +435,28 @@ def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
             scale = name[: -len("weight")] + "weight_scale"
             if scale not in ckpt:
                 problems.append(f"{ckpt.files[name]}: {scale} is missing (int8 {name} without its scale)")
-            else:  # one value per output row: small, read in full
-                problem = weight_scale_problem(ckpt.get(scale), f"{ckpt.files[scale]}: {scale}")
-                if problem:
-                    problems.append(problem)
-            if len(problems) >= limit:
-                break
+                if len(problems) >= limit:
+                    break
+    finally:
+        ckpt.close()
+    return problems
+
+
+def corrupt_scale_problems(model_dir: str, limit: int = 3) -> List[str]:
+    """W8A8 weight_scale tensors of ``model_dir`` with zero, negative, NaN or Inf values (one value
+    per output row: small, read in full); each line names the file and the tensor."""
+    try:
+        ckpt = SafetensorsCheckpoint(model_dir)
+    except ProfileError as exc:
+        return [str(exc)]
+    problems: List[str] = []
+    try:
+        for name in sorted((n for n in ckpt.names() if n.endswith("_proj.weight_scale")), key=_order_key):
+            problem = weight_scale_problem(ckpt.get(name), f"{ckpt.files[name]}: {name}")
+            if problem:
+                problems.append(problem)
+                if len(problems) >= limit:
+                    break
     finally:
         ckpt.close()
     return problems

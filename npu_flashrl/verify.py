@@ -295,7 +295,8 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                              "rollout passes dummy, which is refused at engine build for fn int8",
                              "load_format: auto"))
         if entry.model:
-            from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
+            from npu_flashrl.profile import (MOE_FIX, check_w8a8_checkpoint, corrupt_scale_problems,
+                                             moe_profile_problem)
 
             moe = moe_profile_problem(entry.model)
             if moe:
@@ -304,6 +305,10 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
             problems = check_w8a8_checkpoint(entry.model)
             if problems:
                 rows.append(_row(check, FAIL, "; ".join(problems), W8A8_FIX.replace("-m", "`model`", 1)))
+                continue
+            problems = corrupt_scale_problems(entry.model)
+            if problems:
+                rows.append(_row(check, FAIL, "; ".join(problems), "re-download or re-quantize the W8A8 checkpoint"))
                 continue
         path = entry.profile_path()
         if path is None:
