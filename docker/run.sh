@@ -35,6 +35,17 @@ HOST_MODELS="${HOST_MODELS:-}"
 HOST_DATA="${HOST_DATA:-}"
 EXTRA_RUN_ARGS="${EXTRA_RUN_ARGS:-}"
 
+# NPU_DEVICES becomes /dev/davinci<id> mounts and SHM_SIZE a docker size: checked by pattern (an
+# id such as '../sda' would mount another device).
+if [[ ! "$NPU_DEVICES" =~ ^(0|[1-9][0-9]{0,2})(,(0|[1-9][0-9]{0,2}))*$ ]]; then
+  echo "run.sh: NPU_DEVICES must be comma-separated NPU ids (e.g. 0,1,2,3), got '$NPU_DEVICES'" >&2
+  exit 1
+fi
+if [[ ! "$SHM_SIZE" =~ ^[1-9][0-9]{0,9}[bkmgBKMG]?$ ]]; then
+  echo "run.sh: SHM_SIZE must be a size such as 500g or 64G, got '$SHM_SIZE'" >&2
+  exit 1
+fi
+
 missing=()
 args=("$DOCKER" run --rm --name "$NPU_FLASHRL_CONTAINER" --net=host --shm-size="$SHM_SIZE")
 if [[ -t 0 ]]; then args+=(-it); fi

@@ -94,8 +94,11 @@ def _run_setup(args) -> int:
         _out(f"No -o given; writing {os.path.expanduser(DEFAULT_CONFIG_OUTPUT)} (FlashRL's default)")
     cfg = commands.setup(args.fn, args.model, args.profile, args.config_output, append=args.append,
                          check=not args.no_check, force=args.force, columns=args.columns)
+    from npu_flashrl.config import write_target
+
+    through = f" (through the symlink, to {write_target(cfg.path)})" if os.path.islink(cfg.path) else ""
     _out(f"FlashRL config with {len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'} "
-         f"written to {cfg.path}")
+         f"written to {cfg.path}{through}")
     _out(f"Enable it with: export FLASHRL_CONFIG={cfg.path}")
     return 0
 

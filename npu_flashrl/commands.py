@@ -48,8 +48,12 @@ def _refuse_overwriting_a_checkpoint_file(output: str, dirs) -> None:
     try:
         load_profile(output)
     except ProfileError:
-        raise CliError(f"-o {output}: is a file of the checkpoint dir {os.path.dirname(output) or '.'} and not a "
-                       f"profile; not replaced (choose another -o, e.g. {os.path.join(parent, 'profile.pt')})") from None
+        suggestion = os.path.join(parent, "profile.pt")
+        other = (f"e.g. {suggestion}" if os.path.realpath(output) != os.path.realpath(suggestion)
+                 else "outside the checkpoint dir")
+        raise CliError(f"-o {output}: an existing file of the checkpoint dir {os.path.dirname(output) or '.'} "
+                       f"that is not a profile; not replaced (move it away yourself if it is not needed, or "
+                       f"choose another -o, {other})") from None
 
 
 # ============================================================================ setup
@@ -63,7 +67,14 @@ def parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise CliError(f"cannot parse value {text!r}: neither a Python literal nor YAML ({exc})", code=2)
+        raise CliError(f"cannot parse value {_short(text)}: neither a Python literal nor YAML ({exc})", code=2)
+    except RecursionError:
+        raise CliError(f"cannot parse value {_short(text)}: nested too deeply (expected a string, number, "
+                       f"list or mapping a few levels deep)", code=2) from None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def parse_columns(columns: Sequence[str]) -> Dict[str, Any]:
@@ -90,10 +101,15 @@ def _check_model_dir(model: str, what: str = "model") -> None:
     if not any(f.endswith(".safetensors") for f in names):
         raise CliError(f"-m {model}: no *.safetensors files in the {what} dir (a safetensors HF "
                        f"checkpoint is needed)")
+    from npu_flashrl.checkpoint import checkpoint_problem
+
+    problem = checkpoint_problem(model)  # every shard's header, for every fn (no tensor data read)
+    if problem:
+        raise CliError(f"-m {model}: {problem}")
 
 
 def _check_w8a8(model: str) -> None:
-    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
+    from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, corrupt_scale_problems, moe_profile_problem
     from npu_flashrl.verify import W8A8_FIX
 
     moe = moe_profile_problem(model)
@@ -102,6 +118,9 @@ def _check_w8a8(model: str) -> None:
     problems = check_w8a8_checkpoint(model)
     if problems:
         raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems) + f"\nfix: {W8A8_FIX}")
+    problems = corrupt_scale_problems(model)
+    if problems:
+        raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems))
 
 
 def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
@@ -160,6 +179,7 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
     `DEFAULT_CONFIG_OUTPUT`) with one entry (`npu-flashrl setup`); `columns`: extra `key=value`
     entry keys. Everything about `output` is checked before the model is read. Returns the
     written `FlashRLConfig` (its `path` is where)."""
+    from npu_flashrl.checkpoint import architecture_mismatch
     from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
                                     output_path_problem, write_config)
 
@@ -190,6 +210,10 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
                 except ConfigError as exc:
                     raise CliError(f"-a: the existing config cannot be appended to: {exc}") from None
                 cfg.entries.append(entry)
+                mismatch = architecture_mismatch([(f"configs[{i}]", e.model) for i, e in enumerate(cfg.entries)
+                                                  if e.model and os.path.isdir(e.model)])
+                if mismatch and check:
+                    raise CliError(f"-a {output}: the new entry {mismatch}; not appended")
                 write_config(cfg, output)
         else:
             cfg = FlashRLConfig(entries=[entry], path=output)
@@ -205,10 +229,21 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
 def disable_usercustomize(path: str, dry_run: bool = False) -> List[str]:
     """Comment out FlashRL's import lines in one usercustomize.py. Returns messages; raises CliError
     for a line it cannot safely change (nothing is written then)."""
+    import tokenize
+
     from npu_flashrl.config import atomic_write
 
-    with open(path) as f:
-        lines = f.readlines()
+    try:  # Python's own rule for a source file's encoding (a coding: line, else UTF-8), kept on write
+        with open(path, "rb") as fb:
+            encoding, _ = tokenize.detect_encoding(fb.readline)
+        with open(path, encoding=encoding, newline="") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read: {exc.strerror or exc} (not changed)") from None
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise CliError(f"{path}: not a text file in its declared encoding (UTF-8 without a coding: line): "
+                       f"{getattr(exc, 'reason', None) or exc}; not changed: Python cannot import it either, "
+                       f"fix or remove it by hand") from None
     changed, notes = False, []
     i = 0
     while i < len(lines):
@@ -230,7 +265,13 @@ def disable_usercustomize(path: str, dry_run: bool = False) -> List[str]:
         i += 1
     if changed:
         if not dry_run:
-            atomic_write(path, lambda f: f.writelines(lines))
+            data = "".join(lines).encode(encoding)
+            try:
+                atomic_write(path, lambda f: f.write(data), binary=True)
+            except OSError as exc:
+                raise CliError(f"{path}: cannot write: {exc.strerror or exc} (nothing changed; run cleanup "
+                               f"with the permissions of that site dir, or comment out `import flash_rl` "
+                               f"there by hand)") from None
         notes.append(f"{'would disable' if dry_run else 'disabled'} `import flash_rl` in {path}")
     return notes
 
@@ -256,7 +297,10 @@ def cleanup(config: Optional[str] = None, site_dirs: Optional[Sequence[str]] = N
             except ConfigError as exc:
                 raise CliError(f"-p {config}: not removed, it is not a FlashRL config ({exc})") from None
             if not dry_run:
-                os.remove(config)
+                try:
+                    os.remove(config)
+                except OSError as exc:
+                    raise CliError(f"-p {config}: cannot remove: {exc.strerror or exc}") from None
             notes.append(f"{'would remove' if dry_run else 'removed'} config {config}")
     if os.environ.get("FLASHRL_CONFIG"):
         notes.append(f"FLASHRL_CONFIG={os.environ['FLASHRL_CONFIG']} is still set in this shell: "

@@ -121,6 +121,34 @@ class ConfigError(NpuFlashrlError, ValueError):
     """A FlashRL config that cannot be used; the message names the file/key and what was expected."""
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently: `fn: int8` then `fn: bf16` would run bf16). Raises yaml.constructor.ConstructorError
+    with both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: Dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                try:
+                    key = self.construct_object(key_node, deep=True)
+                    hash(key)
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader's own error follows
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"duplicate key {key!r} (first at line {seen[key].line + 1}; YAML would keep only "
+                        f"the last value)", key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_unique(stream: Any) -> Any:
+    """yaml.safe_load, refusing duplicate keys (UniqueKeyLoader)."""
+    return yaml.load(stream, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def normalize_fn(fn: Any, where: str = "fn") -> str:
     """Map a FlashRL fn name to ours, or raise ConfigError saying why it is refused."""
     if not isinstance(fn, str):
@@ -268,7 +296,7 @@ def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> Flash
         raise ConfigError(f"{origin}: is a directory; expected a FlashRL config YAML file")
     try:
         with open(value, "r") as f:
-            data = yaml.safe_load(f)
+            data = load_yaml_unique(f)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{value}: not a text (UTF-8) YAML file ({exc.reason} at byte {exc.start})") from exc
     except yaml.YAMLError as exc:
@@ -312,23 +340,37 @@ def dp_rank_from_env(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
     return rank // mp
 
 
+def write_target(path: Union[str, os.PathLike]) -> str:
+    """The file atomic_write replaces for `path`: `path` itself, or for a symlink the file it points
+    to (written through: the link stays a link, and its target gets the new content)."""
+    path = os.fspath(path)
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 def output_path_problem(path: Union[str, os.PathLike]) -> Optional[str]:
     """Why `path` cannot be written by atomic_write (None when it can), found before any expensive
-    work: a directory, a parent that is not a directory, or a directory we cannot create files in."""
-    path = os.fspath(path)
+    work: a directory, a parent that is not a directory, or a directory we cannot create files in.
+    A symlink is checked as the file it points to (atomic_write writes through it)."""
+    shown = os.fspath(path)
+    if shown != shown.strip():  # not stripped here: that would write a file the user did not name
+        return (f"{shown!r}: the path starts or ends with whitespace; FLASHRL_CONFIG and the config's "
+                f"paths are read stripped, so the file would not be found: give the path without it")
+    path = write_target(shown)
+    if path != shown:
+        shown = f"{shown} (a symlink to {path})"
     if os.path.isdir(path):
-        return f"{path}: is a directory; expected a file path"
+        return f"{shown}: is a directory; expected a file path"
     if os.path.exists(path) and not os.path.isfile(path):
-        return f"{path}: exists and is not a regular file"
+        return f"{shown}: exists and is not a regular file"
     probe = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(probe):  # atomic_write creates missing parents
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        return f"{path}: {probe} is not a directory"
+        return f"{shown}: {probe} is not a directory"
     try:  # a real probe: os.access is wrong on read-only mounts and some network filesystems
         fd, tmp = tempfile.mkstemp(prefix=".npu_flashrl_probe.", dir=probe)
     except OSError as exc:
-        return f"{path}: cannot write in {probe}: {exc.strerror or exc}"
+        return f"{shown}: cannot write in {probe}: {exc.strerror or exc}"
     os.close(fd)
     os.unlink(tmp)
     return None
@@ -363,9 +405,10 @@ def locked_file(path: Union[str, os.PathLike]) -> Iterator[None]:
 def atomic_write(path: Union[str, os.PathLike], write: Callable[[Any], None], binary: bool = False) -> None:
     """Write `path` atomically: `write(fileobj)` into a temp file in the same dir, fsync, os.replace.
 
-    On any failure the temp file is removed and an existing `path` is left untouched.
+    On any failure the temp file is removed and an existing `path` is left untouched. A symlink
+    `path` is written through (its target is replaced; the link stays).
     """
-    path = os.fspath(path)
+    path = write_target(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)

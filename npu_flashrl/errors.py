@@ -24,3 +24,7 @@ class UnquantizedRolloutError(NpuFlashrlError, RuntimeError):
     """An engine the FlashRL config asks to run INT8 would run unquantized (its quantization was
     resolved or replaced to something else, or its model has no W8A8 layers): refused, never a
     silent bf16 rollout."""
+
+
+class ProfileError(NpuFlashrlError, ValueError):
+    """A profile (or a checkpoint it is computed from) that cannot be used; names file and tensor."""

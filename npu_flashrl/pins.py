@@ -53,20 +53,45 @@ def load_document(path: Optional[os.PathLike] = None) -> Dict[str, Any]:
     except ImportError as exc:  # pragma: no cover - pyyaml is a hard dependency
         raise ImportError("npu_flashrl.pins needs PyYAML: pip install pyyaml") from exc
     p = pins_path(path)
+    origin = f" ({PINS_ENV})" if path is None and os.environ.get(PINS_ENV) else ""
     if not p.is_file():
-        raise FileNotFoundError(f"pins file not found: {p}")
-    with open(p, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
+        raise FileNotFoundError(f"pins file not found: {p}{origin}")
+    try:
+        with open(p, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}{origin}: not a text (UTF-8) YAML file ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
+        raise ValueError(f"{p}{origin}:{where} malformed YAML ({getattr(exc, 'problem', None) or exc})") from None
+    except OSError as exc:
+        raise FileNotFoundError(f"{p}{origin}: cannot read: {exc.strerror or exc}") from None
     if isinstance(data, dict) and "lines" not in data and "packages" in data:
         data = {"default_line": "pinned", "lines": {"pinned": data}}  # the one-line layout
     if not isinstance(data, dict) or not isinstance(data.get("lines"), dict) or not data["lines"]:
-        raise ValueError(f"{p}: not a pins file (expected a mapping with 'lines: {{name: {{packages: ...}}}}')")
+        raise ValueError(f"{p}{origin}: not a pins file (expected a mapping with 'lines: {{name: {{packages: ...}}}}')")
     for name, line in data["lines"].items():
         if not isinstance(line, dict) or not isinstance(line.get("packages"), dict):
-            raise ValueError(f"{p}: line '{name}' has no 'packages' mapping")
+            raise ValueError(f"{p}{origin}: line '{name}' has no 'packages' mapping")
+        for key, spec in line["packages"].items():  # every reader does spec.get(...)
+            if spec is None:
+                line["packages"][key] = {}
+            elif not isinstance(spec, dict):
+                raise ValueError(f"{p}{origin}: lines.{name}.packages.{key} is {spec!r}; expected a mapping "
+                                 f"(version / commit / ref / repo / dist / env)")
+            elif not isinstance(spec.get("env", {}) or {}, dict):
+                raise ValueError(f"{p}{origin}: lines.{name}.packages.{key}.env is {spec['env']!r}; expected a "
+                                 f"mapping of environment variables")
+            else:
+                bad = [f for f in ("version", "commit", "ref", "repo", "dist")
+                       if isinstance(spec.get(f), (dict, list))]
+                if bad:
+                    raise ValueError(f"{p}{origin}: lines.{name}.packages.{key}.{bad[0]} is {spec[bad[0]]!r}; "
+                                     f"expected a single value")
     default = data.setdefault("default_line", next(iter(data["lines"])))
     if default not in data["lines"]:
-        raise ValueError(f"{p}: default_line '{default}' is not one of the lines {sorted(data['lines'])}")
+        raise ValueError(f"{p}{origin}: default_line '{default}' is not one of the lines {sorted(data['lines'])}")
     return data
 
 

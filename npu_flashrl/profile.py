@@ -26,9 +26,7 @@ autograd state (FlashRL's do, as a side effect of computing from nn.Parameters).
 """
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import math
 import os
 import re
@@ -37,7 +35,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.errors import NpuFlashrlError
+from npu_flashrl.checkpoint import SafetensorsCheckpoint, _first_line  # noqa: F401  (re-exported)
+from npu_flashrl.errors import ProfileError  # noqa: F401  (re-exported: npu_flashrl.profile.ProfileError)
 from npu_flashrl.quant.profile import (  # noqa: F401  (the profile's name rules live with its quantizer)
     INPUT_LINEAR_MAP, LAYERNORM_KEY, OUTPUT_LINEAR_MAP, profile_entry_names, profile_problems)
 
@@ -51,122 +50,6 @@ _MODULE_ORDER = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", 
                  "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
                  "post_attention_layernorm.")
 _LAYER_RE = re.compile(r"^(.*?\.layers\.)(\d+)\.")
-
-
-class ProfileError(NpuFlashrlError, ValueError):
-    """A profile (or a checkpoint it is computed from) that cannot be used; names file and tensor."""
-
-
-# ----------------------------------------------------------------------------- checkpoint access
-
-class SafetensorsCheckpoint:
-    """Lazy, name-indexed access to a HF safetensors checkpoint dir (headers only until asked)."""
-
-    def __init__(self, model_dir: str):
-        self.dir = os.fspath(model_dir)
-        if not os.path.isdir(self.dir):
-            raise ProfileError(f"{self.dir}: not a directory (expected a HF checkpoint dir with *.safetensors)")
-        self.files: Dict[str, str] = self._index()
-        self._stack = contextlib.ExitStack()
-        self._handles: Dict[str, Any] = {}
-
-    def _index(self) -> Dict[str, str]:
-        from safetensors import safe_open
-
-        index_path = os.path.join(self.dir, "model.safetensors.index.json")
-        if os.path.exists(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                    raise ValueError("weight_map must map tensor names to shard file names")
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ProfileError(f"{index_path}: unreadable safetensors index ({_first_line(exc)})") from exc
-            out = {k: os.path.join(self.dir, v) for k, v in weight_map.items()}
-            missing = sorted({p for p in out.values() if not os.path.exists(p)})
-            if missing:
-                raise ProfileError(f"{index_path}: lists missing shard(s) {missing[:3]}")
-            for path in sorted(set(out.values())):  # headers only: a bad shard named up front
-                try:
-                    with safe_open(path, framework="pt"):
-                        pass
-                except Exception as exc:
-                    raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
-                                       f"truncated or corrupt shard?") from exc
-            return out
-        try:
-            files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
-        except OSError as exc:
-            raise ProfileError(f"{self.dir}: cannot list the checkpoint dir: {exc.strerror or exc}") from exc
-        if not files:
-            raise ProfileError(f"{self.dir}: no *.safetensors files (a safetensors HF checkpoint is needed)")
-        out = {}
-        for fname in files:
-            path = os.path.join(self.dir, fname)
-            try:
-                with safe_open(path, framework="pt") as f:
-                    for k in f.keys():
-                        out[k] = path
-            except Exception as exc:  # safetensors raises its own error types
-                raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
-                                   f"truncated or corrupt shard?") from exc
-        return out
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def names(self) -> List[str]:
-        return list(self.files)
-
-    def _handle(self, path: str):
-        from safetensors import safe_open
-
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-            except Exception as exc:  # safetensors raises its own error types; name the shard
-                raise ProfileError(f"{path}: unreadable safetensors file ({_first_line(exc)}); "
-                                   f"truncated or corrupt shard?") from exc
-        return self._handles[path]
-
-    def _read(self, name: str, what):
-        path = self.files[name]
-        handle = self._handle(path)
-        try:
-            return what(handle)
-        except Exception as exc:  # a shard truncated after its header, a bad dtype, ...
-            raise ProfileError(f"{path}: cannot read tensor {name!r} ({_first_line(exc)}); "
-                               f"truncated or corrupt shard?") from exc
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
-            raise ProfileError(f"{self.dir}: tensor {name!r} not found")
-        return self._read(name, lambda h: h.get_tensor(name))
-
-    def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(self._read(name, lambda h: h.get_slice(name).get_shape()))
-
-    def dtype(self, name: str) -> str:
-        """safetensors' dtype string from the header ("I8", "BF16", ...), no data read."""
-        return str(self._handle(self.files[name]).get_slice(name).get_dtype())
-
-    def dtype_str(self, name: str) -> str:
-        return self._read(name, lambda h: h.get_slice(name).get_dtype())
-
-    def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _order_key(name: str) -> Tuple:
@@ -226,6 +109,15 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
     from tqdm.auto import tqdm
 
     bf16 = SafetensorsCheckpoint(bf16_dir)
+    int8_in_bf16 = sorted((n for n in bf16.names() if _PROJECTION.search(n) and bf16.dtype(n) == "I8"),
+                          key=_order_key)
+    if int8_in_bf16:
+        bf16.close()
+        first = int8_in_bf16[0]
+        same = os.path.realpath(bf16_dir) == os.path.realpath(w8a8_dir)
+        raise ProfileError(f"-m {bf16_dir}: {bf16.files[first]}: {first} is int8: -m must be the original "
+                           f"bf16/fp16 checkpoint, not a W8A8 one"
+                           + (" (-m and -q are the same dir)" if same else f" (-q {w8a8_dir} is the W8A8 one)"))
     quant = SafetensorsCheckpoint(w8a8_dir)
     ln_entries: Dict[str, dict] = {}
     lin_entries: Dict[str, dict] = {}
@@ -242,6 +134,9 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
         if scale.numel() != rows:
             raise ProfileError(f"{w8a8_dir}: {name}_scale has {scale.numel()} values, expected one per "
                                f"output row ({rows}); only per-channel W8A8 checkpoints are supported")
+        problem = weight_scale_problem(scale, f"{quant.files[name + '_scale']}: {name}_scale")
+        if problem:  # the checkpoint's fault, said before any profile entry is made from it
+            raise ProfileError(f"-q {problem}")
         return scale.view(-1, 1)
 
     def check_int8(name: str) -> None:
@@ -260,6 +155,10 @@ def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) ->
                     if lnq.shape != ln.shape:
                         raise ProfileError(f"{k}: shape {tuple(lnq.shape)} in {w8a8_dir} but "
                                            f"{tuple(ln.shape)} in {bf16_dir}: not the same model")
+                    if bool((ln == 0).any()) or not bool(torch.isfinite(ln.float()).all()):
+                        bad = int(((ln == 0) | ~torch.isfinite(ln.float())).sum())
+                        raise ProfileError(f"-m {bf16.files[k]}: {k} has {bad} zero or non-finite value(s): the "
+                                           f"smoothing ratio (W8A8 layernorm / bf16 layernorm) is undefined there")
                     ratio = lnq / ln.float()
                     ln_entries[k] = {"input_scale": ratio, "output_scale": 1.0, "type": lnq.dtype}
                     input_scale[k] = ratio
@@ -359,6 +258,21 @@ def make_profile(bf16_dir: str, w8a8_dir: str, output: str, fn: str = "int8",
     return profile
 
 
+def weight_scale_problem(scale: torch.Tensor, where: str) -> Optional[str]:
+    """Why a W8A8 checkpoint's weight_scale tensor is unusable (None: every value finite and > 0),
+    naming each kind: a zero, negative, NaN or Inf scale is a corrupt checkpoint, not a bad profile."""
+    if not scale.is_floating_point():
+        return f"{where}: dtype {scale.dtype}, expected a floating weight scale"
+    v = scale.float()
+    kinds = [(int(torch.isnan(v).sum()), "NaN"), (int(torch.isinf(v).sum()), "infinite"),
+             (int((v == 0).sum()), "zero"), (int((v < 0).sum()), "negative")]
+    found = [f"{n} {kind}" for n, kind in kinds if n]
+    if not found:
+        return None
+    return (f"{where}: {', '.join(found)} value(s) of {v.numel()}; a W8A8 checkpoint's weight scales are "
+            f"finite and > 0: the checkpoint is corrupt (re-download or re-quantize it)")
+
+
 def _check_scale(value: Any, where: str) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
@@ -407,6 +321,23 @@ def validate_profile(profile: Any, source: str = "<profile>") -> Dict[str, dict]
     return dict(profile)
 
 
+def _load_refusal(path: str, exc: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused `path`, without torch's advice to load it with
+    weights_only=False (that runs whatever code the file carries: never for a profile)."""
+    text = str(exc)
+    if "weights_only" in text or "Weights only load failed" in text:
+        detail = next((line.strip() for line in text.splitlines()
+                       if "Unsupported" in line or "WeightsUnpickler error" in line), "")
+        detail = detail.replace("WeightsUnpickler error: ", "").split(". ")[0]
+        if "Unsupported global" in detail:  # a pickle naming code to run: refused, never retried
+            return (f"{path}: refused: the file holds Python objects beyond tensors, numbers and dtypes "
+                    f"({detail}); a FlashRL profile holds only those, so this is not one (or it was "
+                    f"tampered with): make the profile with `npu-flashrl profile`")
+        return f"{path}: not a readable torch profile (not a torch.save file{': ' + detail if detail else ''})"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{path}: not a readable torch profile ({type(exc).__name__}{': ' + first if first else ''})"
+
+
 def load_profile(path: str) -> Dict[str, dict]:
     """Load and validate a FlashRL int8 profile: {param name: {input_scale, output_scale, type}}."""
     path = os.fspath(path)
@@ -430,8 +361,7 @@ def load_profile(path: str) -> Dict[str, dict]:
     try:
         profile = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ProfileError(f"{path}: not a readable torch profile ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        raise ProfileError(_load_refusal(path, exc)) from None
     return validate_profile(profile, path)
 
 
@@ -502,6 +432,26 @@ def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
     return problems
 
 
+def corrupt_scale_problems(model_dir: str, limit: int = 3) -> List[str]:
+    """W8A8 weight_scale tensors of ``model_dir`` with zero, negative, NaN or Inf values (one value
+    per output row: small, read in full); each line names the file and the tensor."""
+    try:
+        ckpt = SafetensorsCheckpoint(model_dir)
+    except ProfileError as exc:
+        return [str(exc)]
+    problems: List[str] = []
+    try:
+        for name in sorted((n for n in ckpt.names() if n.endswith("_proj.weight_scale")), key=_order_key):
+            problem = weight_scale_problem(ckpt.get(name), f"{ckpt.files[name]}: {name}")
+            if problem:
+                problems.append(problem)
+                if len(problems) >= limit:
+                    break
+    finally:
+        ckpt.close()
+    return problems
+
+
 def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, limit: int = 5) -> List[str]:
     """First `limit` inconsistencies between a profile and a checkpoint (empty list: consistent).
 
@@ -519,6 +469,9 @@ def check_profile_against_model(profile: Mapping[str, dict], model_dir: str, lim
             # output_scale is 1 / weight_scale of the W8A8 checkpoint it was made from
             # (up_proj folds in beta): another model of the same shape differs here
             ws = ckpt.get(name + "_scale").float().view(-1, 1)
+            problem = weight_scale_problem(ws, f"{ckpt.files[name + '_scale']}: {name}_scale")
+            if problem:  # the checkpoint's fault, not the profile's
+                return problem
             if ws.shape == outs.shape and not torch.allclose(outs.float() * ws, torch.ones_like(ws),
                                                               rtol=0, atol=1e-2):
                 worst = float((outs.float() * ws - 1).abs().max())

@@ -240,6 +240,7 @@ def activation_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
 def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
     from npu_flashrl.config import (ENV_CONFIG, ConfigError, load_config, needs_profile,
                                     unknown_key_problems)
+    from npu_flashrl.checkpoint import architecture_mismatch, checkpoint_problem
     from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
 
     source = config_path if config_path else os.environ.get(ENV_CONFIG)
@@ -253,6 +254,10 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
         return [_row(label, FAIL, str(exc), "fix the file, or rewrite it: npu-flashrl setup ... -o CONFIG")]
     rows = [_row(label, OK, f"{len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'}: "
                  + ", ".join(e.fn for e in cfg.entries))]
+    mismatch = architecture_mismatch([(f"configs[{i}]", e.model) for i, e in enumerate(cfg.entries)
+                                      if e.model and os.path.isdir(e.model)])
+    if mismatch:
+        rows.append(_row(label, FAIL, mismatch, "point every entry's `model` at a checkpoint of the same model"))
     for i, entry in enumerate(cfg.entries):
         check = f"configs[{i}] ({entry.fn})"
         for problem in unknown_key_problems(entry, f"configs[{i}]"):
@@ -262,9 +267,20 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                 rows.append(_row(check, FAIL, f"model {entry.model}: no such dir",
                                  "point `model` at the local checkpoint dir"))
                 continue
-            if not any(f.endswith(".safetensors") for f in os.listdir(entry.model)):
+            try:
+                names = os.listdir(entry.model)
+            except OSError as exc:
+                rows.append(_row(check, FAIL, f"model {entry.model}: cannot list the dir: {exc.strerror or exc}",
+                                 "check the permissions of the model dir"))
+                continue
+            if not any(f.endswith(".safetensors") for f in names):
                 rows.append(_row(check, FAIL, f"model {entry.model}: no *.safetensors files",
                                  "use a safetensors HF checkpoint"))
+                continue
+            problem = checkpoint_problem(entry.model)  # every shard's header, for every fn
+            if problem:
+                rows.append(_row(check, FAIL, f"model {entry.model}: {problem}",
+                                 "re-download or re-convert the checkpoint"))
                 continue
         if not needs_profile(entry):
             rows.append(_row(check, OK, f"model {entry.model or '(the rollout model)'}"))
@@ -279,7 +295,8 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                              "rollout passes dummy, which is refused at engine build for fn int8",
                              "load_format: auto"))
         if entry.model:
-            from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, moe_profile_problem
+            from npu_flashrl.profile import (MOE_FIX, check_w8a8_checkpoint, corrupt_scale_problems,
+                                             moe_profile_problem)
 
             moe = moe_profile_problem(entry.model)
             if moe:
@@ -288,6 +305,10 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
             problems = check_w8a8_checkpoint(entry.model)
             if problems:
                 rows.append(_row(check, FAIL, "; ".join(problems), W8A8_FIX.replace("-m", "`model`", 1)))
+                continue
+            problems = corrupt_scale_problems(entry.model)
+            if problems:
+                rows.append(_row(check, FAIL, "; ".join(problems), "re-download or re-quantize the W8A8 checkpoint"))
                 continue
         path = entry.profile_path()
         if path is None:
@@ -393,24 +414,47 @@ def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
     return [w for w in words if "=" in w and not w.startswith("-")], env
 
 
-def verl_rows(path: str, verl: Optional[str] = None) -> List[Dict[str, str]]:
+def verl_rows(path: str, verl: Optional[str] = None, config_path: Optional[str] = None) -> List[Dict[str, str]]:
     """Check verl overrides (file, or '-' for stdin) the way the verl line ``verl`` (None: the
-    installed verl's, the pin's when verl is absent; see compat.verl_line) would run them."""
+    installed verl's, the pin's when verl is absent; see compat.verl_line) would run them. A
+    FlashRL config in play (``config_path``, i.e. ``verify --config``, the command's ``env
+    FLASHRL_CONFIG=``, the Ray runtime env's, or this shell's) makes it an INT8 rollout's check."""
     from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
                                            overrides_to_config)
+    from npu_flashrl.config import ENV_CONFIG
 
     label = f"verl overrides {path}"
     try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
     except OSError as exc:
-        return [_row(label, FAIL, f"cannot read: {exc}", "pass a file of Hydra overrides or '-' for stdin")]
-    overrides, env = read_overrides(text)
+        return [_row(label, FAIL, f"cannot read: {exc.strerror or exc}",
+                     "pass a file of Hydra overrides or '-' for stdin")]
+    except UnicodeDecodeError as exc:
+        return [_row(label, FAIL, f"not a text (UTF-8) file ({exc.reason} at byte {exc.start})",
+                     "pass a recipe's --dry-run output or one Hydra override per line")]
+    try:
+        overrides, env = read_overrides(text)
+    except ValueError as exc:  # shlex: an unclosed quote
+        return [_row(label, FAIL, f"cannot split into words: {exc}",
+                     "pass a recipe's --dry-run output or one Hydra override per line")]
     if not overrides:
         return [_row(label, FAIL, "no Hydra overrides (key=value) found",
                      "pass a recipe's --dry-run output or one override per line")]
     cfg = overrides_to_config(overrides)
     environ = dict(os.environ)
     environ.update(env)
+    ray_env: object = cfg
+    for part in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
+        ray_env = ray_env.get(part) if isinstance(ray_env, dict) else None
+    in_command = env.get(ENV_CONFIG) or (ray_env.get(ENV_CONFIG) if isinstance(ray_env, dict) else None)
+    if config_path and not in_command:
+        environ[ENV_CONFIG] = config_path  # --config: this run's config, whatever this shell has
+    elif in_command:
+        environ[ENV_CONFIG] = str(in_command)
     try:
         warnings = check_rollout_mode(cfg, environ=environ, verl=verl)
     except (RolloutModeError, TisConfigError) as exc:
@@ -440,7 +484,7 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
     rows += activation_rows(config_path)
     rows += config_rows(config_path)
     if verl_overrides:
-        rows += verl_rows(verl_overrides)
+        rows += verl_rows(verl_overrides, config_path=config_path)
     rows += patch_rows(apply_patches)
     return rows
 

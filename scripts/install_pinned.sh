@@ -80,6 +80,23 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 
+# Every numeric or 0/1 tunable is checked by pattern here, at the top level and before any
+# arithmetic: bash arithmetic evaluates a variable's text as an expression, so an unchecked
+# MIN_FREE_GB='HOME[$(cmd)]' would run cmd (even with --dry-run), and '60GB' would abort the
+# command it is used in. `exit` (not `return`) so that no calling context can ignore a refusal.
+require_number() {  # NAME REGEX WHAT
+  local name="$1" regex="$2" what="$3" value
+  value="${!name-}"
+  if [[ ! "$value" =~ $regex ]]; then
+    echo "install_pinned.sh: ERROR: $name must be $what, got '$value'" >&2
+    exit 1
+  fi
+}
+require_number MIN_FREE_GB '^(0|[1-9][0-9]{0,5})$' "a whole number of GB (0 to 999999, e.g. 60)"
+require_number MAX_JOBS '^[1-9][0-9]{0,3}$' "a whole number of parallel compile jobs (1 to 9999)"
+require_number SKIP_NPU_CHECK '^[01]$' "0 or 1"
+require_number ALLOW_MISMATCH '^[01]$' "0 or 1"
+
 COMPONENTS=(torch torch_npu vllm vllm_ascend mindspeed megatron_core verl transformers flash_llm_rl npu_flashrl)
 if [[ -n "$ONLY" ]]; then
   IFS=, read -r -a only_names <<<"$ONLY"
@@ -147,8 +164,9 @@ wanted() { [[ -z "$ONLY" || ",$ONLY," == *",$1,"* ]]; }
 log "$(date -u +%Y-%m-%dT%H:%M:%SZ) start (dry_run=$DRY_RUN workdir=$WORKDIR log=${LOG_FILE:-none})"
 
 # ---------------------------------------------------------------- pins
-PYTHON="$(command -v "$PYTHON")" || die "Python interpreter '${PYTHON}' not found (set PYTHON=/path/to/python3.10)"
-case "$PYTHON" in /*) ;; *) PYTHON="$PWD/$PYTHON" ;; esac
+python_path="$(command -v -- "$PYTHON")" || die "PYTHON=$PYTHON: no such interpreter (not found, or not executable; set PYTHON=/path/to/python3.10)"
+case "$python_path" in /*) ;; *) python_path="$PWD/$python_path" ;; esac
+PYTHON="$python_path"
 PINS_READER="$ROOT/npu_flashrl/pins.py"
 [[ -f "$PINS_READER" ]] || die "pins reader missing: $PINS_READER (run this script from an npu_flashrl checkout)"
 if ! "$PYTHON" -c 'import yaml' 2>/dev/null; then
@@ -226,9 +244,11 @@ run_checks() {
 
   local probe="$WORKDIR" free_kb need_kb
   while [[ ! -d "$probe" ]]; do probe="$(dirname "$probe")"; done
-  free_kb="$(df -Pk "$probe" | awk 'NR==2 {print $4}')"
+  free_kb="$(df -Pk "$probe" | awk 'NR==2 {print $4}')" || free_kb=""
   need_kb=$((MIN_FREE_GB * 1024 * 1024))
-  if [[ "$free_kb" -ge "$need_kb" ]]; then
+  if [[ ! "$free_kb" =~ ^[0-9]{1,18}$ ]]; then  # not a number: no arithmetic on it
+    check_fail hard "cannot read the free space at $probe (df -Pk gave '$free_kb')"
+  elif [[ "$free_kb" -ge "$need_kb" ]]; then
     log "ok: $((free_kb / 1024 / 1024)) GB free at $probe"
   else
     check_fail hard "only $((free_kb / 1024 / 1024)) GB free at $probe, need ${MIN_FREE_GB} GB (set WORKDIR elsewhere or MIN_FREE_GB)"
@@ -237,16 +257,22 @@ run_checks() {
   command -v git >/dev/null 2>&1 || check_fail hard "git not found (apt-get install git)"
   "$PYTHON" -c "import pip" >/dev/null 2>&1 || check_fail hard "pip not available for $PYTHON"
 
-  if [[ "$FAILED_CHECKS" -gt 0 ]]; then
-    if [[ "$DRY_RUN" == 1 ]]; then
-      log "dry run: $FAILED_CHECKS check(s) failed; a real run would stop here"
-    else
-      die "$FAILED_CHECKS check(s) failed, nothing was installed (see messages above)"
-    fi
-  fi
+  CHECKS_DONE=1
 }
 
-if [[ "$SKIP_CHECKS" == 1 ]]; then log "skip: checks (--skip-checks)"; else run_checks; fi
+# The verdict is taken here, at the top level, from a flag set on the last line of run_checks: an
+# error that abandons run_checks part-way (bash drops the rest of the command on an expansion
+# error, whatever set -e says; it drops the whole enclosing top-level command, hence one command
+# per line here) leaves the flag unset and stops the run too.
+CHECKS_DONE=0
+if [[ "$SKIP_CHECKS" == 1 ]]; then log "skip: checks (--skip-checks)"; CHECKS_DONE=1; fi
+if [[ "$SKIP_CHECKS" != 1 ]]; then run_checks; fi
+[[ "$CHECKS_DONE" == 1 ]] || die "the checks stopped part-way (see the error above); nothing was installed"
+if [[ "$FAILED_CHECKS" -gt 0 && "$DRY_RUN" == 1 ]]; then
+  log "dry run: $FAILED_CHECKS check(s) failed; a real run would stop here"
+fi
+[[ "$FAILED_CHECKS" == 0 || "$DRY_RUN" == 1 ]] \
+  || die "$FAILED_CHECKS check(s) failed, nothing was installed (see messages above)"
 
 # ---------------------------------------------------------------- helpers for components
 STAMPS="$WORKDIR/.installed"

@@ -149,8 +149,8 @@ def usercustomize_files(dirs: Optional[List[str]] = None) -> List[str]:
     found = []
     for d in dirs if dirs is not None else site_packages_dirs():
         path = os.path.join(d, "usercustomize.py")
-        try:
-            with open(path) as f:
+        try:  # any bytes: only ASCII `import flash_rl` lines are looked for (cleanup reads it strictly)
+            with open(path, encoding="utf-8", errors="replace") as f:
                 if any(_is_flashrl_import_line(line) for line in f):
                     found.append(path)
         except OSError:

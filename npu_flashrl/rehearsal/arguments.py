@@ -12,9 +12,9 @@ HELP = ("rehearse the INT8 rollout end to end (default: a tiny Qwen2 trained for
         "each quantized layer's output error; non-zero exit when a check fails")
 
 
-def _number(kind, lo, lo_ok=True):
-    """argparse type: a finite `kind` >= lo (> lo when not lo_ok); bad values are usage errors
-    (exit 2) before anything runs, not a failure at the end of a long run (`--max-error nan`)."""
+def _number(kind, lo, lo_ok=True, hi=None):
+    """argparse type: a finite `kind` >= lo (> lo when not lo_ok) and <= hi when given; bad values are
+    usage errors (exit 2) before anything runs, not a failure at the end of a long run (`--max-error nan`)."""
     import argparse
     import math
 
@@ -25,9 +25,16 @@ def _number(kind, lo, lo_ok=True):
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if not math.isfinite(value) or value < lo or (value == lo and not lo_ok):
             raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number {'>=' if lo_ok else '>'} {lo}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected at most {hi}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+# torch.set_num_threads(100000) crashes the process (SIGSEGV in the OpenMP runtime); more threads
+# than a few per CPU only spin.
+MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
 
 
 def add_arguments(p) -> None:
@@ -77,9 +84,10 @@ def add_arguments(p) -> None:
                         f"{MOE_BASELINE_TOL} for a MoE --model (the same rounding also flips the top-k of tokens "
                         "whose router logits nearly tie: those tokens take other experts)")
     p.add_argument("--seed", type=int, default=0, help="seed of pre-training, steps and data; default 0")
-    p.add_argument("--threads", type=_number(int, 1), default=None,
-                   help="torch CPU threads (default 1 on CPU: these tiny ops are latency-bound and "
-                        "several threads spin against each other on a busy machine)")
+    p.add_argument("--threads", type=_number(int, 1, hi=MAX_THREADS), default=None,
+                   help="torch CPU threads, at most %(max)d here (default 1 on CPU: these tiny ops are "
+                        "latency-bound and several threads spin against each other on a busy machine)"
+                        % {"max": MAX_THREADS})
     p.add_argument("--cache-dir", default=None,
                    help="where the pre-trained tiny model is cached (default $XDG_CACHE_HOME or "
                         "~/.cache, /npu_flashrl/rehearsal)")
@@ -109,3 +117,20 @@ def check_arguments(args) -> None:
             raise RehearsalError(f"{flag} {where}: cannot be used as a directory ({problem})")
     if not (args.max_layer_error > 0 and args.max_layer_error < float("inf")):
         raise RehearsalError(f"--max-layer-error must be a finite number > 0, got {args.max_layer_error}")
+
+
+def check_seq_len(args, model_cfg) -> None:
+    """--seq-len within the model's positions (the rollout's rotary table has max_position_embeddings
+    rows; a longer sequence was a raw IndexError deep in the forward)."""
+    if model_cfg is None:
+        from npu_flashrl.sim.tiny_models import TINY_QWEN2
+
+        positions, what = TINY_QWEN2["max_position_embeddings"], "the built-in tiny model"
+    else:
+        positions = model_cfg.get("max_position_embeddings")
+        if isinstance(model_cfg.get("text_config"), dict) and positions is None:
+            positions = model_cfg["text_config"].get("max_position_embeddings")
+        what = f"--model {args.model}"
+    if isinstance(positions, int) and args.seq_len > positions:
+        raise RehearsalError(f"--seq-len {args.seq_len}: longer than the {positions} positions of {what} "
+                             f"(max_position_embeddings); use --seq-len {positions} or less")

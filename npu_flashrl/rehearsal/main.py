@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-from npu_flashrl.rehearsal.arguments import check_arguments
+from npu_flashrl.rehearsal.arguments import check_arguments, check_seq_len
 from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, MOE_BASELINE_TOL, MOE_CONFIG_KEYS, VARIANT_BF16,
                                           VARIANT_INT8, VARIANT_INT8_FP32HEAD, RehearsalError, default_cache_root,
                                           json_safe, process_seconds, progress_bar, versions)
@@ -25,6 +25,7 @@ def run(args) -> int:
     device, emulated = resolve_device(args.device)
     model_cfg = check_model_dir(args.model) if args.model is not None else None
     check_arguments(args)
+    check_seq_len(args, model_cfg)
     if args.baseline_tol is None:
         args.baseline_tol = MOE_BASELINE_TOL if is_moe(model_cfg) else DEFAULT_BASELINE_TOL
     if is_moe(model_cfg) and args.mode == "profile":

@@ -25,6 +25,11 @@ def check_model_dir(path: str) -> Dict[str, Any]:
         raise RehearsalError(f"--model {path}: config.json is not readable JSON ({exc})") from None
     if not any(n.endswith(".safetensors") for n in os.listdir(path)):
         raise RehearsalError(f"--model {path}: no *.safetensors files (a safetensors checkpoint is needed)")
+    from npu_flashrl.checkpoint import checkpoint_problem
+
+    problem = checkpoint_problem(path)  # every shard's header, before anything is built from it
+    if problem:
+        raise RehearsalError(f"--model {path}: {problem}")
     archs = cfg.get("architectures") or []
     moe = any(k in cfg for k in MOE_CONFIG_KEYS)
     if moe:

@@ -39,22 +39,30 @@ parse_recipe_args() {
   export DRY_RUN
 }
 
-# Numeric tunables (NAME:MIN for integers), checked whenever set, before anything runs: bash
-# arithmetic would misread '8x', 'eight' or '08', and verl would only fail after Ray started.
-RECIPE_INT_VARS=(NNODES:1 NPUS_PER_NODE:1 MAX_PROMPT_LENGTH:1 MAX_RESPONSE_LENGTH:1 TRAIN_BATCH_SIZE:1
-  PPO_MINI_BATCH_SIZE:1 ROLLOUT_N:1 PPO_MAX_TOKEN_LEN:1 ROLLOUT_TP:1 MICRO_BATCH_PER_NPU:1 TOTAL_EPOCHS:1
-  SAVE_FREQ:-1 TEST_FREQ:-1 HCCL_CONNECT_TIMEOUT:1 HCCL_EXEC_TIMEOUT:1 TRAIN_TP:1 TRAIN_PP:1 TRAIN_CP:1
-  RECOMPUTE_NUM_LAYERS:1 UPDATE_WEIGHTS_BUCKET_MB:1 ROLLOUT_DP:1 ROLLOUT_EP:1)
-RECIPE_FLOAT_VARS=(LR KL_LOSS_COEF GPU_MEMORY_UTILIZATION)
+# Numeric tunables (NAME:MIN[:MAX] for integers, MAX default 999999999), checked whenever set,
+# before anything runs: bash arithmetic would misread '8x', 'eight' or '08' (and evaluate 'a[$(cmd)]'),
+# wraps around past 2^63, and verl would only fail after Ray started. The digit count is checked
+# before any arithmetic, so no comparison here can overflow.
+RECIPE_INT_VARS=(NNODES:1:65536 NPUS_PER_NODE:1:65536 MAX_PROMPT_LENGTH:1 MAX_RESPONSE_LENGTH:1 TRAIN_BATCH_SIZE:1
+  PPO_MINI_BATCH_SIZE:1 ROLLOUT_N:1 PPO_MAX_TOKEN_LEN:1 ROLLOUT_TP:1:65536 MICRO_BATCH_PER_NPU:1 TOTAL_EPOCHS:1
+  SAVE_FREQ:-1 TEST_FREQ:-1 HCCL_CONNECT_TIMEOUT:1 HCCL_EXEC_TIMEOUT:1 TRAIN_TP:1:65536 TRAIN_PP:1:65536 TRAIN_CP:1:65536
+  RECOMPUTE_NUM_LAYERS:1 UPDATE_WEIGHTS_BUCKET_MB:1:1048576 ROLLOUT_DP:1:65536 ROLLOUT_EP:1:65536)
+RECIPE_FLOAT_VARS=(LR KL_LOSS_COEF GPU_MEMORY_UTILIZATION TIS_THRESHOLD)
+# Switches passed to verl as Hydra booleans (1/0 and any case are accepted and written as True/False).
+RECIPE_BOOL_VARS=(USE_DYNAMIC_BSZ ENFORCE_EAGER REF_PARAM_OFFLOAD ACTOR_PARAM_OFFLOAD
+  ACTOR_OPTIMIZER_OFFLOAD TIS_BATCH_NORMALIZE ACTOR_OFFLOAD USE_DIST_CKPT USE_MBRIDGE USE_FLASH_ATTN)
 
-# check_numeric_vars: every set variable of the two lists above is a plain number (integers >= MIN).
+# check_numeric_vars: every set variable of the lists above is a plain number (integers in
+# [MIN, MAX]) or a boolean; FLASHRL_LMHEAD_FP32 is one of npu_flashrl's spellings.
 check_numeric_vars() {
-  local spec name min value
+  local spec name min max value
   for spec in "${RECIPE_INT_VARS[@]}"; do
-    name="${spec%%:*}"; min="${spec#*:}"; value="${!name-}"
+    IFS=: read -r name min max <<<"$spec"
+    max="${max:-999999999}"
+    value="${!name-}"
     [[ -z "$value" ]] && continue
-    if [[ ! "$value" =~ ^-?(0|[1-9][0-9]*)$ ]] || (( value < min )); then
-      recipe_die "$name must be an integer >= $min, got '$value'"
+    if [[ ! "$value" =~ ^-?(0|[1-9][0-9]*)$ ]] || (( ${#value} > ${#max} )) || (( value < min || value > max )); then
+      recipe_die "$name must be an integer >= $min and <= $max, got '$value'"
     fi
   done
   for name in "${RECIPE_FLOAT_VARS[@]}"; do
@@ -67,6 +75,63 @@ check_numeric_vars() {
       && ! awk -v v="$GPU_MEMORY_UTILIZATION" 'BEGIN { exit !(v > 0 && v <= 1) }'; then
     recipe_die "GPU_MEMORY_UTILIZATION must be in (0, 1], got '$GPU_MEMORY_UTILIZATION'"
   fi
+  if [[ -n "${TIS_THRESHOLD:-}" ]] \
+      && ! awk -v v="$TIS_THRESHOLD" 'BEGIN { exit !(v > 0 && v < 1e300) }'; then
+    recipe_die "TIS_THRESHOLD (algorithm.rollout_correction.rollout_is_threshold) must be a positive number, got '$TIS_THRESHOLD'"
+  fi
+  for name in "${RECIPE_BOOL_VARS[@]}"; do
+    value="${!name-}"
+    [[ -z "$value" ]] && continue
+    case "${value,,}" in
+      true|1) printf -v "$name" True ;;
+      false|0) printf -v "$name" False ;;
+      *) recipe_die "$name must be True or False (or 1/0), got '$value'" ;;
+    esac
+  done
+  # npu_flashrl.config.lmhead_fp32_requested's spellings; anything else would stop every worker
+  case "${FLASHRL_LMHEAD_FP32-0}" in
+    [01]|[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee]|[Yy][Ee][Ss]|[Nn][Oo]|[Oo][Nn]|[Oo][Ff][Ff]) ;;
+    *) recipe_die "FLASHRL_LMHEAD_FP32 must be 1 or 0 (also true/false, yes/no, on/off), got '$FLASHRL_LMHEAD_FP32'" ;;
+  esac
+}
+
+# hydra_value VALUE: VALUE as one Hydra override value that reads back as the same string. Plain
+# paths and names stay as they are; anything else (non-ASCII, spaces, ( ) = # [ ] { } ~ & ' " $ \ ,
+# or a word Hydra would type, such as null or 1e5) is double-quoted the way Hydra's override grammar
+# takes quoted values: a backslash before each '"', backslashes doubled where they end the value or
+# precede a quote, and '${' written '\${' (else OmegaConf would interpolate it).
+hydra_value() {
+  local s="$1" out="" run="" c i
+  if [[ "$s" =~ ^[A-Za-z_/.][A-Za-z0-9_/.@%+-]*$ && ! "${s,,}" =~ ^(true|false|null|nan|inf)$ ]]; then
+    printf '%s' "$s"
+    return 0
+  fi
+  for (( i = 0; i < ${#s}; i++ )); do
+    c="${s:i:1}"
+    case "$c" in
+      \\) run+="\\" ;;
+      '"') out+="$run$run"'\"'; run="" ;;
+      '$') if [[ "${s:i+1:1}" == '{' ]]; then out+="$run"'\$'; else out+="$run$c"; fi; run="" ;;
+      *) out+="$run$c"; run="" ;;
+    esac
+  done
+  printf '"%s"' "$out$run$run"
+}
+
+# hydra_str VALUE: VALUE as a Hydra single-quoted string, always (Ray's runtime env takes strings
+# only: '3000', never the int 3000); escaped as hydra_value does, for "'".
+hydra_str() {
+  local s="$1" out="" run="" c i
+  for (( i = 0; i < ${#s}; i++ )); do
+    c="${s:i:1}"
+    case "$c" in
+      \\) run+="\\" ;;
+      "'") out+="$run$run\\'"; run="" ;;
+      '$') if [[ "${s:i+1:1}" == '{' ]]; then out+="$run"'\$'; else out+="$run$c"; fi; run="" ;;
+      *) out+="$run$c"; run="" ;;
+    esac
+  done
+  printf "'%s'" "$out$run$run"
 }
 
 # require_dir NAME VALUE / require_file NAME VALUE: stop with a message naming the variable and path.
@@ -80,17 +145,29 @@ require_cmd() {
   command -v "$1" >/dev/null 2>&1 || recipe_die "command '$1' not found on PATH ($2)"
 }
 
+# shell_word WORD: WORD quoted for a POSIX shell. %q, except for a word with non-ASCII characters,
+# which %q writes as $'\346...' in a C locale (neither POSIX sh nor Python's shlex, which
+# `npu-flashrl verify --verl-overrides -` reads this with, knows that form): single quotes instead.
+shell_word() {
+  if [[ "$1" == *[![:ascii:]]* ]]; then
+    local q="'\\''"
+    printf "'%s'" "${1//\'/$q}"
+  else
+    printf '%q' "$1"
+  fi
+}
+
 # print_cmd ARGS...: one shell-quoted command, ready to copy-paste; every KEY=VALUE word (environment
 # assignment or Hydra override) starts a continued line of its own.
 print_cmd() {
   local first=1 a
   for a in "$@"; do
     if [[ "$first" == 1 ]]; then
-      printf '%q' "$a"; first=0
+      shell_word "$a"; first=0
     elif [[ "$a" =~ ^[+~]?[A-Za-z_][A-Za-z0-9_.]*= ]]; then
-      printf ' \\\n    %q' "$a"
+      printf ' \\\n    '; shell_word "$a"
     else
-      printf ' %q' "$a"
+      printf ' '; shell_word "$a"
     fi
   done
   printf '\n'
@@ -361,6 +438,12 @@ grpo_preflight() {
   if (( ROLLOUT_TP > NPUS_PER_NODE )); then
     recipe_die "ROLLOUT_TP=$ROLLOUT_TP exceeds NPUS_PER_NODE=$NPUS_PER_NODE"
   fi
+  if (( NPUS_PER_NODE % ROLLOUT_TP != 0 )); then
+    recipe_die "ROLLOUT_TP=$ROLLOUT_TP must divide NPUS_PER_NODE=$NPUS_PER_NODE (each vLLM rollout replica takes ROLLOUT_TP NPUs of one node)"
+  fi
+  if (( TRAIN_BATCH_SIZE < PPO_MINI_BATCH_SIZE )); then
+    recipe_die "TRAIN_BATCH_SIZE=$TRAIN_BATCH_SIZE is smaller than PPO_MINI_BATCH_SIZE=$PPO_MINI_BATCH_SIZE (verl needs data.train_batch_size >= actor_rollout_ref.actor.ppo_mini_batch_size)"
+  fi
   if [[ "$DRY_RUN" == 0 ]]; then
     require_cmd "$PYTHON" "set PYTHON to the interpreter of the $RECIPE_LINE stack"
     verl_line_preflight
@@ -456,7 +539,7 @@ grpo_worker_env() {
   RUNTIME_ENV_OVERRIDES=()
   local kv
   for kv in "${WORKER_ENV[@]}"; do
-    RUNTIME_ENV_OVERRIDES+=("+ray_kwargs.ray_init.runtime_env.env_vars.${kv%%=*}='${kv#*=}'")
+    RUNTIME_ENV_OVERRIDES+=("+ray_kwargs.ray_init.runtime_env.env_vars.${kv%%=*}=$(hydra_str "${kv#*=}")")
   done
   if [[ -n "$FLASHRL_CONFIG" ]]; then
     # activate npu_flashrl in every Ray worker before verl builds a model (trainer-side FP32
@@ -483,14 +566,14 @@ grpo_shared_overrides() {
   SHARED_OVERRIDES=(
     algorithm.adv_estimator=grpo
     algorithm.use_kl_in_reward=False
-    "data.train_files=$TRAIN_FILE"
-    "data.val_files=$VAL_FILE"
+    "data.train_files=$(hydra_value "$TRAIN_FILE")"
+    "data.val_files=$(hydra_value "$VAL_FILE")"
     "data.train_batch_size=$TRAIN_BATCH_SIZE"
     "data.max_prompt_length=$MAX_PROMPT_LENGTH"
     "data.max_response_length=$MAX_RESPONSE_LENGTH"
     data.filter_overlong_prompts=True
     data.truncation=error
-    "actor_rollout_ref.model.path=$MODEL_PATH"
+    "actor_rollout_ref.model.path=$(hydra_value "$MODEL_PATH")"
     "actor_rollout_ref.actor.optim.lr=$LR"
     "actor_rollout_ref.actor.ppo_mini_batch_size=$PPO_MINI_BATCH_SIZE"
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$MICRO_BATCH_PER_NPU"
@@ -516,9 +599,9 @@ grpo_shared_overrides() {
     "algorithm.rollout_correction.bypass_mode=$TIS_BYPASS_MODE"
     trainer.critic_warmup=0
     "trainer.logger=$LOGGER"
-    "trainer.project_name=$PROJECT_NAME"
-    "trainer.experiment_name=$EXPERIMENT_NAME"
-    "trainer.default_local_dir=$CKPT_DIR"
+    "trainer.project_name=$(hydra_value "$PROJECT_NAME")"
+    "trainer.experiment_name=$(hydra_value "$EXPERIMENT_NAME")"
+    "trainer.default_local_dir=$(hydra_value "$CKPT_DIR")"
     "trainer.n_gpus_per_node=$NPUS_PER_NODE"
     "trainer.nnodes=$NNODES"
     "trainer.save_freq=$SAVE_FREQ"

@@ -101,7 +101,7 @@ def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):  # a value nested thousands deep stays a string
             value = raw
         node[parts[-1]] = value
     return out

@@ -78,8 +78,8 @@ MEGATRON_OVERRIDES=(
 )
 if [[ -n "$DIST_CKPT_PATH" ]]; then
   MEGATRON_OVERRIDES+=(
-    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=$DIST_CKPT_PATH"
-    "actor_rollout_ref.ref.megatron.dist_checkpointing_path=$DIST_CKPT_PATH"
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=$(hydra_value "$DIST_CKPT_PATH")"
+    "actor_rollout_ref.ref.megatron.dist_checkpointing_path=$(hydra_value "$DIST_CKPT_PATH")"
   )
 fi
 

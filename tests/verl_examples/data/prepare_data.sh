@@ -27,6 +27,7 @@ GSM8K_LOCAL_PATH="${GSM8K_LOCAL_PATH:-}"
 OVERWRITE="${OVERWRITE:-0}"
 PYTHON="${PYTHON:-python3}"
 
+case "$OVERWRITE" in 0|1) ;; *) recipe_die "OVERWRITE must be 0 or 1, got '$OVERWRITE'" ;; esac
 case "$DATASET" in
   gsm8k|dapo) datasets=("$DATASET") ;;
   all) datasets=(gsm8k dapo) ;;
