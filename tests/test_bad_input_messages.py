@@ -81,7 +81,7 @@ def test_verify_override_nested_30000_deep(d):
     from npu_flashrl import verify
 
     (d / "ov.txt").write_text(f"actor_rollout_ref.rollout.mode=sync\ntrainer.x={DEEP}\n")
-    rows = verify.verl_rows(str(d / "ov.txt"), verl="51d2104", config_path="bf16")
+    rows = verify.verl_rows(str(d / "ov.txt"), verl="51d2104")
     assert len(rows) == 1 and rows[0]["status"] in ("ok", "warn"), rows  # warn: TIS is off here
 
 
