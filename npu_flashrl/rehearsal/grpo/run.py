@@ -126,6 +126,8 @@ def _run(args, settings, device: str, emulated: bool, t_start: float, transport:
     plan = [("bf16", bf16_build, False, [VARIANT_BF16]),
             ("int8", int8_build, True, [VARIANT_INT8, VARIANT_INT8_TIS]),
             ("int8+fp32head", int8_build, True, [VARIANT_INT8_TIS_FP32HEAD])]
+    if args.no_fp32_head:
+        plan.pop()
     with transport_mod.make(transport, args.buckets, work, device) as sync:
         for rollout_name, build, int8, variants in plan:
             if rollout_name == "int8+fp32head":
