@@ -48,7 +48,8 @@ installation check; with `--device npu` the hardware check of the kernels and th
 Modules: `arguments` (options, checked once), `device` (device / environment), `model` (tiny /
 --model), `trainer` (trainer side), `rollout` (rollout side), `state` (+ `state_moe`: fused-MoE experts) and `checks` (the verdict),
 `output`, `cli_setup` (setup through the CLI), `transport` (how syncs reach the rollout), `main` (the
-run), `faults` (a test seam only).
+run), `faults` (a test seam only); `grpo` (`--grpo`: GRPO on the rollout models with verl's own
+advantage, TIS and policy-loss code, issue 25).
 
 Process-global state: vLLM's process group, the torch_npu emulation and npu_flashrl's patches stay
 in the process after `run()` (the FP32 lm-head patches included), and so does verl's sender process

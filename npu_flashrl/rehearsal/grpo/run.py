@@ -9,6 +9,15 @@ from typing import Any, Dict, List
 from npu_flashrl.rehearsal.common import RehearsalError, default_cache_root, json_safe, process_seconds, versions
 
 
+STAND_INS = [
+    "the trainer: transformers' Qwen2 with fp32 masters under bf16 autocast (one process), in place of verl's "
+    "FSDP actor; verl's loss functions get its log-probs",
+    "vLLM's attention backend: plain causal attention per sequence of the batch (no KV cache, the whole "
+    "sequence re-run per sampled token), in place of the engine's paged attention",
+    "sampling: softmax(logits) at temperature 1 with a private torch generator, in place of vLLM's sampler",
+]
+
+
 def _faults():
     """The rehearsal's fault seam (NPU_FLASHRL_REHEARSAL_FAULT); moving to npu_flashrl.sim.faults."""
     try:
@@ -173,7 +182,7 @@ def _run(args, settings, device: str, emulated: bool, t_start: float, transport:
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "grpo": {"settings": settings.to_dict(), "task": task.to_dict(), "variants": summary["variants"],
                  "bounds": summary["bounds"], "algorithm": {v: r["algo"] for v, r in results.items()},
-                 "rows": [r for res in results.values() for r in res["rows"]]},
+                 "rows": [r for res in results.values() for r in res["rows"]], "stand_ins": STAND_INS},
         "resolved": {"device": device, "emulated_torch_npu": emulated, "threads": threads, "fn": setup["fn"]},
         "transport": transport, "model": {"source": "tiny", "dir": bf16_dir, "cache_hit": tiny["cache_hit"]},
         "rollouts": infos, "checks": checks,

@@ -15,7 +15,7 @@ to its own earlier tokens, as vLLM's attention metadata would make the real back
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
@@ -86,17 +86,3 @@ def sample(model, prompts: torch.Tensor, n: int, response_len: int, generator: t
             ids = torch.cat([ids, tok.to(device)], dim=1)
     return rows, torch.cat(tokens, dim=1), torch.cat(logps, dim=1)
 
-
-def sequence_logp(model, ids: torch.Tensor, vocab_size: int, device: str,
-                  start: Optional[int] = None) -> torch.Tensor:
-    """Teacher-forced log-probs [B, T-1-start...] of ids[:, 1:] under the vLLM model, one batched
-    forward (tests compare it with the per-sequence path of the rehearsal)."""
-    from npu_flashrl import compat
-
-    b, t = ids.shape
-    ids = ids.to(device)
-    with torch.no_grad(), batched_attention(b):
-        hidden = model.model(ids.reshape(-1), torch.arange(t, device=ids.device).repeat(b))
-    logits = compat.compute_logits(model, hidden).float()[:, :vocab_size].view(b, t, -1)
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
-    return logp if start is None else logp[:, start:]
