@@ -181,7 +181,6 @@ def _run(args, cfg, layers, shape, ckpt, vllm_ascend, cpu_vllm):
           f"{torch.get_num_threads()}")
 
     results, notes = {}, []
-    vllm_ascend.configure_online_quantization(None)
     try:
         with cpu_vllm.CpuVllm(ckpt.dir, quantization=None, load_format="dummy") as v:
             # what verl does for an unquantized MoE rollout every sync: its MoE weight-loader
@@ -204,8 +203,8 @@ def _run(args, cfg, layers, shape, ckpt, vllm_ascend, cpu_vllm):
         # IPEXFusedMOE (intel_extension_for_pytorch), which this CPU stack does not have
         results["a"] = (f"the unquantized model does not build here: {type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:200]}")
-    vllm_ascend.configure_online_quantization("int8_profile_free")
-    with cpu_vllm.CpuVllm(ckpt.dir, quantization="ascend", load_format="dummy") as v:
+    with cpu_vllm.CpuVllm(ckpt.dir, quantization="ascend", load_format="dummy",
+                          choice=cpu_vllm.int8()) as v:
         m = v.model
         m._bench_model_config = v.vllm_config.model_config
         loader = m._npu_flashrl_loader
@@ -233,7 +232,6 @@ def _run(args, cfg, layers, shape, ckpt, vllm_ascend, cpu_vllm):
                 results["d"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         del state_b
     del m, v, loader
-    vllm_ascend.configure_online_quantization(None)
 
     ratios = print_variants(results, width=40)
     target = expert_staging_bytes(cfg)

@@ -91,8 +91,8 @@ def streamed_fp32_sync(cfg, weights, args):
     head = (torch.randn(args.fp32_vocab, h, generator=g) * 0.02).to(torch.bfloat16)
     # make_weights order: embedding first, lm_head last; the decoder layers are shared
     bf16 = [("model.embed_tokens.weight", emb)] + weights[1:-1] + [("lm_head.weight", head)]
-    vllm_ascend.configure_online_quantization("int8_profile_free")
-    with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy") as v:
+    with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy",
+                          choice=cpu_vllm.int8()) as v:
         m = v.model
         targets = m._npu_flashrl_loader.targets
         floats = [t.numel() * 4 for n, t in bf16 if n not in targets]
@@ -158,11 +158,10 @@ def run_dense(args, vllm_ascend, cpu_vllm):
     layer_bf16 = 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"]  # gate_up, the largest fused layer
 
     results = {}
-    vllm_ascend.configure_online_quantization(None)
     with cpu_vllm.CpuVllm(model_dir, quantization=None, load_format="dummy") as v:
         results["a"] = timed(lambda: v.model.load_weights(iter(weights)), args.repeats)
-    vllm_ascend.configure_online_quantization("int8_profile_free")
-    with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy") as v:
+    with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy",
+                          choice=cpu_vllm.int8()) as v:
         m = v.model
         m._bench_model_config = v.vllm_config.model_config
 
@@ -180,7 +179,6 @@ def run_dense(args, vllm_ascend, cpu_vllm):
             same_d, kept_d = same_state(m, state_b, ptrs)
     del m, v
     fp32 = streamed_fp32_sync(cfg, weights, args) if args.fp32_vocab else None
-    vllm_ascend.configure_online_quantization(None)
 
     ratios = print_variants(results)
     print(f"peak extra memory: b = {results['b'][1] / 2**20:.0f} MB vs one fused layer's bf16 weights "

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Optional
+from typing import Optional
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.config import lmhead_fp32_requested
 
 logger = get_logger("activation")
-
-_active: Dict[str, object] = {"config": None}
-
 
 def _importable(name: str) -> bool:
     import importlib.util
@@ -75,10 +72,11 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
         if _importable("vllm"):
             from npu_flashrl import compat
 
-            if compat.verl_server_mode():  # verl 0.7+: the syncs arrive in verl's vLLM workers
-                from npu_flashrl.adapters.verl import server_091
+            if compat.verl_server_mode():  # server-mode verl: the syncs arrive in its vLLM workers
+                # importing it registers verl's server engines with the engine patch
+                from npu_flashrl.adapters.verl import server_mode
 
-                names += list(server_091.PATCHES)
+                names += list(server_mode.PATCHES)
             else:
                 names.append(verl_adapter.PATCH_SYNC_END)  # rollout workers: every sync ends checked
         if lmhead_fp32_requested() and _importable("transformers"):
@@ -92,13 +90,15 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
             names += list(megatron_adapter.PATCHES)
             if lmhead_fp32_requested():
                 names.append(megatron_adapter.PATCH_LMHEAD)
-    vllm_engine.set_config(cfg)
-    _active["config"] = cfg
+    vllm_engine.set_config(cfg)  # what each engine then gets lives in that engine's config only
     return patches.apply_patches(names)
 
 
 def active_config():
-    return _active["config"]
+    """The FlashRL config activated in this process (None before `activate`)."""
+    from npu_flashrl.adapters import vllm_engine
+
+    return vllm_engine.current_config()
 
 
 def worker_process_setup() -> None:

@@ -8,3 +8,9 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+class UnquantizedRolloutError(RuntimeError):
+    """An engine the FlashRL config asks to run INT8 would run unquantized (its quantization was
+    resolved or replaced to something else, or its model has no W8A8 layers): refused, never a
+    silent bf16 rollout."""

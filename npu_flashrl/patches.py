@@ -1,7 +1,10 @@
 """Patch registry: every change npu_flashrl makes to upstream code is declared here once.
 
-A patch has a name, the dotted target it replaces, the upstream versions it supports and an
-`apply` function. `apply_patch` is idempotent (a second call is a no-op), logs exactly one DEBUG
+A patch has a name, the dotted target it replaces, the upstream versions it supports (for
+line-specific patches: the stack lines it belongs to, `lines`), why it exists and an `apply`
+function. A name is declared once: a second, different declaration is an error
+(`DuplicatePatch`), never silently shadowed. The installed line's vllm-ascend patches are objects
+the line returns (`npu_flashrl.lines`), declared with `declare`; other modules use `register`. `apply_patch` is idempotent (a second call is a no-op), logs exactly one DEBUG
 line `npu_flashrl: patched <name> -> <target>` when it applies, and a WARNING with the reason when
 it cannot. `npu-flashrl verify` lists `status()`.
 """
@@ -12,7 +15,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from npu_flashrl._logging import get_logger
 
@@ -21,6 +24,10 @@ logger = get_logger("patches")
 
 class PatchNotApplicable(RuntimeError):
     """Raised by a patch's apply function when the target is absent or of an unsupported version."""
+
+
+class DuplicatePatch(ValueError):
+    """Two different declarations of one patch name."""
 
 
 @dataclasses.dataclass
@@ -32,20 +39,43 @@ class Patch:
     doc: str = ""
     applied: bool = False
     error: Optional[str] = None
+    lines: Tuple[str, ...] = ()  # the stack lines (vllm-ascend releases) it belongs to; () = any
 
     def as_dict(self) -> dict:
         return {"name": self.name, "target": self.target, "versions": self.versions,
-                "applied": self.applied, "error": self.error, "doc": self.doc}
+                "applied": self.applied, "error": self.error, "doc": self.doc,
+                "lines": list(self.lines)}
+
+    def _origin(self) -> Tuple[str, str, str, str]:
+        fn = self.apply_fn
+        return (self.target, self.versions, getattr(fn, "__module__", ""),
+                getattr(fn, "__qualname__", ""))
 
 
 _REGISTRY: Dict[str, Patch] = {}
 
 
-def register(name: str, target: str, versions: str, doc: str = ""):
-    """Decorator declaring a patch. Re-registering the same name keeps the first declaration."""
+def declare(patches: Iterable[Patch]) -> None:
+    """Add patch objects to the registry. The same declaration again (e.g. its module executed
+    twice) keeps the first; another declaration of a taken name raises DuplicatePatch."""
+    for patch in patches:
+        have = _REGISTRY.get(patch.name)
+        if have is None:
+            _REGISTRY[patch.name] = patch
+        elif have is not patch and have._origin() != patch._origin():
+            raise DuplicatePatch(
+                f"patch {patch.name!r} is declared twice: {have.target} [{have.versions}] by "
+                f"{have._origin()[2]}.{have._origin()[3]}, and {patch.target} [{patch.versions}] "
+                f"by {patch._origin()[2]}.{patch._origin()[3]}; a name names one patch")
+
+
+def register(name: str, target: str, versions: str = "", doc: str = "", *,
+             lines: Iterable[str] = (), why: str = ""):
+    """Decorator declaring a patch (`declare`: a duplicate name is an error). `why` is the same
+    as `doc`; `lines`: the stack lines it belongs to (default: any)."""
     def deco(fn: Callable[[], None]) -> Callable[[], None]:
-        if name not in _REGISTRY:
-            _REGISTRY[name] = Patch(name, target, versions, fn, doc or (fn.__doc__ or "").strip())
+        declare([Patch(name, target, versions, fn, why or doc or (fn.__doc__ or "").strip(),
+                       lines=tuple(lines))])
         return fn
     return deco
 

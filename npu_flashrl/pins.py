@@ -1,7 +1,7 @@
 """Read the production stacks (``npu_flashrl/pins.yaml``), the single source of truth of pins.
 
 The file holds one entry per stack line under ``lines:`` (``pinned``: the published procedure,
-``current``: verl 0.9 / vLLM 0.23); every reader picks one line (default: the file's
+``current``: what installing verl gives today); every reader picks one line (default: the file's
 ``default_line``), and sees that line's mapping (``python``, ``cann``, ``packages``, ``docker``).
 A file without ``lines:`` (the older layout) is one line named ``pinned``.
 

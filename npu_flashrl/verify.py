@@ -95,9 +95,8 @@ def package_rows(pins: dict, line: Optional[str] = None) -> List[Dict[str, str]]
             mismatch.append(f"version {version} is not ref {spec['ref']}")
         if key == "vllm_ascend":
             try:
-                from npu_flashrl.compat import UnsupportedVersion, check_vllm_ascend
-                line = check_vllm_ascend()
-                have += f" (line {line})"
+                from npu_flashrl.compat import UnsupportedVersion, line as installed_line
+                have += f" (line {installed_line().name})"
             except ImportError:
                 pass
             except UnsupportedVersion as exc:
@@ -317,6 +316,19 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
     return rows
 
 
+def line_patches_row() -> Tuple[Dict[str, str], Optional[str]]:
+    """(row, name) of the installed stack line (`npu_flashrl.lines`), naming the patches it
+    brings; name None: no supported vllm-ascend."""
+    from npu_flashrl import lines
+
+    try:
+        ln = lines.line()
+    except lines.UnsupportedVersion as exc:
+        return _row("vllm-ascend line", INFO, f"none: {exc}"), None
+    return _row("vllm-ascend line", OK, f"{ln.describe()}, from {ln.source}; its patches: "
+                f"{', '.join(ln.PATCHES)}"), ln.name
+
+
 def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
     from npu_flashrl import patches
 
@@ -337,11 +349,14 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
                 patches.apply_patch(name)
             except Exception as exc:  # noqa: BLE001 - a missing or broken torch_npu, say: one failed row
                 crashed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    rows = []
+    row, installed = line_patches_row()
+    rows = [row]
     for p in patches.status():
         check = f"patch {p['name']}"
         detail = f"{p['target']} [{p['versions']}]"
-        if p["name"] in crashed:
+        if p.get("lines") and installed not in p["lines"]:
+            rows.append(_row(check, INFO, f"n/a: not a patch of the installed line: {detail}"))
+        elif p["name"] in crashed:
             error = crashed[p["name"]]
             fix = ("install the pinned torch_npu (scripts/install_pinned.sh --only torch_npu) and source "
                    "CANN's set_env.sh" if "torch_npu" in error or _torch_npu_import_error() else
@@ -355,7 +370,7 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
         else:
             rows.append(_row(check, INFO, f"registered, not applied in this process (the vLLM plugin "
                              f"applies it when FLASHRL_CONFIG is set; --apply-patches tries now): {detail}"))
-    if not rows:
+    if len(rows) == 1:
         rows.append(_row("patches", INFO, "no patches registered"))
     return rows
 
@@ -379,7 +394,7 @@ def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
 
 def verl_rows(path: str, verl: Optional[str] = None) -> List[Dict[str, str]]:
     """Check verl overrides (file, or '-' for stdin) the way the verl line ``verl`` (None: the
-    installed verl's, 51d2104 when verl is absent; see compat.verl_line) would run them."""
+    installed verl's, the pin's when verl is absent; see compat.verl_line) would run them."""
     from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
                                            overrides_to_config)
 

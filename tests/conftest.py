@@ -102,7 +102,8 @@ def verl_51d2104():
 @pytest.fixture(scope="module")
 def va():
     """The vllm-ascend adapter with its patches applied on the CPU harness (emulated torch_npu);
-    models built in the test get the online INT8 loader once a quantizer is configured."""
+    models built in the test with an INT8 choice (`CpuVllm(choice=cpu_vllm.int8(...))`, what the
+    engine patch records for the policy rollout) get the online INT8 loader."""
     from npu_flashrl import patches
     from npu_flashrl.sim import cpu_vllm
 
@@ -110,8 +111,7 @@ def va():
     from npu_flashrl.adapters import vllm_ascend
 
     patches.apply_patches(list(vllm_ascend.PATCHES))
-    yield vllm_ascend
-    vllm_ascend.configure_online_quantization(None)
+    return vllm_ascend
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,6 @@ def _engine_args(**kw):
 
 
 def test_engine_args_follow_the_config_entry(tmp_path, monkeypatch):
-    from npu_flashrl.adapters import vllm_ascend
     from npu_flashrl.config import load_config
 
     cfg = load_config(_write_config(tmp_path / "c.yaml", [
@@ -103,13 +102,11 @@ def test_engine_args_follow_the_config_entry(tmp_path, monkeypatch):
     assert args.quantization == "ascend"
     assert args.model == "/models/other" and args.tokenizer == "/models/bf16"
     assert args.load_format == "auto"
-    assert vllm_ascend._online["fn"] == "int8_profile_free"
+    assert vllm_engine.engine_choice(args) == vllm_engine.EngineChoice(fn="int8_profile_free")
     assert entry.fn == "int8_profile_free"
-    vllm_ascend.configure_online_quantization(None)
 
 
 def test_hybrid_config_assigns_entries_by_dp_group(tmp_path, monkeypatch):
-    from npu_flashrl.adapters import vllm_ascend
     from npu_flashrl.config import load_config
 
     cfg = load_config(_write_config(tmp_path / "h.yaml", [
@@ -118,12 +115,14 @@ def test_hybrid_config_assigns_entries_by_dp_group(tmp_path, monkeypatch):
     for rank in range(8):  # TP=2: ranks 0-1 are DP group 0, 2-3 group 1, ...
         monkeypatch.setenv("RANK", str(rank))
         args = _engine_args()
-        seen[rank] = (vllm_engine.apply_entry(args, cfg).fn, args.quantization, vllm_ascend._online["fn"])
+        seen[rank] = (vllm_engine.apply_entry(args, cfg).fn, args.quantization,
+                      vllm_engine.engine_choice(args).fn, vllm_engine.engine_choice(args).rank)
     assert [seen[r][0] for r in range(8)] == ["int8_profile_free"] * 2 + ["bf16"] * 2 + \
         ["int8_profile_free"] * 2 + ["bf16"] * 2
     assert seen[2][1] is None and seen[2][2] is None   # bf16 groups stay unquantized
-    assert seen[0][1] == "ascend"
-    vllm_ascend.configure_online_quantization(None)
+    assert seen[0][1] == "ascend" and seen[0][2] == "int8_profile_free"
+    assert [seen[r][3] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # each engine's own choice
+    assert vllm_engine.engine_choice(_engine_args(additional_config={})) is None
 
 
 @pytest.mark.parametrize("backend", ["mp", "ray", None])

@@ -78,8 +78,7 @@ def test_bad_reload_input_is_named_and_changes_nothing(va, models, case, form):
     _, tied, spoil, param, expected = case
     model_dir, good = models[tied]
     bad = spoil(list(good))
-    va.configure_online_quantization("int8_profile_free")
-    with cpu_vllm.CpuVllm(model_dir, quantization="ascend") as v:
+    with cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8()) as v:
         before = {n: p.detach().clone() for n, p in v.model.named_parameters()}
         call = bad if form == "list" else iter(_bad_first(bad, good))
         with pytest.raises(va.WeightSyncError) as info:

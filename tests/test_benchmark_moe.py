@@ -16,10 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_moe_reload_benchmark_smoke(tmp_path):
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
-    if compat.cpu_moe_forward_unsupported() is not None:
-        pytest.skip(compat.cpu_moe_forward_unsupported())
+    if ascend_harness.cpu_moe_forward_unsupported() is not None:
+        pytest.skip(ascend_harness.cpu_moe_forward_unsupported())
     out = tmp_path / "moe.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "reload.py"), "--moe",

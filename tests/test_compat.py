@@ -1,4 +1,4 @@
-"""compat decides the vllm-ascend line once: from the distribution's version, else from the
+"""compat (detection, re-exported from npu_flashrl.lines) decides the vllm-ascend line once: from the distribution's version, else from the
 quantization layout of a source tree (more than one file per layout), refusing anything else by
 name with the supported list. Runs on every line: the installed line must be recognised too.
 
@@ -91,7 +91,9 @@ def test_installed_unsupported_release_is_refused_by_name(monkeypatch):
     spec = importlib.util.find_spec("vllm_ascend")
     if "site-packages" not in list(spec.submodule_search_locations)[0]:
         pytest.skip("vllm_ascend is a source tree on this line (no distribution to report)")
-    monkeypatch.setattr(compat, "_dist_version", lambda name: "0.13.0")
+    from npu_flashrl.lines import detect
+
+    monkeypatch.setattr(detect, "_dist_version", lambda name: "0.13.0")
     compat.line.cache_clear()
     try:
         with pytest.raises(compat.UnsupportedVersion,

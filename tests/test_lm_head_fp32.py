@@ -128,7 +128,8 @@ _PRELUDE = textwrap.dedent("""
     import json, torch
     from npu_flashrl.sim import cpu_vllm
     from npu_flashrl.sim.tiny_models import build_tiny_qwen2
-    from npu_flashrl import compat, patches
+    from npu_flashrl import patches
+    from npu_flashrl.sim import ascend_harness
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm as va
     MODEL_DIR = %r
@@ -156,7 +157,8 @@ def test_vllm_patched_build_fp32_logits_and_reload(tmp_path):
     code = _PRELUDE % str(tmp_path / "m") + textwrap.dedent("""
         build_tiny_qwen2(MODEL_DIR, dtype=torch.bfloat16, tokenizer=False)
         assert all(va.enable_lm_head_fp32().values())
-        with cpu_vllm.CpuVllm(MODEL_DIR, dtype=torch.bfloat16) as cv:
+        from npu_flashrl.adapters.engine_choice import EngineChoice
+        with cpu_vllm.CpuVllm(MODEL_DIR, dtype=torch.bfloat16, choice=EngineChoice(fn=None)) as cv:
             m = cv.model
             head, emb = m.lm_head, m.model.embed_tokens
             R["head_type"] = type(head).__name__
@@ -172,7 +174,7 @@ def test_vllm_patched_build_fp32_logits_and_reload(tmp_path):
             R["loaded_exact"] = torch.equal(head.weight[:V], ck["lm_head.weight"].float())
             torch.manual_seed(0)
             hidden = (torch.randn(16, head.weight.shape[1]) * 3).to(torch.bfloat16)
-            logits = compat.compute_logits(m, hidden)
+            logits = ascend_harness.compute_logits(m, hidden)
             ref = hidden.double() @ head.weight[:V].double().T
             R["logits_dtype"] = str(logits.dtype)
             R["err_fp32"] = err(logits[:, :V], ref)
@@ -190,11 +192,16 @@ def test_vllm_patched_build_fp32_logits_and_reload(tmp_path):
             full = cv.logits(torch.randint(0, 512, (2, 6)))
             R["full_finite"] = bool(torch.isfinite(full).all())
             R["upcast_again"] = va.upcast_lm_head(m)
+        # a model of another engine (no npu_flashrl choice, e.g. a reward model): vLLM's lm head
+        with cpu_vllm.CpuVllm(MODEL_DIR, dtype=torch.bfloat16) as other:
+            R["other_head_dtype"] = str(other.model.lm_head.weight.dtype)
+            R["other_marked"] = bool(getattr(other.model.lm_head, va.MARK, False))
         R["status"] = {p["name"]: p["applied"] for p in patches.status()}
         print(json.dumps(R))
     """)
     r = _run(code)
     assert r["head_dtype"] == "torch.float32" and r["logits_dtype"] == "torch.float32"
+    assert r["other_head_dtype"] == "torch.bfloat16" and not r["other_marked"]  # policy only
     assert r["emb_dtype"] == r["layer_dtype"], "input embedding must stay in the model dtype"
     assert r["loaded_exact"]
     assert r["err_fp32"] < 1e-4 < r["err_bf16"] and r["err_fp32"] < r["err_bf16"] / 100, r
@@ -233,7 +240,7 @@ def test_vllm_upcast_after_load_untied_and_tied(tmp_path):
                 out["embed_out_dtype"] = str(m.model.embed_tokens(ids).dtype)
                 V = 512
                 hidden = (torch.randn(8, m.lm_head.weight.shape[1]) * 3).to(torch.bfloat16)
-                logits = compat.compute_logits(m, hidden)
+                logits = ascend_harness.compute_logits(m, hidden)
                 ref = hidden.double() @ m.lm_head.weight[:V].double().T
                 out["logits_dtype"] = str(logits.dtype)
                 out["err_fp32"] = err(logits[:, :V], ref)
@@ -264,7 +271,8 @@ def test_vllm_ascend_lm_head_and_logits_processor(tmp_path):
     code = _PRELUDE % str(tmp_path / "m") + textwrap.dedent("""
         build_tiny_qwen2(MODEL_DIR, dtype=torch.bfloat16, tokenizer=False)
         assert all(va.enable_lm_head_fp32().values())
-        with cpu_vllm.CpuVllm(MODEL_DIR, dtype=torch.bfloat16) as cv:
+        from npu_flashrl.adapters.engine_choice import EngineChoice
+        with cpu_vllm.CpuVllm(MODEL_DIR, dtype=torch.bfloat16, choice=EngineChoice(fn=None)) as cv:
             from vllm.model_executor.custom_op import CustomOp
             from vllm.model_executor.layers.logits_processor import LogitsProcessor
             from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead

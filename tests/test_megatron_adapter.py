@@ -392,10 +392,9 @@ def test_megatron_stream_into_int8_reload_equals_hf_load(va, tiny, gpt_layout):
     d, hf, _ = tiny
     sd = {n: p.detach().clone() for n, p in hf.state_dict().items()}
     stages = pp_stages(hf_to_megatron(sd, hf.config), 2, 2, hf.config.num_hidden_layers, gpt_layout["dims"])
-    va.configure_online_quantization("int8_profile_free")
-
     def synced(stream):
-        with cpu_vllm.CpuVllm(os.path.join(d, "w1"), quantization="ascend") as v:   # other weights first
+        with cpu_vllm.CpuVllm(os.path.join(d, "w1"), quantization="ascend",
+                              choice=cpu_vllm.int8()) as v:   # other weights first
             v.model.load_weights(stream)
             va.end_weight_sync(v.model)
             return {n: p.detach().clone() for n, p in v.model.named_parameters()}

@@ -202,8 +202,8 @@ def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, ki
 
     _, _, dyn = compat.quant_method_classes()
     moe_cls = compat.moe_method_class()
-    va.configure_online_quantization(None)
-    with cpu_vllm.CpuVllm(getattr(moe, kind), quantization="ascend", load_format="dummy") as v:
+    with cpu_vllm.CpuVllm(getattr(moe, kind), quantization="ascend", load_format="dummy",
+                          choice=cpu_vllm.int8()) as v:
         for layer in v.model.model.layers:
             experts = layer.mlp.experts
             assert isinstance(experts.quant_method.quant_method, moe_cls)
@@ -307,14 +307,13 @@ def test_config_only_moe_layout_follows_sparse_step_and_mlp_only_layers():
 # --------------------------------------------------------------------------- the cold load
 
 def test_vllm_loads_the_compressed_tensors_moe_experts_as_stored(va, moe):
-    """CpuVllm(w8a8, quantization="ascend") with vllm-ascend's W8A8_DYNAMIC fused-MoE method:
+    """The policy's INT8 model from the W8A8 checkpoint, with vllm-ascend's W8A8_DYNAMIC fused-MoE method:
     after its post-processing each layer holds w13_weight [E, H, 2I] = [gate; up]^T and
     w2_weight [E, I, H] = down^T, int8 exactly as in the checkpoint, with its scales."""
     from npu_flashrl.sim import cpu_vllm
 
     t = moe.t_smooth
-    va.configure_online_quantization(None)
-    with cpu_vllm.CpuVllm(moe.smooth, quantization="ascend") as v:
+    with cpu_vllm.CpuVllm(moe.smooth, quantization="ascend", choice=cpu_vllm.int8()) as v:
         for i, layer in enumerate(v.model.model.layers):
             ex = layer.mlp.experts
             for e in range(E):

@@ -130,14 +130,13 @@ def write_int8_experts(experts, gate_up, down) -> None:
 def vllm_moe(va, hf_moe):
     """The vLLM model on vllm-ascend's W8A8_DYNAMIC methods (online INT8 for the dense
     projections), its experts set to the INT8 of the bf16 checkpoint's experts."""
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
-    unsupported = compat.cpu_moe_forward_unsupported()
+    unsupported = ascend_harness.cpu_moe_forward_unsupported()
     if unsupported:
         pytest.skip(unsupported)
     d, hf = hf_moe
-    va.configure_online_quantization("int8_profile_free")
-    with cpu_vllm.CpuVllm(d, quantization="ascend") as v:
+    with cpu_vllm.CpuVllm(d, quantization="ascend", choice=cpu_vllm.int8()) as v:
         # what npu_flashrl's cold load put there, for test_cold_loaded_experts_forward
         v.cold_experts = [{n: t.detach().clone() for n, t in _expert_tensors(layer.mlp.experts).items()}
                           for layer in v.model.model.layers]
@@ -159,9 +158,9 @@ def _rel(a, b) -> float:
 
 
 def test_moe_layers_are_vllm_ascend_w8a8_dynamic(vllm_moe):
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
-    ascend_cls = compat.ascend_moe_layer_classes()["FusedMoE"]
+    ascend_cls = ascend_harness.ascend_moe_layer_classes()["FusedMoE"]
     for layer in vllm_moe.model.model.layers:
         experts = layer.mlp.experts
         assert isinstance(experts, ascend_cls), type(experts)
@@ -200,11 +199,11 @@ def test_int8_moe_block_matches_bf16_block(vllm_moe, hf_moe, layer_idx):
 def test_unfused_gate_up_path_matches_bf16_block(vllm_moe, hf_moe, monkeypatch):
     """vllm-ascend's other W8A8_DYNAMIC MoE MLP (ascend_fusion_config.fusion_ops_gmmswigluquant
     off, 0.23): per-token npu_grouped_matmul for gate_up, npu_swiglu, npu_dynamic_quant."""
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     import torch_npu
 
-    flag = compat.moe_gmm_swiglu_fusion_flag()
+    flag = ascend_harness.moe_gmm_swiglu_fusion_flag()
     if flag is None:
         pytest.skip("this vllm-ascend line always fuses gate_up + swiglu + quant for W8A8 MoE")
     monkeypatch.setattr(*flag, False)

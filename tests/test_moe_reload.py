@@ -39,8 +39,8 @@ def moe():
 
 
 def build(va, model_dir, fn="int8_profile_free", profile=None, **kw):
-    va.configure_online_quantization(fn, profile)
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", **kw)
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
+                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
 
 
 def hf_experts(hf, i):
@@ -188,7 +188,9 @@ def test_bad_expert_tensors_are_refused_by_name_before_anything_is_written(va, m
 
 def test_flashrl_int8_profile_is_refused_for_a_moe_model(va, moe):
     dirs, _ = moe
-    profile = {"model.layers.0.self_attn.q_proj.weight": {}}  # a dense profile: no expert entries
+    # a dense profile (FlashRL format, as the engine's profile file holds it): no expert entries
+    profile = {"model.layers.0.self_attn.q_proj.weight": {
+        "input_scale": torch.ones(1, 128), "output_scale": torch.ones(192, 1), "type": torch.int8}}
     with pytest.raises(WeightSyncError, match="int8_profile_free") as info:
         with build(va, dirs[0], fn="int8", profile=profile):
             pass
@@ -202,7 +204,8 @@ def _tp_worker(rank, port, dirs, out_dir, expert_parallel):
     from transformers import AutoModelForCausalLM
 
     new = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.bfloat16)
-    vllm_config = cpu_vllm.make_vllm_config(dirs[0], quantization="ascend", tp_size=2)
+    vllm_config = cpu_vllm.make_vllm_config(dirs[0], quantization="ascend", tp_size=2,
+                                            additional_config=_policy({}))
     vllm_config.parallel_config.enable_expert_parallel = expert_parallel
     with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", tp_size=2, rank=rank,
                           init_method=f"tcp://127.0.0.1:{port}", vllm_config=vllm_config) as v:
@@ -279,21 +282,26 @@ def test_vllm_layerwise_reload_of_the_moe_model_runs_through_the_run_once_guard(
 
 # --------------------------------------------------------------------------- vllm-ascend settings
 
+def _policy(additional):
+    """`additional` (vllm-ascend settings) plus the INT8 choice the engine patch records."""
+    from npu_flashrl.adapters.engine_choice import with_choice
+
+    return with_choice(additional, cpu_vllm.int8())
+
+
 def _with_additional_config(model_dir, additional):
-    vllm_config = cpu_vllm.make_vllm_config(model_dir, quantization="ascend")
-    vllm_config.additional_config = dict(additional)
-    return vllm_config
+    return cpu_vllm.make_vllm_config(model_dir, quantization="ascend",
+                                     additional_config=_policy(additional))
 
 
 def test_fused_mc2_scales_follow_every_sync(va, moe):
     """With `enable_fused_mc2`, vllm-ascend 0.23's post-processing keeps the int64 bit patterns of
     both expert scales (`fused_w1_scale` / `fused_w2_scale`) for its fused MC2 kernel: each sync
     rewrites them as a fresh load computes them (vllm-ascend's own converter)."""
-    if va.layout.current().NAME != "023":
+    if va.layout.current().layout != "023":
         pytest.skip("enable_fused_mc2 is a vllm-ascend 0.23 setting")
     dirs, models = moe
     cfg = {"enable_fused_mc2": 1}
-    va.configure_online_quantization("int8_profile_free")
     with cpu_vllm.CpuVllm(dirs[1], quantization="ascend", vllm_config=_with_additional_config(dirs[1], cfg)) as f:
         fresh = [(f.model.model.layers[i].mlp.experts.fused_w1_scale.clone(),
               f.model.model.layers[i].mlp.experts.fused_w2_scale.clone()) for i in range(LAYERS)]
@@ -312,7 +320,7 @@ def test_fused_mc2_scales_follow_every_sync(va, moe):
                 assert torch.equal(layer.fused_w2_scale, fresh[i][1]), i
                 assert layer.fused_w1_scale.data_ptr() == ptr[i]
     finally:
-        with cpu_vllm.CpuVllm(dirs[0], quantization="ascend"):
+        with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", choice=cpu_vllm.int8()):
             pass  # vllm-ascend's config is per process: back to the defaults for the next test
 
 
@@ -337,7 +345,7 @@ def test_dynamic_eplb_is_refused_by_name(va, moe, tmp_path):
     build on the CPU: vLLM's own FusedMoE carries the scheme here, in a fresh process.)"""
     import torch.multiprocessing as mp
 
-    if va.layout.current().NAME != "023":
+    if va.layout.current().layout != "023":
         pytest.skip("eplb_config.dynamic_eplb is how vllm-ascend 0.23 spells it")
     dirs, _ = moe
     out = str(tmp_path / "result.txt")

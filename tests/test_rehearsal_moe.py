@@ -76,7 +76,7 @@ def moe_dir(tmp_path_factory):
 def runs(tmp_path_factory, moe_dir):
     if _line_name() == "0.10.1rc1":
         pytest.skip("vllm-ascend v0.10.1rc1 dispatches small MoE batches with MC2 (HCCL): no MoE forward on "
-                    "the CPU harness (compat.moe_comm_type)")
+                    "the CPU harness (ascend_harness.moe_comm_type)")
     root = tmp_path_factory.mktemp("rehearsal-moe")
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

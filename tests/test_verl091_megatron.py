@@ -21,7 +21,7 @@ pytestmark = [
 
 from npu_flashrl.adapters import verl as ad  # noqa: E402
 from npu_flashrl.adapters.megatron import _common  # noqa: E402
-from npu_flashrl.adapters.verl import server_091  # noqa: E402
+from npu_flashrl.adapters.verl import server_mode  # noqa: E402
 
 ENV = {"FLASHRL_CONFIG": "int8.yaml"}
 TIS = ad.tis_overrides(verl="0.9")
@@ -66,7 +66,7 @@ def test_megatron_actor_refused_with_the_reason_and_fix():
         ad.check_rollout_mode(cfg, environ=ENV, verl="0.9")
     msg = str(err.value)
     assert "actor_rollout_ref.actor.strategy=megatron" in msg and "export" in msg
-    assert "Fix: actor_rollout_ref.actor.strategy=fsdp2" in msg and server_091.MEGATRON_ENV in msg
+    assert "Fix: actor_rollout_ref.actor.strategy=fsdp2" in msg and server_mode.MEGATRON_ENV in msg
     # without FLASHRL_CONFIG npu_flashrl has nothing to say about the backend
     ad.check_rollout_mode(cfg, environ={}, verl="0.9")
     # verl 0.9.1's FSDP default passes
@@ -75,7 +75,7 @@ def test_megatron_actor_refused_with_the_reason_and_fix():
 
 def test_megatron_escape_hatch_warns(caplog):
     cfg = _cfg("_generated_ppo_megatron_trainer.yaml", *TIS)
-    env = dict(ENV, **{server_091.MEGATRON_ENV: "1"})
+    env = dict(ENV, **{server_mode.MEGATRON_ENV: "1"})
     with caplog.at_level("WARNING", logger="npu_flashrl"):
         assert ad.check_rollout_mode(cfg, environ=env, verl="0.9") == []
     assert any("not supported" in r.getMessage() and "Fix:" not in r.getMessage() for r in caplog.records)

@@ -63,8 +63,7 @@ def synced(va, spmd):
 
 
 def build(va, model_dir):
-    va.configure_online_quantization("int8_profile_free")
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend")
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8())
 
 
 def state(model):
@@ -131,6 +130,35 @@ def test_sync_with_a_dropped_tensor_fails_naming_it_and_keeps_the_layer(va, sync
         got = state(v.model)
         for n in want2:
             assert torch.equal(got[n], want2[n]), n
+
+
+def test_failed_update_raises_verls_error_and_drops_what_it_staged(va, synced, ckpts):
+    """verl's update_weights fails mid-sync (the trainer's stream breaks before layer 1's v_proj,
+    after its q/k shards were staged): verl's error is the one raised, nothing staged is left for
+    a later sync to commit, and the next complete sync equals a fresh load (the rule shared with
+    server mode, adapters/verl/sync_end.py)."""
+    dirs, models = ckpts
+    with build(va, dirs[1]) as fresh:
+        want = state(fresh.model)
+
+    def broken():
+        for name, tensor in fsdp_weights(models[2]):
+            if name == DROPPED:
+                raise RuntimeError("trainer stream broke")
+            yield name, tensor
+
+    with build(va, dirs[0]) as v:
+        rollout = rollout_for(synced, v)
+        before = state(v.model)
+        with pytest.raises(RuntimeError, match="trainer stream broke"):
+            sync(rollout, broken())
+        assert v.model._npu_flashrl_loader.pending() == {}
+        qkv = "model.layers.1.self_attn.qkv_proj.weight"
+        assert torch.equal(state(v.model)[qkv], before[qkv])
+        sync(rollout, fsdp_weights(models[1]))
+        got = state(v.model)
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
 
 
 def test_without_the_patch_verl_leaves_the_layer_pending_silently(va, synced, ckpts):

@@ -82,7 +82,7 @@ def int8_ready():
 
     cpu_vllm.prepare_process()
     from npu_flashrl.adapters import vllm_ascend
-    from npu_flashrl.adapters.verl import server_091 as verl_server
+    from npu_flashrl.adapters.verl import server_mode as verl_server
 
     applied = patches.apply_patches(list(vllm_ascend.PATCHES))
     assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
@@ -137,18 +137,21 @@ def rig(int8_ready):
             os.environ[k] = v
 
 
-def _choice(fn):
-    return {"fn": fn, "quantized": fn is not None, "profile": None, "rank": 0}
+def _choice(fn, rank=0):
+    from npu_flashrl.adapters.engine_choice import EngineChoice
+
+    return EngineChoice(fn=fn, profile=None, rank=rank)
 
 
 def _build(rig, i, fn=None, choice=True):
     """vLLM model from checkpoint w<i>: bf16 (fn None) or INT8 through npu_flashrl, configured the
-    way the engine patch configures it (additional_config['npu_flashrl'])."""
+    way the engine patch configures it (additional_config['npu_flashrl']); `choice=False`: an
+    engine built without npu_flashrl."""
     from npu_flashrl.sim import cpu_vllm
 
-    vc = cpu_vllm.make_vllm_config(rig["dirs"][i], quantization="ascend" if fn else None)
-    if choice:
-        vc.additional_config = {"npu_flashrl": _choice(fn)}
+    extra = {"npu_flashrl": _choice(fn)} if choice else None
+    vc = cpu_vllm.make_vllm_config(rig["dirs"][i], quantization="ascend" if fn else None,
+                                   additional_config=extra)
     return cpu_vllm.CpuVllm(rig["dirs"][i], vllm_config=vc)
 
 
@@ -168,14 +171,8 @@ def _tensors(model):
 
 
 def _fresh_state(rig, i, fn=None):
-    from npu_flashrl.adapters import vllm_ascend
-
-    vllm_ascend.configure_online_quantization(fn)
-    try:
-        with _build(rig, i, fn, choice=False) as v:
-            return {n: t.detach().clone() for n, t in _tensors(v.model).items()}
-    finally:
-        vllm_ascend.configure_online_quantization(None)
+    with _build(rig, i, fn) as v:
+        return {n: t.detach().clone() for n, t in _tensors(v.model).items()}
 
 
 def _worker(v):
@@ -310,7 +307,7 @@ def test_sync_missing_tensor_named(rig, arch):
 
 
 def test_sync_into_model_without_loader_refused_and_drained(rig):
-    from npu_flashrl.adapters.verl import server_091 as verl_server
+    from npu_flashrl.adapters.verl import server_mode as verl_server
 
     with _build(rig, 0, None, choice=False) as v:
         # an engine configured for INT8 whose model has no npu_flashrl loader
@@ -326,7 +323,7 @@ def test_sync_into_model_without_loader_refused_and_drained(rig):
 
 
 def test_sync_into_engine_built_without_npu_flashrl_refused(rig, monkeypatch):
-    from npu_flashrl.adapters.verl import server_091 as verl_server
+    from npu_flashrl.adapters.verl import server_mode as verl_server
 
     monkeypatch.setenv("FLASHRL_CONFIG", os.path.join(rig["root"], "flashrl.yaml"))
     with _build(rig, 0, None, choice=False) as v:
@@ -421,7 +418,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     assert {"vllm_engine_flashrl_config", "verl_server_sync_end"} <= set(r1["patches"])
     assert r1["backend"] == "mp"
     assert r1["extension"] == "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
-    assert r1["choice"] == {"fn": None, "quantized": False, "profile": None, "rank": 1}
+    assert tuple(r1["choice"]) == _choice(None, rank=1)  # JSON: the fields in order
     assert r1["quantization"] is None  # replica 1 % 2 -> the bf16 entry
 
     # a fresh process as vLLM's executor spawns for a worker, same environment: vLLM's own
@@ -446,15 +443,13 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     r2 = results["replica2"]
     assert "error" not in r2, r2
     assert r2["quantization"] == "ascend"
-    assert r2["choice"] == {"fn": "int8_profile_free", "quantized": True, "profile": None, "rank": 2}
-    # the model build, where vLLM's worker does it: from the pickled config, in a process whose
-    # own configure_online_quantization was never called
+    assert tuple(r2["choice"]) == _choice("int8_profile_free", rank=2)
+    # the model build, where vLLM's worker does it: from the pickled config (the choice travels
+    # in it; this process applied no FlashRL entry)
     import pickle
 
-    from npu_flashrl.adapters import vllm_ascend
     from npu_flashrl.sim import cpu_vllm
 
-    vllm_ascend.configure_online_quantization(None)
     with open(tmp_path / "replica2.pkl", "rb") as f:
         vllm_config = pickle.load(f)
     vllm_config.device_config.device = torch.device("cpu")

@@ -9,7 +9,7 @@ import pytest
 
 from npu_flashrl import config as flashrl_config
 from npu_flashrl.adapters import vllm_engine
-from npu_flashrl.adapters.verl import server_091
+from npu_flashrl.adapters.verl import server_mode
 
 pytestmark = pytest.mark.every_line
 
@@ -19,7 +19,7 @@ HYBRID = {"configs": [{"fn": "int8_profile_free"}, {"fn": "bf16"}]}
 def _args(**kw):
     base = dict(model="/models/tiny", tokenizer=None, quantization=None, load_format="dummy",
                 tensor_parallel_size=1, pipeline_parallel_size=1, distributed_executor_backend="mp",
-                worker_extension_cls=server_091.EXTENSION_CLS, additional_config={"keep": 1})
+                worker_extension_cls=server_mode.EXTENSION_CLS, additional_config={"keep": 1})
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -38,15 +38,16 @@ def test_entry_per_replica_recorded_in_additional_config(cfg, monkeypatch, repli
     vllm_engine.apply_entry(args, cfg)
     assert args.quantization == quant
     assert args.additional_config["keep"] == 1  # the user's own additional_config survives
-    assert args.additional_config[vllm_engine.CHOICE_KEY] == {
-        "fn": fn, "quantized": fn is not None, "profile": None, "rank": replica}
+    assert args.additional_config[vllm_engine.CHOICE_KEY] == vllm_engine.EngineChoice(
+        fn=fn, profile=None, rank=replica)
+    assert vllm_engine.engine_choice(args).quantized is (fn is not None)
     vm = types.SimpleNamespace(additional_config=args.additional_config)
     assert vllm_engine.engine_choice(vm) == args.additional_config[vllm_engine.CHOICE_KEY]
 
 
 def test_hybrid_without_replica_rank_refused(cfg, monkeypatch):
     monkeypatch.delenv("VERL_REPLICA_RANK", raising=False)
-    with pytest.raises(server_091.ServerModeError, match="VERL_REPLICA_RANK"):
+    with pytest.raises(server_mode.ServerModeError, match="VERL_REPLICA_RANK"):
         vllm_engine.apply_entry(_args(), cfg)
 
 
@@ -57,7 +58,7 @@ def test_hybrid_without_replica_rank_refused(cfg, monkeypatch):
 def test_verl_quantization_with_flashrl_config_refused(cfg, monkeypatch, quant, key):
     monkeypatch.setenv("VERL_REPLICA_RANK", "1")
     args = _args(quantization=quant)
-    with pytest.raises(server_091.ServerModeError) as info:
+    with pytest.raises(server_mode.ServerModeError) as info:
         vllm_engine.apply_entry(args, cfg)
     assert key in str(info.value) and "Drop one" in str(info.value)
     assert vllm_engine.CHOICE_KEY not in args.additional_config  # nothing half-applied

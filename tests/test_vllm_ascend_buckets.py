@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from npu_flashrl import compat, kernels
+from npu_flashrl.sim import ascend_harness
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2, build_tiny_qwen3
@@ -59,8 +60,7 @@ def qwen2_tied():
 
 
 def build(va, model_dir, **kw):
-    va.configure_online_quantization("int8_profile_free")
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", **kw)
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8(), **kw)
 
 
 def trainer_weights(model):
@@ -193,11 +193,11 @@ def test_nz_on_and_off_kept_across_syncs(va, qwen2, enable_nz):
     dirs, models = qwen2
     try:
         with build(va, dirs[1], enable_nz=enable_nz) as f:
-            if compat.nz_flag_target() is None and not enable_nz:
-                pytest.skip(f"vllm-ascend {compat.vllm_ascend_line()} always NZ-casts W8A8 weights")
+            if ascend_harness.nz_flag_target() is None and not enable_nz:
+                pytest.skip(f"vllm-ascend {compat.line().name} always NZ-casts W8A8 weights")
             want = state(f.model)
         with build(va, dirs[0], enable_nz=enable_nz) as v:
-            assert compat.nz_enabled() == enable_nz
+            assert ascend_harness.nz_enabled() == enable_nz
             m = v.model
             layers = [m.get_submodule(f"model.layers.{i}.{p}") for i in range(2) for p in FUSED]
             fmt = 29 if enable_nz else 2  # ACL_FORMAT_FRACTAL_NZ / ND

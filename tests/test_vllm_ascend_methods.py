@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("vllm_ascend")
 
 from npu_flashrl import compat  # noqa: E402
+from npu_flashrl.sim import ascend_harness  # noqa: E402
 from npu_flashrl.kernels import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
@@ -52,7 +53,7 @@ def ascend(tmp_path_factory):
     ctx.__enter__()
     try:
         ensure_distributed(1)
-        compat.init_vllm_ascend_config(cfg)
+        ascend_harness.init_vllm_ascend_config(cfg)
         yield compat.quant_method_classes()
     finally:
         ctx.__exit__(None, None, None)
@@ -62,11 +63,11 @@ def ascend(tmp_path_factory):
 def nz(request, monkeypatch, ascend):
     """Set vllm-ascend's NZ flag for one test (restored afterwards). Lines without the flag
     (v0.10.1rc1 always NZ-casts, per compat) run only the NZ case."""
-    target = compat.nz_flag_target()
+    target = ascend_harness.nz_flag_target()
     if target is None:
         if not request.param:
-            pytest.skip(f"vllm-ascend {compat.vllm_ascend_line()} always NZ-casts W8A8 weights")
-        assert compat.nz_enabled()
+            pytest.skip(f"vllm-ascend {compat.line().name} always NZ-casts W8A8 weights")
+        assert ascend_harness.nz_enabled()
         return True
     monkeypatch.setattr(*target, request.param)
     return request.param

@@ -47,8 +47,9 @@ def hf_weights(model, dtype=None):
 
 
 def build(va, model_dir, fn="int8_profile_free", profile=None, **kw):
-    va.configure_online_quantization(fn, profile)
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", **kw)
+    """The policy rollout's INT8 model (fn None: the checkpoint as loaded, profile-free reloads)."""
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
+                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
 
 
 def state(model):
@@ -345,7 +346,7 @@ def _tp_worker(rank, port, dirs, out_dir):
     from transformers import AutoModelForCausalLM
 
     new = AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.bfloat16)
-    with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", tp_size=2, rank=rank,
+    with cpu_vllm.CpuVllm(dirs[0], quantization="ascend", tp_size=2, rank=rank, choice=cpu_vllm.int8(),
                           init_method=f"tcp://127.0.0.1:{port}") as v:
         ptr = v.model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
         v.model.load_weights([(n, p.detach()) for n, p in new.named_parameters()])

@@ -37,9 +37,13 @@ def hf_weights(model, dtype=None):
             for n, p in model.named_parameters()]
 
 
-def build(va, model_dir, fn="int8_profile_free", profile=None, **kw):
-    va.configure_online_quantization(fn, profile)
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend" if fn or kw.pop("ascend", True) else None, **kw)
+def build(va, model_dir, fn="int8_profile_free", profile=None, ascend=True, **kw):
+    """The policy rollout's INT8 model (fn None: the checkpoint as loaded, profile-free reloads);
+    `ascend=False` with fn None: vLLM's own model, no npu_flashrl."""
+    if not (fn or ascend):
+        return cpu_vllm.CpuVllm(model_dir, **kw)
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
+                            choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
 
 
 def state(model):
@@ -58,7 +62,6 @@ def test_profile_mode_cold_load_logits_match_bf16_before_any_sync(va, pair):
 
     bf16, w8, _, _ = pair
     profile = compute_int8_profile(bf16, w8, progress=False)
-    va.configure_online_quantization(None)
     with cpu_vllm.CpuVllm(bf16) as ref:
         want = ref.logits(IDS)
     with build(va, w8, fn="int8", profile=profile) as v:
@@ -84,11 +87,11 @@ def test_torchair_w8a8_layers_are_refused_at_attach(va, pair):
     engine build, naming the layer and the reason."""
     import copy
 
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     pytest.importorskip("vllm_ascend.torchair", reason="this vllm-ascend has no torchair graph mode")
     bf16, _, _, _ = pair
-    table = compat.ascend_quant_method_map()
+    table = ascend_harness.ascend_quant_method_map()
     saved = copy.copy(table) if not any(isinstance(v, dict) for v in table.values()) else \
         {k: dict(v) for k, v in table.items()}
     from vllm_ascend.torchair.utils import torchair_quant_method_register

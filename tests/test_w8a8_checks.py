@@ -125,7 +125,7 @@ def test_engine_build_refuses_int8_with_dummy_weights(pair, profile_pt, entry_fo
 
 def test_engine_build_accepts_int8_loaded_from_the_checkpoint(pair, profile_pt, monkeypatch):
     from npu_flashrl import patches
-    from npu_flashrl.adapters import vllm_ascend, vllm_engine
+    from npu_flashrl.adapters import vllm_engine
 
     _, w8a8 = pair
     monkeypatch.setenv("FLASHRL_CONFIG", "/runs/flashrl.yaml")
@@ -144,30 +144,26 @@ def test_engine_build_accepts_int8_loaded_from_the_checkpoint(pair, profile_pt, 
             _engine_args(w8a8, "dummy").create_engine_config()
     finally:
         vllm_engine.set_config(None)
-        vllm_ascend.configure_online_quantization(None)
 
 
 def test_why_dummy_is_refused_a_synced_int8_model_keeps_random_scales(va, pair, profile_pt):
     """The defect the refusal prevents, on the real CPU vLLM W8A8_DYNAMIC model (tests/conftest.py
     `va`): built with load_format=dummy, a complete fn-int8 sync leaves vLLM's random weight_scale in
     use (the profile keeps the checkpoint's scales), while a model loaded from the checkpoint has them."""
-    from npu_flashrl.profile import load_profile
     from npu_flashrl.sim import cpu_vllm
     from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
     bf16, w8a8 = pair
-    profile = load_profile(profile_pt)
     hf = build_tiny_qwen2(os.path.join(os.path.dirname(bf16), "trainer"), seed=5)
     weights = [(n, p.detach().float().clone()) for n, p in hf.named_parameters()]
     scales = {}
     for fmt in ("auto", "dummy"):
-        va.configure_online_quantization("int8", profile)
-        with cpu_vllm.CpuVllm(w8a8, quantization="ascend", load_format=fmt) as v:
+        with cpu_vllm.CpuVllm(w8a8, quantization="ascend", load_format=fmt,
+                              choice=cpu_vllm.int8("int8", profile_pt)) as v:
             v.model.load_weights(weights)
             va.end_weight_sync(v.model)
             scales[fmt] = {n: p.detach().clone() for n, p in v.model.named_parameters()
                            if n.endswith("weight_scale")}
-    va.configure_online_quantization(None)
     from safetensors import safe_open
 
     ckpt = {}

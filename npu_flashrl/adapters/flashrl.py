@@ -84,7 +84,7 @@ FLASHRL_SITES = (
     FlashRLSite("model_loader.utils.process_weights_after_loading",
                 "vllm.model_executor.model_loader.utils", "", "process_weights_after_loading",
                 "beforeflashrl_process_weights_after_loading"),
-    FlashRLSite("model_loader.loader._process_weights_after_loading (vLLM < 0.9)",
+    FlashRLSite("model_loader.loader._process_weights_after_loading (older vLLM: module loader.py)",
                 "vllm.model_executor.model_loader.loader", "", "_process_weights_after_loading",
                 "beforeflashrl_process_weights_after_loading"),
     FlashRLSite("BaseModelLoader.load_model", "vllm.model_executor.model_loader.base_loader",

@@ -14,14 +14,17 @@ Pieces:
 
 * patch ``vllm_lmhead_fp32_compute`` wraps ``UnquantizedEmbeddingMethod.apply``: that method is only
   ever used to turn hidden states into logits (embedding lookups use ``.embedding``), by vLLM's
-  ``LogitsProcessor`` and by vllm-ascend's ``AscendLogitsProcessor`` (normal and lm-head-TP paths, in
-  v0.10.1rc1 and 0.11.0 alike). It computes ``F.linear(h.float(), W.float(), b.float())``; with an
-  fp32 weight the ``.float()`` is free. Quantized lm heads (another quant method) are untouched.
+  ``LogitsProcessor`` and by vllm-ascend's ``AscendLogitsProcessor`` (normal and lm-head-TP paths, on
+  every supported line). For an fp32 lm head (marked by the init patch or
+  :func:`upcast_lm_head`) it computes ``F.linear(h.float(), W.float(), b.float())``; any other lm
+  head keeps vLLM's own. Quantized lm heads (another quant method) are untouched.
 * patch ``vllm_lmhead_fp32_init`` wraps ``ParallelLMHead.__init__`` and, when vllm-ascend is
   importable, ``AscendParallelLMHead.__init__`` (vllm-ascend registers it as the out-of-tree op that
   ``ParallelLMHead(...)`` instantiates, and its ``__init__`` does not call ``ParallelLMHead.__init__``),
   so the weight is *created* in fp32 inside vLLM's model construction (i.e. inside the "weights" memory
-  pool of sleep mode) before anything is loaded.
+  pool of sleep mode) before anything is loaded. Only the policy rollout's model (its engine config
+  carries npu_flashrl's `EngineChoice`, any entry): a reward or teacher model built in the same
+  process keeps vLLM's lm head.
 * :func:`upcast_lm_head(model)` does the same on an already built/loaded model (and handles tied
   embeddings). Call it right after the model is loaded, before ACL graph capture and before the first
   ``sleep()``: it re-allocates the lm head storage (outside the sleep-mode pool when called later).
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
-from npu_flashrl import patches
+from npu_flashrl import lines, patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable, register
 
@@ -155,6 +158,8 @@ def _fp32_logits(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 def _make_apply(original):
     def apply(self, layer, x, bias=None):
+        if not getattr(layer, MARK, False):
+            return original(self, layer, x, bias)  # not an fp32 lm head: vLLM's own
         return _fp32_logits(layer, x, bias)
 
     apply.__wrapped__ = original
@@ -162,16 +167,26 @@ def _make_apply(original):
     return apply
 
 
-@register(PATCH_COMPUTE, f"{_VPE}:UnquantizedEmbeddingMethod.apply", "vllm 0.10.1 .. 0.11.x",
+@register(PATCH_COMPUTE, f"{_VPE}:UnquantizedEmbeddingMethod.apply", lines.versions("vllm"),
           doc="lm head logits computed in fp32 (vLLM LogitsProcessor and vllm-ascend AscendLogitsProcessor)")
 def _apply_compute() -> None:
     patches.replace(f"{_VPE}:UnquantizedEmbeddingMethod.apply", _make_apply)
 
 
+def _policy_model_in_build() -> bool:
+    """The model vLLM is building belongs to the policy rollout (its config, current while the
+    model is built, carries npu_flashrl's engine choice)."""
+    from vllm.config import get_current_vllm_config
+
+    from npu_flashrl.adapters.engine_choice import engine_choice
+
+    return engine_choice(get_current_vllm_config()) is not None
+
+
 def _make_init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if _is_unquantized(self):
+        if _is_unquantized(self) and _policy_model_in_build():
             _upcast_param(self, "weight")
             _upcast_param(self, "bias")
             setattr(self, MARK, True)
@@ -180,7 +195,7 @@ def _make_init(original):
     return __init__
 
 
-@register(PATCH_INIT, f"{_VPE}:ParallelLMHead.__init__", "vllm 0.10.1 .. 0.11.x; vllm-ascend v0.10.1rc1, 0.11.0",
+@register(PATCH_INIT, f"{_VPE}:ParallelLMHead.__init__", lines.versions("vllm", "vllm-ascend"),
           doc="lm head weight created in fp32 (ParallelLMHead and vllm-ascend AscendParallelLMHead)")
 def _apply_init() -> None:
     patches.replace(f"{_VPE}:ParallelLMHead.__init__", _make_init)

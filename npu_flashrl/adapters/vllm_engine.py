@@ -8,48 +8,74 @@ FlashRL-style per-rank weight syncs do not reach instead of running them unquant
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, List, Optional, Protocol
 
 from npu_flashrl import config as flashrl_config
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.adapters.engine_choice import (  # noqa: F401  (engine_choice, CHOICE_KEY: re-exported)
+    CHOICE_KEY, EngineChoice, building, engine_choice, with_choice)
+from npu_flashrl.errors import UnquantizedRolloutError
 
 logger = get_logger("vllm_engine")
 
 TARGET = "vllm.engine.arg_utils:EngineArgs.create_engine_config"
 PATCH_NAME = "vllm_engine_flashrl_config"
 SYNC_FIX = "actor_rollout_ref.rollout.mode=sync"
-# Where the entry chosen for an engine travels: vLLM pickles the VllmConfig to every process it
-# starts (EngineCore, mp workers), so the model build reads it from there, not from this process.
-CHOICE_KEY = "npu_flashrl"
 
-_state = {"config": None, "entry": None}
-
-
-def set_config(cfg) -> None:
-    _state["config"] = cfg
+# The FlashRL config this process applies to the engines it builds (loaded by `activation`).
+# Process state by nature (one FLASHRL_CONFIG per process); what each engine got is only in that
+# engine's config (`EngineChoice`).
+_config: List[Optional["flashrl_config.FlashRLConfig"]] = [None]
 
 
-def current_entry():
-    return _state["entry"]
+def set_config(cfg: Optional["flashrl_config.FlashRLConfig"]) -> None:
+    """The config the engine patch applies from now on (None: engines are left as built)."""
+    _config[0] = cfg
 
 
-def engine_choice(vllm_config) -> Optional[dict]:
-    """The entry `apply_entry` chose for the engine this `vllm_config` belongs to, or None."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if not isinstance(extra, dict):
-        return None
-    return extra.get(CHOICE_KEY)
+def current_config() -> Optional["flashrl_config.FlashRLConfig"]:
+    return _config[0]
+
+
+# ------------------------------------------------------------------ server engines (registry)
+
+class ServerEngines(Protocol):
+    """What an RL framework whose rollout is a vLLM server tells the engine patch (registered by
+    that framework's adapter, e.g. `adapters.verl.server_mode`; this module imports none)."""
+
+    def is_server_engine(self, engine_args: Any) -> bool:
+        """The engine is the framework's server engine (its syncs reach npu_flashrl's loader)."""
+
+    def serves_the_policy(self) -> bool:
+        """False where the framework serves a reward / teacher model with such an engine."""
+
+    def replica_rank(self) -> int:
+        """The replica whose entry a hybrid config gives this engine."""
+
+    def check_engine_quantization(self, engine_args: Any) -> None:
+        """Raise when the framework already asked this engine to quantize."""
+
+
+_servers: List[ServerEngines] = []
+
+
+def register_server_engines(rules: ServerEngines) -> None:
+    """Make the engine patch recognise `rules`' server engines (idempotent per rules class)."""
+    if not any(type(r) is type(rules) for r in _servers):
+        _servers.append(rules)
+
+
+def _server_rules(engine_args) -> Optional[ServerEngines]:
+    return next((r for r in _servers if r.is_server_engine(engine_args)), None)
 
 
 def _record_choice(engine_args, entry, rank: int) -> None:
-    extra = dict(getattr(engine_args, "additional_config", None) or {})
-    extra[CHOICE_KEY] = {"fn": entry.fn if flashrl_config.is_quantized(entry) else None,
-                         "quantized": flashrl_config.is_quantized(entry),
-                         "profile": entry.profile_path(engine_args.model)
-                         if flashrl_config.needs_profile(entry) else None,
-                         "rank": rank}
-    engine_args.additional_config = extra
+    choice = EngineChoice(fn=entry.fn if flashrl_config.is_quantized(entry) else None,
+                          profile=entry.profile_path(engine_args.model)
+                          if flashrl_config.needs_profile(entry) else None,
+                          rank=rank)
+    engine_args.additional_config = with_choice(getattr(engine_args, "additional_config", None), choice)
 
 
 def _refuse_dummy_int8(engine_args, entry) -> None:
@@ -72,18 +98,15 @@ def _refuse_dummy_int8(engine_args, entry) -> None:
 def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
     """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says.
     None (engine untouched) for a verl reward/teacher model server."""
-    from npu_flashrl.adapters import vllm_ascend
-    from npu_flashrl.adapters.verl import server_091 as verl_server
-
-    server = verl_server.is_server_engine(engine_args)
-    if server and not verl_server.serves_the_policy():
-        logger.info("npu_flashrl: verl reward/teacher model engine %s left as configured",
+    server = _server_rules(engine_args)
+    if server is not None and not server.serves_the_policy():
+        logger.info("npu_flashrl: reward/teacher model engine %s left as configured",
                     getattr(engine_args, "model", None))
         return None
-    if server:
-        # verl 0.7+ server mode: one engine per verl replica, entry `replica_rank % n`
-        verl_server.check_engine_quantization(engine_args)
-        dp_rank = verl_server.replica_rank() if len(cfg.entries) > 1 else 0
+    if server is not None:
+        # e.g. verl 0.7+ server mode: one engine per verl replica, entry `replica_rank % n`
+        server.check_engine_quantization(engine_args)
+        dp_rank = server.replica_rank() if len(cfg.entries) > 1 else 0
     else:
         tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(engine_args, "pipeline_parallel_size", 1) or 1)
@@ -91,11 +114,11 @@ def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
     entry = flashrl_config.select_entry(cfg, dp_rank)
     backend = getattr(engine_args, "distributed_executor_backend", None)
     # FlashRL-style syncs reach the model only in external_launcher (SPMD) engines, or through
-    # verl's update_weights_from_ipc (wrapped by adapters.verl.server_091) in a verl server engine; an entry
-    # without the key still needs one, or the INT8 path would be bypassed silently.
+    # verl's update_weights_from_ipc (wrapped by adapters.verl.server_mode) in a verl server engine; an
+    # entry without the key still needs one, or the INT8 path would be bypassed silently.
     required = entry.distributed_executor_backend or flashrl_config.EXTERNAL_LAUNCHER
-    if not server and backend != required:
-        raise RuntimeError(
+    if server is None and backend != required:
+        raise UnquantizedRolloutError(
             f"npu_flashrl: FLASHRL_CONFIG={os.environ.get('FLASHRL_CONFIG')!r} is set but this vLLM "
             f"engine uses distributed_executor_backend={backend!r}, not "
             f"{required!r}: its weight syncs would bypass the INT8 reload "
@@ -108,19 +131,16 @@ def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
     if entry.load_format:
         engine_args.load_format = entry.load_format
     _refuse_dummy_int8(engine_args, entry)
-    profile = None
     if flashrl_config.is_quantized(entry):
+        # explicit: the compressed-tensors override answers "ascend" only for this engine's build
         engine_args.quantization = "ascend"
         if flashrl_config.needs_profile(entry):
             from npu_flashrl.profile import load_profile
 
-            profile = load_profile(entry.profile_path(engine_args.model))
-        vllm_ascend.configure_online_quantization(entry.fn, profile)
+            load_profile(entry.profile_path(engine_args.model))  # a bad profile fails here, named
     else:
         engine_args.quantization = entry.quantization
-        vllm_ascend.configure_online_quantization(None)
     _record_choice(engine_args, entry, dp_rank)
-    _state["entry"] = entry
     logger.info("npu_flashrl: DP group %d uses config entry fn=%s model=%s load_format=%s",
                 dp_rank, entry.fn, engine_args.model, getattr(engine_args, "load_format", None))
     return entry
@@ -128,13 +148,15 @@ def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
 
 def _wrap(original):
     def create_engine_config(self, *args, **kwargs):
-        cfg = _state["config"]
+        cfg = _config[0]
         entry = apply_entry(self, cfg) if cfg is not None else None
-        vllm_config = original(self, *args, **kwargs)
+        # the engine's own choice (recorded above, or passed by the caller) rules its build
+        with building(engine_choice(self)):
+            vllm_config = original(self, *args, **kwargs)
         if entry is not None and flashrl_config.is_quantized(entry):
             built = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
             if built != "ascend":  # no silent bf16 rollout
-                raise RuntimeError(
+                raise UnquantizedRolloutError(
                     f"npu_flashrl: FLASHRL_CONFIG entry fn={entry.fn} asks for an INT8 rollout but "
                     f"vLLM resolved the engine's quantization to {built!r}, not 'ascend': the model "
                     "would run unquantized. Check that vllm-ascend is installed and its platform "

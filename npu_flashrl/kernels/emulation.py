@@ -35,8 +35,9 @@ _TORCH_NPU_OPS = {
     "npu_format_cast": reference.npu_format_cast,
     "npu_format_cast_": reference.npu_format_cast_,
     "get_npu_format": reference.get_npu_format,
-    # fused MoE (vllm-ascend 0.11 calls these torch_npu ops; 0.23 its own _C_ascend ops below
-    # for routing / gmm+swiglu+quant, and these for the grouped matmul and the unpermute)
+    # fused MoE (the quant_config-layout lines call these torch_npu ops; the scheme-registry
+    # layout its own _C_ascend ops below for routing / gmm+swiglu+quant, and these for the
+    # grouped matmul and the unpermute)
     "npu_moe_gating_top_k": lambda x, k, *, bias=None, input_ids=None, tid2eid=None, **kw:
         _no_hash(x, k, bias, input_ids, tid2eid, **kw),
     "npu_moe_gating_top_k_softmax": moe_reference.npu_moe_gating_top_k_softmax,
@@ -63,7 +64,8 @@ def _vllm_quantize(in_tensor, input_scale, input_scale_reciprocal, input_offset)
     return reference.npu_quantize(in_tensor, input_scale_reciprocal, input_offset, torch.qint8, -1, False)
 
 
-# Custom ops vllm-ascend registers (vllm_ascend/ops/register_custom_ops.py, 0.23) with an NPU
+# Custom ops vllm-ascend registers (vllm_ascend/ops/register_custom_ops.py, the scheme-registry
+# layout's releases) with an NPU
 # (PrivateUse1) kernel only; on a CPU they get the reference body through `register_cpu_ops()`.
 _CUSTOM_OPS = {("vllm", "quantize"): _vllm_quantize}
 _cpu_libs: Dict[str, object] = {}
@@ -105,7 +107,8 @@ _GMM_SWIGLU_QUANT_SCHEMA = ("(Tensor x, Tensor weight, Tensor weight_scale, Tens
                             "float swiglu_limit=0.0) -> (Tensor output, Tensor output_scale, "
                             "Tensor output_offset)")
 # vllm-ascend's compiled MoE ops (`torch.ops._C_ascend.*`, vllm_ascend_C; never loaded on a CPU):
-# name -> (schema as vllm-ascend v0.23.0 csrc/torch_binding.cpp declares it, reference body).
+# name -> (schema as the newest line's vllm-ascend csrc/torch_binding.cpp declares it, reference
+# body).
 # `register_cpu_ops()` defines each one that does not exist and gives it a CPU kernel.
 _ASCEND_C_OPS = {
     "moe_gating_top_k": (
@@ -286,7 +289,8 @@ class _NpuNamespace(_EmulatedModule):
     @staticmethod
     def current_device() -> torch.device:
         """The device tensors meant for "the current NPU" go to on the emulated machine: the
-        CPU (vllm-ascend 0.11's all-to-all dispatcher allocates its expert map there at build)."""
+        CPU (the quant_config-layout lines' all-to-all dispatcher allocates its expert map there
+        at build)."""
         return torch.device("cpu")
 
 

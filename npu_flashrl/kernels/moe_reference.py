@@ -8,7 +8,7 @@ follows the op's documentation, named in its docstring:
   (github.com/Ascend/op-plugin, the torch_npu API reference; npu_grouped_matmul_swiglu_quant is
   documented in its `codegen/templates/_op_plugin_docs.py` docstrings);
 - [aclnn] CANN `aclnnMoeTokenUnpermute` (hiascend.com CANNCommunityEdition 8.2.RC1 API reference);
-- [vllm-ascend] vllm-ascend v0.23.0 `csrc/torch_binding.cpp` (schemas),
+- [vllm-ascend] the newest line's vllm-ascend (`npu_flashrl/lines/`) `csrc/torch_binding.cpp` (schemas),
   `csrc/gmm/grouped_matmul_swiglu_quant/README.md`, and the NumPy goldens of its op tests
   `tests/e2e/nightly/single_node/ops/singlecard_ops/test_{npu_moe_gating_top_k,
   moe_init_routing_custom}.py`.

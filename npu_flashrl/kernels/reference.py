@@ -249,7 +249,7 @@ def npu_dynamic_quant(x: torch.Tensor, smooth_scales: Optional[torch.Tensor] = N
     x (fp16/bf16, ndim >= 2) is optionally multiplied by smooth_scales [x.shape[-1]]; then
     scale = rowmax|x| / 127 (fp32, shape x.shape[:-1]) and y = round(x / scale) as int8.
     Documented example: [0.7261, 0.3726, 0.9126] -> [101, 52, 127].
-    `dst_type` (vllm-ascend 0.23 passes `dst_type=torch.int8`): only int8 (the default) is
+    `dst_type` (the scheme-registry layout passes `dst_type=torch.int8`): only int8 (the default) is
     emulated; the int4 / fp8 outputs and MoE `group_index` are refused.
     """
     op = "npu_dynamic_quant"

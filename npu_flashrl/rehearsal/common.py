@@ -88,7 +88,7 @@ def versions() -> Dict[str, Optional[str]]:
         try:
             from npu_flashrl import compat
 
-            out["vllm-ascend"] = f"{compat.vllm_ascend_line()} (source tree)"
+            out["vllm-ascend"] = f"{compat.line().name} (source tree)"
         except Exception:  # noqa: BLE001 - not installed at all: stays None
             pass
     return out

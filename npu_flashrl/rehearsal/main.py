@@ -122,9 +122,6 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
         bar.update(1)
         setup = prepare_config(args, bf16_dir, work, progress=False)
         bar.update(1)
-        from npu_flashrl.adapters import vllm_ascend
-
-        vllm_ascend.configure_online_quantization(None)  # the bf16 baseline is built first
         import npu_flashrl
 
         applied = npu_flashrl.activate(setup["config"])
@@ -142,8 +139,7 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
 
         profile = load_profile(setup["profile"])
 
-    def bf16_build():
-        vllm_ascend.configure_online_quantization(None)
+    def bf16_build():  # an engine without npu_flashrl's choice: vLLM's own bf16 model
         return make_rollout(device, bf16_dir, None)
 
     entry_info: Dict[str, Any] = {}
@@ -178,7 +174,6 @@ def _run(args, device: str, emulated: bool, t_start: float, model_cfg: Optional[
                 model_config=model_cfg)
             rows += r
         transport.update(sync.info())
-    vllm_ascend.configure_online_quantization(None)
     timings["rollout_s"] = time.perf_counter() - t
 
     # ---------------------------------------------------------------- 5. output

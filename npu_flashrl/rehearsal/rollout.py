@@ -28,22 +28,23 @@ class _NpuVllm:
                                  VllmConfig, set_current_vllm_config)
         from vllm.model_executor.model_loader import get_model
 
-        from npu_flashrl import compat
-        from npu_flashrl.sim import cpu_vllm
+        from npu_flashrl.sim import ascend_harness, cpu_vllm
+
+        from npu_flashrl.adapters import engine_choice
 
         torch.npu.set_device(0)
-        mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
-                         quantization=self.quantization, enforce_eager=True)
-        self.vllm_config = VllmConfig(model_config=mc, device_config=DeviceConfig(device="npu"),
-                                      load_config=LoadConfig(load_format=self.load_format,
-                                                             use_tqdm_on_load=False),
-                                      parallel_config=ParallelConfig(tensor_parallel_size=1),
-                                      compilation_config=compat.eager_compilation_config(native_ops=False))
-        if self.additional_config:
-            self.vllm_config.additional_config = dict(self.additional_config)
+        with engine_choice.building(engine_choice.choice_in(self.additional_config)):
+            mc = ModelConfig(model=self.model_dir, dtype=self.dtype, skip_tokenizer_init=True,
+                             quantization=self.quantization, enforce_eager=True)
+            self.vllm_config = VllmConfig(
+                model_config=mc, device_config=DeviceConfig(device="npu"),
+                load_config=LoadConfig(load_format=self.load_format, use_tqdm_on_load=False),
+                parallel_config=ParallelConfig(tensor_parallel_size=1),
+                compilation_config=ascend_harness.eager_compilation_config(native_ops=False),
+                additional_config=dict(self.additional_config or {}))
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         cpu_vllm.ensure_distributed(1, backend="hccl")
-        compat.init_vllm_ascend_config(self.vllm_config)
+        ascend_harness.init_vllm_ascend_config(self.vllm_config)
         cpu_vllm.use_plain_attention()
         self.model = get_model(vllm_config=self.vllm_config)
         return self
@@ -54,9 +55,9 @@ class _NpuVllm:
     def forward_context(self, num_tokens: int):
         """vllm-ascend's forward context around a direct call of the model's layers (its MoE
         layers need one), as its model runner sets it."""
-        from npu_flashrl import compat
+        from npu_flashrl.sim import ascend_harness
 
-        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+        return ascend_harness.ascend_forward_context(self.vllm_config, num_tokens, self.model)
 
 
 def forward_context_of(rollout, moe: bool):
@@ -86,9 +87,7 @@ def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_
 
     # no vLLM "Loading safetensors checkpoint shards" bar: the rehearsal has its own per-variant bars
     vc = cpu_vllm.make_vllm_config(model_dir, torch.bfloat16, quantization, load_format=load_format,
-                                   use_tqdm_on_load=False)
-    if additional_config:
-        vc.additional_config = dict(additional_config)
+                                   use_tqdm_on_load=False, additional_config=additional_config)
     return cpu_vllm.CpuVllm(model_dir, dtype=torch.bfloat16, quantization=quantization, load_format=load_format,
                             use_tqdm_on_load=False, vllm_config=vc)
 
@@ -98,7 +97,7 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
     (each inside `forward_context(num_tokens)` when given: MoE models)."""
     import torch
 
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     rows = []
     with torch.no_grad():
@@ -110,7 +109,7 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
             else:
                 with forward_context(seq.shape[0]):
                     hidden = model.model(seq, positions)
-            logits = compat.compute_logits(model, hidden).float()[:, :vocab_size]
+            logits = ascend_harness.compute_logits(model, hidden).float()[:, :vocab_size]
             rows.append(target_logp(logits[None], seq[None]))
     return torch.cat(rows)
 

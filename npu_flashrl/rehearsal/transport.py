@@ -4,7 +4,7 @@
   verl's `BucketedWeightSender` in its own process (the trainer side) packs the weights into
   buckets in POSIX shared memory (verl's `use_shm=True`, what NPUs without IPC support use), and
   verl's `vLLMColocateWorkerExtension.update_weights_from_ipc` in this process receives them into
-  the vLLM rollout model, with npu_flashrl's server-mode patches (`adapters.verl.server_091`:
+  the vLLM rollout model, with npu_flashrl's server-mode patches (`adapters.verl.server_mode`:
   refusal of a sync into a model without the INT8 loader, `end_weight_sync` after the last
   bucket, draining after a failed bucket). Stand-ins (`npu_flashrl.sim.verl_transfer`):
   verl's device helpers inside the transfer on the CPU, the vLLM worker object verl's extension
@@ -156,12 +156,12 @@ class VerlSync:
         self._segments: set = set()
 
     def __enter__(self) -> "VerlSync":
-        from npu_flashrl.adapters.verl import server_091
+        from npu_flashrl.adapters.verl import server_mode
         from npu_flashrl.sim import verl_transfer
 
         if self.device == "cpu":
             verl_transfer.use_cpu_device()
-        applied = server_091.install()
+        applied = server_mode.install()
         failed = [n for n, ok in applied.items() if not ok]
         if failed:
             raise RehearsalError(f"--transport verl: npu_flashrl's verl server-mode patches {', '.join(failed)} "

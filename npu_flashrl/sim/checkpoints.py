@@ -47,7 +47,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-from npu_flashrl import compat
 from npu_flashrl.adapters.vllm_ascend.description import matches_ignore
 
 _LAYER_RE = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -190,9 +189,28 @@ def _quantize_layer(t: Dict[str, torch.Tensor], prefix: str,
         state[f"{module}.weight_scale"] = scale.to(weight.dtype)  # [out, 1], model dtype
         state[f"{module}.weight_zero_point"] = zero_point
         names_to_scheme[module] = scheme
-    compressed = compat.compress_int8(qcfg, state, names_to_scheme)
+    compressed = _compress_int8(qcfg, state, names_to_scheme)
     out = {k: v for k, v in t.items() if k not in state}
     out.update(compressed)
+    return out
+
+
+def _compress_int8(qcfg, state: dict, names_to_scheme: dict) -> dict:
+    """compressed-tensors' int-quantized compressor on `state` (module.weight / weight_scale /
+    weight_zero_point by full name): older releases have an instance API over the whole state
+    dict, newer a per-module classmethod on local names. Returns the compressed tensors by full
+    name."""
+    import inspect
+
+    from compressed_tensors.compressors import IntQuantizationCompressor
+
+    if "names_to_scheme" in inspect.signature(IntQuantizationCompressor.compress).parameters:
+        return IntQuantizationCompressor(config=qcfg).compress(state, names_to_scheme=names_to_scheme)
+    out = {}
+    for module, scheme in names_to_scheme.items():
+        local = {k[len(module) + 1:]: v for k, v in state.items() if k.startswith(module + ".")}
+        out.update({f"{module}.{k}": v
+                    for k, v in IntQuantizationCompressor.compress(local, scheme).items()})
     return out
 
 

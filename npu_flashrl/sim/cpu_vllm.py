@@ -2,7 +2,7 @@
 
 What it does, following ../shared/docs/cpu-test-stack.md:
 - installs the torch_npu emulation (reference kernels) so vllm_ascend imports, and gives
-  vllm-ascend's NPU-only custom ops (0.23: `vllm::quantize`) a CPU kernel;
+  vllm-ascend's NPU-only custom ops (e.g. `vllm::quantize`) a CPU kernel;
 - makes vLLM's current platform a CPU platform that, like the NPU platform, supports the
   "ascend" quantization method;
 - builds a VllmConfig for a local checkpoint, enters it, initialises a gloo process group and
@@ -10,8 +10,8 @@ What it does, following ../shared/docs/cpu-test-stack.md:
 - builds the model with vLLM's own loader (`get_model`), so the load path is the one users run;
 - replaces attention by plain causal attention (the vLLM attention backends need a GPU/NPU);
 - MoE models: builds vLLM's FusedMoE layers as vllm-ascend's AscendFusedMoE (registered as the
-  NPU platform registers it; `compat.register_ascend_moe_layers`) and runs every forward inside
-  vllm-ascend's own forward context (`compat.ascend_forward_context`: its
+  NPU platform registers it; `ascend_harness.register_ascend_moe_layers`) and runs every forward inside
+  vllm-ascend's own forward context (`ascend_harness.ascend_forward_context`: its
   `set_ascend_forward_context`, with the MoE communication method its model runner picks; on one
   device without expert parallelism that is ALLGATHER). The torch_npu / vllm-ascend kernels the
   fused-MoE path calls are the emulation's reference kernels (`kernels.moe_reference`).
@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 
 from npu_flashrl.kernels import emulation
+from npu_flashrl.lines import line
+from npu_flashrl.sim import ascend_harness
 
 _dist_state = {"initialized": False, "world_size": None}
 
@@ -39,21 +41,47 @@ def prepare_process(enable_nz: bool = True) -> None:
     cls = _platform_cls()
     if not isinstance(platforms._current_platform, cls):
         platforms._current_platform = cls()
-    from npu_flashrl import compat
-
-    compat.quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    line().quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    cls.supported_quantization = _npu_supported_quantization()
+    _register_ascend_compressed_tensors()
     emulation.register_cpu_ops()
     _device_neutral_ops_on_cpu()
-    compat.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
+    ascend_harness.set_vllm_ascend_flags(is_310p=False, enable_nz=enable_nz)
     _mc2_without_hccl()
     _hccl_dispatchers_unavailable()
 
 
 
-def prepare_int8_worker(fn: Optional[str] = "int8_profile_free"):
+def _npu_supported_quantization() -> list:
+    """The methods vllm-ascend's NPU platform accepts (on the current line: "ascend", "compressed-tensors", ...),
+    read from it where it imports on the CPU; else "ascend" alone (the pinned line's list)."""
+    try:
+        import importlib
+
+        methods = importlib.import_module("vllm_ascend.platform").NPUPlatform.supported_quantization
+    except Exception:  # noqa: BLE001 - a line whose platform module needs the device
+        return ["ascend"]
+    return list(methods) if "ascend" in methods else ["ascend", *methods]
+
+
+def _register_ascend_compressed_tensors() -> None:
+    """Stand-in for `NPUPlatform.pre_register_and_update` importing vllm-ascend's quantization
+    configs (where it has one, its `AscendCompressedTensorsConfig` replaces vLLM's "compressed-tensors"
+    method on import); lines whose vllm-ascend has none have nothing to register."""
+    import importlib
+
+    try:
+        importlib.import_module("vllm_ascend.quantization.compressed_tensors_config")
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("vllm_ascend.quantization"):
+            raise
+
+
+def prepare_int8_worker():
     """Set-up of a spawned worker process that builds INT8 models (the `va` test fixture's work
     in the test process): no device-backend autoload, no vLLM plugins, `prepare_process`,
-    vllm-ascend's patches applied and `fn` configured. Returns the vllm-ascend adapter module."""
+    vllm-ascend's patches applied. Returns the vllm-ascend adapter module; the INT8 function is
+    the engine's own (`CpuVllm(choice=...)`)."""
     os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     os.environ["VLLM_PLUGINS"] = "none"
     prepare_process()
@@ -61,8 +89,23 @@ def prepare_int8_worker(fn: Optional[str] = "int8_profile_free"):
     from npu_flashrl.adapters import vllm_ascend
 
     patches.apply_patches(list(vllm_ascend.PATCHES))
-    vllm_ascend.configure_online_quantization(fn)
     return vllm_ascend
+
+
+def int8(fn: str = "int8_profile_free", profile=None):
+    """The `EngineChoice` the engine patch writes for an INT8 policy engine of entry `fn`.
+    `profile`: the fn-int8 profile file, or a profile in memory (saved to a temporary file: the
+    engine's config carries a path, as the entry does)."""
+    from npu_flashrl.adapters.engine_choice import EngineChoice
+
+    if profile is not None and not isinstance(profile, str):
+        import tempfile
+
+        from npu_flashrl.profile import save_profile
+
+        profile = save_profile(profile, os.path.join(tempfile.mkdtemp(prefix="npu_flashrl_profile_"),
+                                                     "profile.pt"))
+    return EngineChoice(fn=fn, profile=profile)
 
 _cpu_libs: dict = {}
 
@@ -70,11 +113,9 @@ _cpu_libs: dict = {}
 def _device_neutral_ops_on_cpu() -> None:
     """Stand-in for the NPU dispatch key (idempotent): vllm-ascend registers some custom ops whose
     bodies are plain torch code (F.linear, a TP all-reduce) for the NPU only; the CPU gets the
-    same upstream body (`compat.device_neutral_ascend_ops`). Ops with an NPU kernel body get
-    reference kernels instead (`emulation.register_cpu_ops`)."""
-    from npu_flashrl import compat
-
-    for qual, fn in compat.device_neutral_ascend_ops().items():
+    same upstream body (`ascend_harness.device_neutral_ascend_ops`). Ops with an NPU kernel body
+    get reference kernels instead (`emulation.register_cpu_ops`)."""
+    for qual, fn in ascend_harness.device_neutral_ascend_ops().items():
         ns, name = qual.split("::")
         if qual in _cpu_libs or not hasattr(getattr(torch.ops, ns), name):
             continue
@@ -91,9 +132,7 @@ def _mc2_without_hccl() -> None:
     The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
     import importlib
 
-    from npu_flashrl import compat
-
-    module = importlib.import_module(compat.line().moe_method.partition(":")[0])
+    module = importlib.import_module(line().moe_method.partition(":")[0])
     original = getattr(module, "get_mc2_group", None)
     if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return
@@ -117,8 +156,8 @@ def _mc2_without_hccl() -> None:
 class _HcclDispatcherUnavailable:
     """Stand-in for vllm-ascend's MC2 / all-to-all token dispatchers on the CPU harness: they
     dispatch over HCCL, which a gloo process does not have, and their constructors ask the NPU
-    backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (0.11:
-    MC2 always; 0.23: both under expert parallelism) and selects them only where all-gather
+    backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (which,
+    and when: `StackLine.hccl_token_dispatchers`) and selects them only where all-gather
     would not be picked (A2: MC2 from 16 EP ranks on); using one here fails loudly."""
 
     def __init__(self, *args, **kwargs):
@@ -131,13 +170,11 @@ class _HcclDispatcherUnavailable:
 
 def _hccl_dispatchers_unavailable() -> None:
     """Where vllm-ascend's comm methods construct an HCCL token dispatcher
-    (`compat.hccl_token_dispatchers`), construct `_HcclDispatcherUnavailable` instead
+    (`ascend_harness.hccl_token_dispatchers`), construct `_HcclDispatcherUnavailable` instead
     (idempotent; the comm-method module's name only, the dispatcher module is untouched)."""
     import importlib
 
-    from npu_flashrl import compat
-
-    for module_name, name in compat.hccl_token_dispatchers():
+    for module_name, name in ascend_harness.hccl_token_dispatchers():
         setattr(importlib.import_module(module_name), name, _HcclDispatcherUnavailable)
 
 
@@ -169,18 +206,25 @@ def free_port() -> int:
 
 def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                      quantization: Optional[str] = None, tp_size: int = 1,
-                     load_format: str = "auto", use_tqdm_on_load: bool = True):
+                     load_format: str = "auto", use_tqdm_on_load: bool = True,
+                     additional_config: Optional[dict] = None):
+    """vLLM's config for a CPU engine, built as `EngineArgs.create_engine_config` builds one under
+    npu_flashrl's engine patch: `additional_config` (e.g. `with_choice({}, int8(...))`) goes into
+    the config, and the hooks that run inside the build see the engine's choice."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    from npu_flashrl import compat
+    from npu_flashrl.adapters import engine_choice
 
-    model_config = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True,
-                               quantization=quantization, enforce_eager=True)
-    return VllmConfig(model_config=model_config,
-                      device_config=DeviceConfig(device="cpu"),
-                      load_config=LoadConfig(load_format=load_format, use_tqdm_on_load=use_tqdm_on_load),
-                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-                      compilation_config=compat.eager_compilation_config())
+    with engine_choice.building(engine_choice.choice_in(additional_config)):
+        model_config = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True,
+                                   quantization=quantization, enforce_eager=True)
+        return VllmConfig(model_config=model_config,
+                          device_config=DeviceConfig(device="cpu"),
+                          load_config=LoadConfig(load_format=load_format,
+                                                 use_tqdm_on_load=use_tqdm_on_load),
+                          parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+                          compilation_config=ascend_harness.eager_compilation_config(),
+                          additional_config=dict(additional_config or {}))
 
 
 def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[str] = None,
@@ -203,7 +247,7 @@ def ensure_distributed(tp_size: int = 1, rank: int = 0, init_method: Optional[st
 
 def ensure_expert_parallel_group() -> None:
     """vLLM's expert-parallel group for a MoE model, when this process's groups were made for a
-    dense one (idempotent). vLLM 0.23 creates it only if the model of the config current at
+    dense one (idempotent). Newer vLLM creates it only if the model of the config current at
     `initialize_model_parallel` is MoE: right for a worker that serves one model, not for a
     process that builds several (tests). Same ranks as vLLM's (one pipeline stage, no DP / PCP:
     the TP ranks). vLLM lines that always create it are left alone."""
@@ -220,6 +264,8 @@ class CpuVllm:
     """A vLLM model built on the CPU from a local checkpoint, with its config kept current.
 
     Use as a context manager; `model` is the loaded (and post-processed) vLLM model.
+    `choice`: the engine's `EngineChoice` (`int8(fn, profile)`), as the engine patch records it
+    for the policy rollout (None: an engine npu_flashrl leaves alone).
     `ascend_moe_layers=False` (a fresh process only: the registration is process-wide) keeps
     vLLM's own FusedMoE: same parameters and the same `weight_loader` (vllm-ascend's AscendFusedMoE
     inherits them), none of vllm-ascend's MoE layer logic. For a weight-loading test of a setting
@@ -231,8 +277,9 @@ class CpuVllm:
                  quantization: Optional[str] = None, tp_size: int = 1, rank: int = 0,
                  load_format: str = "auto", init_method: Optional[str] = None,
                  enable_nz: bool = True, use_tqdm_on_load: bool = True, vllm_config=None,
-                 ascend_moe_layers: bool = True):
+                 ascend_moe_layers: bool = True, choice=None):
         self.ascend_moe_layers = ascend_moe_layers
+        self.choice = choice
         self.model_dir = model_dir
         self.dtype = dtype
         self.quantization = quantization
@@ -250,29 +297,30 @@ class CpuVllm:
         from vllm.config import set_current_vllm_config
 
         if self.vllm_config is None:
+            from npu_flashrl.adapters.engine_choice import with_choice
+
+            extra = with_choice({}, self.choice) if self.choice is not None else None
             self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
                                                 self.tp_size, self.load_format,
-                                                self.use_tqdm_on_load)
+                                                self.use_tqdm_on_load, extra)
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)
         if getattr(self.vllm_config.model_config, "is_moe", False):
             ensure_expert_parallel_group()
-        from npu_flashrl import compat
-
-        compat.init_vllm_ascend_config(self.vllm_config)
-        compat.forget_served_model()  # vllm-ascend caches "is MoE" per process: one model each
+        ascend_harness.init_vllm_ascend_config(self.vllm_config)
+        ascend_harness.forget_served_model()  # vllm-ascend caches "is MoE" per process: one model each
         # vllm-ascend's own groups (mc2, ...), as its NPU worker creates them after vLLM's and
         # its config: the fused-MoE schemes look them up when the model is built
         from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel
 
         init_ascend_model_parallel(self.vllm_config.parallel_config)
         use_plain_attention()
-        # v0.10.1rc1's AscendFusedMoE builds its MC2 dispatch (HCCL) at init; that line cannot run
-        # a MoE forward here anyway (compat.cpu_moe_forward_unsupported): vLLM's FusedMoE holds
+        # a line whose AscendFusedMoE builds its MC2 dispatch (HCCL) at init cannot run a MoE
+        # forward here anyway (ascend_harness.cpu_moe_forward_unsupported): vLLM's FusedMoE holds
         # the same parameters and weight_loader for the load / reload tests
-        if self.ascend_moe_layers and compat.cpu_moe_forward_unsupported() is None:
-            compat.register_ascend_moe_layers()
+        if self.ascend_moe_layers and ascend_harness.cpu_moe_forward_unsupported() is None:
+            ascend_harness.register_ascend_moe_layers()
         from vllm.model_executor.model_loader import get_model
 
         default_dtype = torch.get_default_dtype()
@@ -293,24 +341,21 @@ class CpuVllm:
     # ------------------------------------------------------------------ forward helpers
     def forward_context(self, num_tokens: int):
         """vllm-ascend's forward context for one forward of `num_tokens` tokens, as its model
-        runner sets it (vLLM's FusedMoE layers need one; see `compat.ascend_forward_context`).
-        Enter it around any direct call of the model's layers."""
-        from npu_flashrl import compat
-
-        return compat.ascend_forward_context(self.vllm_config, num_tokens, self.model)
+        runner sets it (vLLM's FusedMoE layers need one; see
+        `ascend_harness.ascend_forward_context`). Enter it around any direct call of the model's
+        layers."""
+        return ascend_harness.ascend_forward_context(self.vllm_config, num_tokens, self.model)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for a batch of equal-length sequences, via the vLLM model's layers,
         one sequence per forward (each inside vllm-ascend's forward context)."""
-        from npu_flashrl import compat
-
         out = []
         for seq in input_ids:
             positions = torch.arange(seq.shape[0])
             with self.forward_context(seq.shape[0]):
                 hidden = self.model.model(seq, positions)
-            out.append(compat.compute_logits(self.model, hidden).float())
+            out.append(ascend_harness.compute_logits(self.model, hidden).float())
         return torch.stack(out)
 
 
@@ -332,9 +377,7 @@ def _plain_attention_forward(self, query, key, value, *args, **kwargs):
 
 def use_plain_attention() -> None:
     """Test-harness substitution (not a product patch): vLLM's attention backends need a device."""
-    from npu_flashrl import compat
-
-    Attention = compat.vllm_attention_class()
+    Attention = ascend_harness.vllm_attention_class()
     if getattr(Attention.forward, "__npu_flashrl_plain__", False):
         return
     _plain_attention_forward.__npu_flashrl_plain__ = True

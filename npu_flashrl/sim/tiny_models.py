@@ -112,10 +112,10 @@ def trainer_weights(model) -> List[Tuple[str, torch.Tensor]]:
     """The HF model's weights as the trainer pushes them to the rollout: checkpoint (per-expert)
     names, in state_dict order.
 
-    On transformers 5 the experts are fused 3-D parameters; verl 0.9's FSDP engine sends
+    On transformers 5 the experts are fused 3-D parameters; server-mode verl's FSDP engine sends
     `state_dict()` through `verl.workers.engine.fsdp.utils.unfuse_moe_params` (its
     `get_per_tensor_param`), and so does this (`adapters.verl.moe_names.sync_names`, which the
-    rehearsal uses too). On transformers 4.x (the 0.11 line, verl 0.6) the
+    rehearsal uses too). On transformers 4.x (the sync-mode verl lines) the
     state dict already has one tensor per expert projection and is sent as it is.
     """
     from npu_flashrl.adapters.verl.moe_names import sync_names

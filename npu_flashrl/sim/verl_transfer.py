@@ -1,4 +1,4 @@
-"""verl 0.9's bucketed weight sync on a CPU: its real sender in one process, its real receiver
+"""Server-mode verl's bucketed weight sync on a CPU (the current line): its real sender in one process, its real receiver
 (`vLLMColocateWorkerExtension.update_weights_from_ipc`) in another, over shared memory.
 
 Stand-ins, only for what needs a GPU/NPU or verl's Ray/vLLM process tree:
@@ -106,7 +106,7 @@ def _send(handle: str, cmd: dict) -> None:
 
 
 def fsdp_engine_params(model, dtype: torch.dtype = torch.float32):
-    """(name, tensor) pairs as verl 0.9.1's FSDP engine hands them to the rollout's sender
+    """(name, tensor) pairs as server-mode verl's FSDP engine hands them to the rollout's sender
     (`FSDPEngine.get_per_tensor_param` in verl/workers/engine/fsdp/transformer_impl.py, no LoRA,
     no QAT): the actor module's `state_dict()` in the actor's master dtype
     (`actor_rollout_ref.actor.fsdp_config.model_dtype`, default fp32, so the rollout receives

@@ -1,6 +1,6 @@
 """Megatron / MindSpeed trainer side: import order, weight stream to the INT8 rollout, FP32 lm-head.
 
-Written against verl 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin), megatron-core 0.12.1 and
+Written against the sync-mode verl the pinned line pins (`lines.SYNC_PIN`), megatron-core 0.12.1 and
 MindSpeed (source install at the pinned commit). Nothing here imports Megatron, MindSpeed or verl at
 module import time: ``npu_flashrl.adapters.load_all()`` imports this package in every process.
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 
+from npu_flashrl import lines
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import when_imported  # noqa: F401  (re-exported for the adapter's modules)
 
 logger = get_logger("adapters.megatron")
 
-VERL_PIN = "51d2104ecb61563c41123a8f0bce2f06b18387dc"
+VERL_PIN = lines.SYNC_PIN
 ADAPTOR = "mindspeed.megatron_adaptor"
 # read as _common.WORKER_MODULE at call time: tests point it at a stand-in module
 WORKER_MODULE = "verl.workers.megatron_workers"

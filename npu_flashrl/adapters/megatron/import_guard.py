@@ -2,7 +2,8 @@
 
 MindSpeed adapts Megatron to Ascend by replacing attributes of Megatron modules when
 ``mindspeed.megatron_adaptor`` is imported; names Megatron modules already bound with ``from x import
-y`` before that keep the CUDA versions. verl 51d2104 tries MindSpeed first itself, in two places:
+y`` before that keep the CUDA versions. The pinned sync-mode verl tries MindSpeed first itself, in two
+places:
 
 * ``verl/workers/engine/__init__.py`` (``try: from .mindspeed import ...`` whose module does ``from
   mindspeed.megatron_adaptor import repatch``, then ``from .megatron import ...``): this is verl's FIRST

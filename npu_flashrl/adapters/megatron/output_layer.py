@@ -10,7 +10,7 @@ DDP's hook adds it to ``main_grad``. Tied embeddings: the shared weight passed b
 the same way. The patch ``megatron_lmhead_fp32`` applies it to every ``GPTModel`` built afterwards.
 
 Bypassed by verl's fused kernels: with ``actor_rollout_ref.model.use_fused_kernels=True``,
-``MegatronPPOActor.__init__`` (verl 51d2104 ``verl/workers/actor/megatron_actor.py``) calls
+``MegatronPPOActor.__init__`` (the pinned sync-mode verl's ``verl/workers/actor/megatron_actor.py``) calls
 ``patch_fused_forward`` (``verl/models/mcore/model_forward_fused.py``), which replaces
 ``GPTModel.forward`` by one that feeds ``model.output_layer.weight`` straight into
 ``linear_cross_entropy``: ``output_layer.forward`` never runs. :func:`check_fused_kernels` refuses that

@@ -1,4 +1,5 @@
-"""Weight stream from verl's Megatron actor to the INT8 rollout: what verl 51d2104 sends, checks, conversion.
+"""Weight stream from verl's Megatron actor to the INT8 rollout: what the pinned sync-mode verl sends,
+checks, conversion.
 
 ``ActorRolloutRefWorker.rollout_mode`` sends ``per_tensor_generator(actor_module, actor_model_config,
 weight_converter, tf_config, layer_name_mapping)`` (``verl/utils/megatron_utils.py``) to
@@ -32,11 +33,12 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from npu_flashrl.adapters.megatron import _common
-from npu_flashrl.adapters.megatron._common import PATCH_STREAM, VERL_PIN, WRAPPED, logger, when_imported
+from npu_flashrl.adapters.megatron._common import PATCH_STREAM, WRAPPED, logger, when_imported
+from npu_flashrl import lines
 from npu_flashrl.patches import register
 
-# HF architectures whose weights verl sends through McoreToHFWeightConverterDense (verl 51d2104
-# verl/models/mcore/registry.py) and whose projections the INT8 reload quantizes (vLLM's fused
+# HF architectures whose weights verl sends through McoreToHFWeightConverterDense (the pinned
+# sync-mode verl's verl/models/mcore/registry.py) and whose projections the INT8 reload quantizes (vLLM's fused
 # qkv_proj / gate_up_proj, plain o_proj / down_proj).
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -268,7 +270,7 @@ def megatron_to_hf_stream(named_tensors: Iterable[Tuple[str, Union[torch.Tensor,
 
     ``named_tensors`` items are ``(name, tensor)`` or ``(name, [tp_rank0, tp_rank1, ...])``:
 
-    * HF names (what verl 51d2104's ``per_tensor_generator`` and mbridge yield): validated against
+    * HF names (what the pinned sync-mode verl's ``per_tensor_generator`` and mbridge yield): validated against
       ``config`` (the HF config: full shapes of the projections and norms the INT8 reload consumes,
       layer index) and passed through unchanged; other names are not checked here;
     * Megatron names (``decoder.layers.{i}.self_attention.linear_qkv.weight`` ...; a ``module.`` prefix is
@@ -314,7 +316,7 @@ def _wrap_per_tensor_generator(original):
     return per_tensor_generator
 
 
-@register(PATCH_STREAM, f"{_common.WORKER_MODULE}:per_tensor_generator", f"verl {VERL_PIN[:7]} / 0.6.1",
+@register(PATCH_STREAM, f"{_common.WORKER_MODULE}:per_tensor_generator", lines.versions("verl", verl_mode="sync"),
           doc="verl's Megatron->rollout weight stream passes megatron_to_hf_stream (validation; converts "
               "Megatron-named/sharded tensors if any)")
 def _apply_stream() -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from npu_flashrl import patches
+from npu_flashrl import lines, patches
 from npu_flashrl.adapters.megatron import _common
-from npu_flashrl.adapters.megatron._common import (PATCH_GUARD, PATCH_LMHEAD, PATCHES, VERL_PIN, WORKER_CLASSES,
+from npu_flashrl.adapters.megatron._common import (PATCH_GUARD, PATCH_LMHEAD, PATCHES, WORKER_CLASSES,
                                                    WRAPPED, logger, when_imported)
 from npu_flashrl.adapters.megatron.import_guard import ensure_mindspeed_before_megatron, install_import_guard
 from npu_flashrl.adapters.megatron.output_layer import _get, check_fused_kernels
@@ -78,7 +78,7 @@ def _patch_worker_module(module) -> None:
 
 
 @register(PATCH_GUARD, f"{_common.WORKER_MODULE}:ActorRolloutRefWorker.__init__ (+CriticWorker, RewardModelWorker)",
-          f"verl {VERL_PIN[:7]} / 0.6.1",
+          lines.versions("verl", verl_mode="sync"),
           doc="Megatron workers check MindSpeed was imported before Megatron (error on NPU without MindSpeed)")
 def _apply_guard() -> None:
     install_import_guard()

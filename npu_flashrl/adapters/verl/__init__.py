@@ -1,10 +1,10 @@
 """verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
-strings; the end of every weight sync into the rollout is in :mod:`.sync_51d2104` (verl 0.7+ server
-mode: :mod:`.server_091`; TIS keys of verl 0.7+: :mod:`.tis_091`).
+strings; the end of every weight sync into the rollout is in :mod:`.sync_mode` (verl 0.7+ server
+mode: :mod:`.server_mode`; what differs per verl line: :mod:`npu_flashrl.lines.verl_rules`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
 the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions, verl
-0.9.1 the same function names and argument order (its TIS keys: :mod:`.tis_091`).
+0.9.1 the same function names and argument order (its TIS keys: :mod:`npu_flashrl.lines.verl_rules`).
 
 Where the metrics hook attaches (and why)
 -----------------------------------------
@@ -52,7 +52,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.metrics import mismatch_metrics
 from npu_flashrl.patches import PatchNotApplicable, register
-from npu_flashrl.adapters.verl.sync_51d2104 import PATCH_SYNC_END  # noqa: F401  (declares the patch)
+from npu_flashrl.adapters.verl.sync_mode import PATCH_SYNC_END  # noqa: F401  (declares the patch)
 
 logger = get_logger("adapters.verl")
 

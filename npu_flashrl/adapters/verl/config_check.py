@@ -1,13 +1,15 @@
 """verl config checks and override strings for an INT8 rollout: rollout mode (sync at 51d2104,
 server mode on verl 0.7+), TIS (``algorithm.rollout_correction``) per verl line, Hydra override
-parsing. Re-exported by :mod:`npu_flashrl.adapters.verl`; the TIS rules of verl 0.7+ are in
-:mod:`.tis_091`."""
+parsing. Re-exported by :mod:`npu_flashrl.adapters.verl`. What differs per verl line (keys, rules,
+overrides) is in :mod:`npu_flashrl.lines.verl_rules`; this module names no line."""
 from __future__ import annotations
 
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.lines import verl_rules
+from npu_flashrl.values import is_null, is_true
 
 logger = get_logger("adapters.verl")
 
@@ -24,7 +26,6 @@ class TisConfigError(ValueError):
 # --------------------------------------------------------------------------------- config checking
 
 _MISSING = object()
-_KEY_RC = "algorithm.rollout_correction."
 
 
 def _select(config: Any, dotted: str, default: Any = _MISSING) -> Any:
@@ -52,66 +53,27 @@ def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
     return bool((environ.get("FLASHRL_CONFIG") or "").strip())
 
 
-def _truthy(value: Any) -> bool:
-    return value is True or str(value).strip().lower() == "true"
+def _line(verl: Optional[str]) -> verl_rules.VerlLine:
+    from npu_flashrl import compat
 
-
-def _tis_level(config: Any) -> Optional[str]:
-    level = _select(config, "algorithm.rollout_correction.rollout_is", None)
-    if level is None or str(level).strip().lower() in ("", "null", "none"):
-        return None
-    return str(level)
+    return verl_rules.for_line(compat.verl_line(verl))
 
 
 def check_tis(config: Any, verl: Optional[str] = None) -> None:
     """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS on the verl line
     ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.compat.verl_line`; None: the
-    installed verl's). Raises :class:`TisConfigError` naming the key and the fix.
-
-    verl 0.7 .. 0.9: see :mod:`.tis_091` (``use_policy_gradient`` is gone, bypass mode dispatches on
-    ``loss_type``). verl 51d2104 / 0.6.x, read from its source (``ray_trainer.py``,
-    ``rollout_corr_helper.py``, ``dp_actor.py``/``megatron_actor.py``, ``core_algos.py``):
-
-    * ``bypass_mode=True`` with ``rollout_is`` set: the trainer only sets ``old_log_probs =
-      rollout_log_probs`` (``apply_rollout_correction``) and skips
-      ``compute_rollout_correction_and_add_to_batch``, so no ``rollout_is_weights`` reach the loss.
-    * ``use_policy_gradient=True``: the switch to the ``rollout_correction`` loss is written into the
-      DRIVER's copy of ``actor.policy_loss`` (and only in bypass mode); the Ray workers built their
-      actor config at init, so they keep the PPO-clip loss without IS weights (verl #4912, PR #4930).
+    installed verl's). Raises :class:`TisConfigError` naming the key and the fix. The rules per
+    line, read from each line's source, are in :mod:`npu_flashrl.lines.verl_rules`.
 
     What works on both lines: decoupled mode (``bypass_mode=False``, at 51d2104 also
     ``use_policy_gradient=False``, ``rollout_is=token|sequence``): the driver computes truncated
     ``rollout_is_weights`` and the actors' policy loss (``core_algos.compute_policy_loss_vanilla``
     through ``get_policy_loss_fn``) multiplies them in.
     """
-    from npu_flashrl import compat
-
-    if compat.verl_line(verl) == "0.9":
-        from npu_flashrl.adapters.verl import tis_091
-
-        problems = tis_091.problems(lambda key, default: _select(config, key, default), _MISSING)
-        if problems:
-            raise TisConfigError("; ".join(problems) + f". Fix: {tis_091.FIX}")
-        return
-    level = _tis_level(config)
-    bypass = _truthy(_select(config, _KEY_RC + "bypass_mode", False))
-    pg = _truthy(_select(config, _KEY_RC + "use_policy_gradient", False))
-    problems = []
-    if pg:
-        problems.append(
-            f"{_KEY_RC}use_policy_gradient=True: at verl 51d2104 the switch to the policy-gradient loss "
-            "is made on the driver's copy of actor.policy_loss only and never reaches the Ray workers, "
-            "which keep PPO-clip without IS weights (verl issue #4912)")
-    if bypass and level is not None:
-        problems.append(
-            f"{_KEY_RC}bypass_mode=True with rollout_is={level}: at verl 51d2104 bypass mode computes no "
-            "IS weights (ray_trainer.py skips compute_rollout_correction_and_add_to_batch), so the TIS "
-            "threshold, level and batch normalisation do nothing")
+    line = _line(verl)
+    problems = line.tis_problems(lambda key, default: _select(config, key, default), _MISSING)
     if problems:
-        raise TisConfigError(
-            "; ".join(problems) + f". Fix: {_KEY_RC}bypass_mode=False {_KEY_RC}use_policy_gradient=False "
-            "(decoupled mode: truncated IS weights multiplied into the PPO loss; "
-            "npu_flashrl.adapters.verl.tis_overrides writes them)")
+        raise TisConfigError("; ".join(problems) + f". Fix: {line.FIX}")
 
 
 def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
@@ -161,38 +123,24 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       :class:`TisConfigError` (see :func:`check_tis`).
 
     On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
-    server-mode one (:func:`.server_091.check_verl_config`). Returns the warning messages (also
+    server-mode one (`verl_rules.Server09.rollout_mode_problem`). Returns the warning messages (also
     logged). ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ
     flashrl = _flashrl_config_set(env)
     if quantized is None:
         quantized = flashrl
-    from npu_flashrl import compat
-
-    line = compat.verl_line(verl)
-    if flashrl and line == "0.9":  # verl 0.7+: server mode only (adapters.verl.server_091)
-        from npu_flashrl.adapters.verl import server_091
-
-        try:
-            server_091.check_verl_config(lambda key: _select(config, key, None), env)
-        except server_091.ServerModeError as exc:
-            raise RolloutModeError(str(exc)) from None
-    elif flashrl:
-        mode = _select(config, "actor_rollout_ref.rollout.mode", None)
-        if mode is None or str(mode).strip().lower() != "sync":
-            shown = "unset (verl 51d2104 default: async)" if mode is None else repr(str(mode))
-            raise RolloutModeError(
-                f"FLASHRL_CONFIG is set but actor_rollout_ref.rollout.mode is {shown}: verl's async "
-                "rollout never builds vllm.LLM, so the INT8 rollout (and its weight reload) would silently "
-                "not be used. Fix: add the override actor_rollout_ref.rollout.mode=sync")
-    check_tis(config, line)
+    line = _line(verl)
+    if flashrl:  # 51d2104: rollout.mode=sync; verl 0.7+: server mode only (adapters.verl.server_mode)
+        problem = line.rollout_mode_problem(lambda key: _select(config, key, None), env)
+        if problem is not None:
+            raise RolloutModeError(problem)
+    check_tis(config, line.name)
     warnings: List[str] = []
     if quantized:
         rollout_is = _select(config, "algorithm.rollout_correction.rollout_is", None)
-        calc = _select(config, "actor_rollout_ref.rollout.calculate_log_probs", None)
-        calc_on = calc is True or str(calc).strip().lower() == "true"
-        if rollout_is is None or str(rollout_is).strip().lower() in ("", "null", "none"):
+        calc_on = is_true(_select(config, "actor_rollout_ref.rollout.calculate_log_probs", None))
+        if is_null(rollout_is):
             msg = ("quantized rollout with algorithm.rollout_correction.rollout_is=null: truncated importance "
                    "sampling (TIS) is OFF, so the INT8-vs-trainer mismatch is not corrected. Enable it with "
                    "algorithm.rollout_correction.rollout_is=token (or sequence) and "
@@ -209,14 +157,6 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
 
 
 # ------------------------------------------------------------------------------ override strings
-
-
-def _hydra_value(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "True" if v else "False"
-    return str(v)
 
 
 def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
@@ -247,49 +187,19 @@ def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
     'actor_rollout_ref.rollout.calculate_log_probs=True', 'actor_rollout_ref.rollout.mode=sync']``;
     ``tis_overrides(verl="0.9")`` -> the first three and ``calculate_log_probs=True``.
     """
-    from npu_flashrl import compat
-
-    line = compat.verl_line(verl)
+    line = _line(verl)
     if level not in ("token", "sequence", None):
         raise ValueError(f"level must be 'token', 'sequence' or None, got {level!r}")
     if not (isinstance(threshold, (int, float)) and threshold > 0):
         raise ValueError(f"threshold must be a positive number, got {threshold!r}")
     if sync_mode is None:
-        sync_mode = line == "51d2104"
-    if line == "0.9":
-        from npu_flashrl.adapters.verl import tis_091
-
-        gone = [f"{name} (algorithm.rollout_correction.{key}; use {tis_091.REMOVED[key]})"
-                for name, key, v in (("rs_threshold_lower", "rollout_rs_threshold_lower", rs_threshold_lower),
-                                     ("token_veto_threshold", "rollout_token_veto_threshold",
-                                      token_veto_threshold))
-                if v is not None]
-        if gone:
-            raise ValueError(f"verl 0.9 has no {', '.join(gone)}")
-        if sync_mode:
-            raise ValueError("sync_mode=True: verl 0.7+ runs its rollout as a server only (no "
-                             "actor_rollout_ref.rollout.mode=sync); leave sync_mode unset")
-        rc = {"rollout_is": level, "bypass_mode": bool(bypass_mode)}
-        if use_policy_gradient:
-            rc["use_policy_gradient"] = True
-        check_tis({"algorithm": {"rollout_correction": rc}}, line)
-        out = tis_091.overrides(level, threshold, batch_normalize, rs, rs_threshold, _hydra_value)
-    else:
-        if rs not in (None, "token", "sequence", "geometric"):
-            raise ValueError(f"rs must be None, 'token', 'sequence' or 'geometric', got {rs!r}")
-        check_tis({"algorithm": {"rollout_correction": {
-            "rollout_is": level, "bypass_mode": bool(bypass_mode),
-            "use_policy_gradient": bool(use_policy_gradient)}}}, line)
-        out = [f"{_KEY_RC}rollout_is={_hydra_value(level)}",
-               f"{_KEY_RC}rollout_is_threshold={float(threshold)!r}",
-               f"{_KEY_RC}bypass_mode={_hydra_value(bool(bypass_mode))}",
-               f"{_KEY_RC}use_policy_gradient={_hydra_value(bool(use_policy_gradient))}"]
-        optional = (("rollout_is_batch_normalize", batch_normalize), ("rollout_rs", rs),
-                    ("rollout_rs_threshold", None if rs_threshold is None else float(rs_threshold)),
-                    ("rollout_rs_threshold_lower", None if rs_threshold_lower is None else float(rs_threshold_lower)),
-                    ("rollout_token_veto_threshold",
-                     None if token_veto_threshold is None else float(token_veto_threshold)))
-        out += [f"{_KEY_RC}{k}={_hydra_value(v)}" for k, v in optional if v is not None]
+        sync_mode = line.SYNC_MODE_DEFAULT
+    out = line.overrides(level, threshold, batch_normalize=batch_normalize, rs=rs,
+                         rs_threshold=rs_threshold, rs_threshold_lower=rs_threshold_lower,
+                         token_veto_threshold=token_veto_threshold, bypass_mode=bypass_mode,
+                         use_policy_gradient=use_policy_gradient, sync_mode=sync_mode)
+    check_tis({"algorithm": {"rollout_correction": line.tis_settings(level, bypass_mode,
+                                                                     use_policy_gradient)}}, line.name)
     if calculate_log_probs:
         out.append("actor_rollout_ref.rollout.calculate_log_probs=True")
     if sync_mode:

@@ -3,9 +3,9 @@
 - `description`: which layers run vllm-ascend's W8A8 methods (bf16 / compressed-tensors
   checkpoints get an in-memory quant description).
 - `reload`: `Int8WeightLoader`, the model's quantizing `load_weights` (cold load and in-place sync).
-- `hooks`: the patch bodies (process-once, redirect, attach-on-init), line-neutral.
-- `layout` / `layout_011` / `layout_023`: what differs per vllm-ascend line (patch targets,
-  method classes, the run-once rule); `derived`: the tensors W8A8 post-processing derives.
+- `hooks`: the bodies of the patches every line shares (redirect, override, attach-on-init).
+- `layout`: the installed line (`npu_flashrl.lines`): what differs per vllm-ascend release (patch
+  targets, method classes, the run-once rule, the tensors W8A8 post-processing derives).
 The quantizers themselves are `npu_flashrl.quant`. Names used by other modules and tests are
 re-exported here (`from npu_flashrl.adapters import vllm_ascend; vllm_ascend.end_weight_sync`).
 """
@@ -18,22 +18,22 @@ from npu_flashrl.quant import (  # noqa: F401
     make_quantizer)
 from npu_flashrl.adapters.vllm_ascend.reload import (  # noqa: F401
     Int8WeightLoader, attach, end_weight_sync, find_targets)
-from npu_flashrl.adapters.vllm_ascend.hooks import (  # noqa: F401
-    _online, configure_online_quantization)
-from npu_flashrl.adapters.vllm_ascend.derived import static_quant_bias  # noqa: F401
+from npu_flashrl.lines.derived import static_quant_bias  # noqa: F401
 
 
 def _declare_line_patches() -> None:
-    """Import the installed line's layout module, which declares its patches (`npu-flashrl
-    verify` lists them), without importing vllm_ascend itself. Where vllm-ascend is missing or
-    an unsupported release nothing is declared, and `PATCHES` raises saying so."""
-    from npu_flashrl import compat
-    from npu_flashrl.adapters.vllm_ascend import layout
+    """Declare the installed line's patches (`npu-flashrl verify` lists them; other lines' are
+    not declared), with this adapter's bodies, without importing vllm_ascend itself. Where
+    vllm-ascend is missing or an unsupported release nothing is declared, and `PATCHES` raises
+    saying so."""
+    from npu_flashrl import lines, patches
+    from npu_flashrl.adapters.vllm_ascend import hooks, layout
 
     try:
-        layout.current()
-    except compat.UnsupportedVersion:
-        pass
+        line = layout.current()
+    except lines.UnsupportedVersion:
+        return
+    patches.declare(line.patches(hooks))
 
 
 _declare_line_patches()

@@ -3,19 +3,20 @@
 vllm-ascend's "ascend" method needs a `quant_model_description.json`. For a bf16 checkpoint
 (profile-free INT8) or a compressed-tensors w8a8 checkpoint (RedHatAI style) we build that
 description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC layers: a rule,
-with every weight of the checkpoint also listed explicitly (vllm-ascend 0.23 skips its json
-lookup only for a non-empty description, and its `apply_vllm_mapper` copies it into a plain dict,
-dropping the rule). ModelSlim checkpoints with their own json are left alone.
+with every weight of the checkpoint also listed explicitly (the scheme-registry layout,
+`lines/v0_23_0.py`, skips its json lookup only for a non-empty description, and its
+`apply_vllm_mapper` copies it into a plain dict, dropping the rule). ModelSlim checkpoints with their own json are left alone.
 
 MoE (Qwen3-MoE / Qwen2-MoE names): every routed expert's `mlp.experts.E.{gate,up,down}_proj` (and
 a shared expert's projections) is W8A8_DYNAMIC, so vLLM's FusedMoE layer lands on vllm-ascend's
 W8A8 dynamic fused-MoE method; the router `mlp.gate` and `mlp.shared_expert_gate` are FLOAT (no
 llm-compressor MoE recipe quantizes them). What vllm-ascend asks for the FusedMoE layer
-`model.layers.N.mlp.experts`: with the model type's packed mapping (0.11 `quant_config.py` and
-0.23 `modelslim_config.py`, "qwen3_moe": `"experts": ["experts.0.gate_proj", "experts.0.up_proj",
-"experts.0.down_proj"]`) it reads `...mlp.experts.0.{gate,up,down}_proj.weight`, all three alike,
-both in `is_layer_skipped_ascend` and for the scheme; without a mapping, 0.23 reads
-`...mlp.experts.weight` (answered by the rule) and 0.11 every key containing the prefix. The router
+`model.layers.N.mlp.experts`: with the model type's packed mapping (`quant_config.py` or
+`modelslim_config.py`, whichever the line's layout has; "qwen3_moe": `"experts":
+["experts.0.gate_proj", "experts.0.up_proj", "experts.0.down_proj"]`) it reads
+`...mlp.experts.0.{gate,up,down}_proj.weight`, all three alike, both in `is_layer_skipped_ascend`
+and for the scheme; without a mapping, the scheme-registry layout reads `...mlp.experts.weight`
+(answered by the rule) and the quant_config layout every key containing the prefix. The router
 (a ReplicatedLinear given the quant config) is looked up as `...mlp.gate.weight` and must be FLOAT
 to stay unquantized.
 """
@@ -62,8 +63,9 @@ class QuantDescription(dict):
             return FLOAT
         last = module.rsplit(".", 1)[-1]
         if key.endswith(".weight") and (last in PROJECTIONS or last == FUSED_EXPERTS):
-            # `...mlp.experts.weight` is the FusedMoE layer itself (v0.10.1rc1 asks for it as a
-            # whole, 0.23 when the model type has no packed mapping): typed like its experts.
+            # `...mlp.experts.weight` is the FusedMoE layer itself (the pinned line asks for it as
+            # a whole, the scheme-registry layout when the model type has no packed mapping):
+            # typed like its experts.
             return self.rule_quantized
         return FLOAT  # embeddings, norms, lm_head, the MoE router `mlp.gate`, shared_expert_gate
 

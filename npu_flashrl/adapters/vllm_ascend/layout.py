@@ -1,19 +1,16 @@
-"""Which layout module describes the installed vllm-ascend (decided once per process).
+"""The installed vllm-ascend line as the adapter sees it (decided once per process).
 
-A layout module (`layout_011`, ...) holds everything line-specific the adapter needs: patch
-targets, the quant-config class, the W8A8 method classes and their derived tensors. The rest of
-this package asks `current()` and names no version.
+`current()` is the `npu_flashrl.lines` line object: what differs per vllm-ascend release (the W8A8
+classes, the run-once rule, the derived tensors, the patches) is asked of it; this package names
+no version.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-
-from npu_flashrl import compat
+from npu_flashrl import lines
 
 
-@functools.lru_cache(maxsize=None)
-def current():
-    """The layout module of compat's line (`compat.line().layout`: "011" for v0.10.1rc1 and
-    0.11.0, which share the quantization layout; "023" for 0.23.0)."""
-    return importlib.import_module(f"npu_flashrl.adapters.vllm_ascend.layout_{compat.line().layout}")
+def current() -> lines.StackLine:
+    """The installed line (`lines.line()`): method_classes, linear_wrapper_class,
+    unsupported_reason, is_processed, commit_extras, commit_moe_extras, refresh_static,
+    quant_config_class, PATCHES."""
+    return lines.line()

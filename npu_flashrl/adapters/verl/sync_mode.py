@@ -1,4 +1,5 @@
-"""verl 51d2104's weight sync into the rollout: every sync ends with the INT8 loader's check.
+"""verl sync mode (the sync-mode verl lines, `npu_flashrl.lines.verl`): every weight sync into the rollout ends with the
+INT8 loader's check (the rule shared with server mode is :mod:`.sync_end`).
 
 In sync (SPMD) mode the FSDP worker (``fsdp_workers.py`` ``rollout_mode``) and the Megatron worker
 stream the trainer's full tensors into ``vLLMRollout.update_weights``
@@ -8,7 +9,8 @@ stream the trainer's full tensors into ``vLLMRollout.update_weights``
 a sync ends, so a layer whose shard never arrived would stay staged and stale, unreported, and a
 later sync could commit it with an earlier sync's shards. The wrapper below ends the sync once
 verl's ``update_weights`` returns: ``end_weight_sync`` raises naming the missing tensors (their
-layers keep their previous weights) and the next sync starts clean.
+layers keep their previous weights) and the next sync starts clean; when ``update_weights`` itself
+fails, the staged shards are dropped and verl's error is raised.
 
 Applied lazily (``patches.when_imported``): only rollout workers import verl's vLLM rollout module,
 and importing it elsewhere would pull vLLM, Ray and ZeroMQ into the trainer.
@@ -19,6 +21,8 @@ import functools
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.adapters.verl import sync_end
+from npu_flashrl.lines import verl_rules
 
 logger = get_logger("adapters.verl.sync")
 
@@ -28,27 +32,17 @@ PATCH_SYNC_END = "verl_rollout_sync_end"
 
 
 def rollout_model(rollout):
-    """The vLLM model verl 51d2104's ``vLLMRollout.update_weights`` loads into (same attribute path)."""
+    """The vLLM model sync-mode verl's ``vLLMRollout.update_weights`` loads into (same attribute path)."""
     return rollout.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
-def _base_weights_sync(kwargs) -> bool:
-    # verl's LoRA path (peft_config and base_sync_done) adds an adapter: the base weights are untouched
-    return not (kwargs.get("peft_config", None) and kwargs.get("base_sync_done", False))
 
 
 def _wrap_update_weights(original):
     @functools.wraps(original)
     async def update_weights(self, weights, **kwargs):
-        await original(self, weights, **kwargs)
-        if not _base_weights_sync(kwargs):
-            return
-        model = rollout_model(self)
-        if getattr(model, "_npu_flashrl_loader", None) is None:
-            return  # not an INT8 rollout model: vLLM's own loader, nothing staged
-        from npu_flashrl.adapters import vllm_ascend
-
-        vllm_ascend.end_weight_sync(model)
+        if sync_end.lora_adapter_sync(kwargs):
+            return await original(self, weights, **kwargs)
+        return await sync_end.arun_and_end(lambda: original(self, weights, **kwargs),
+                                           sync_end.int8_models([rollout_model(self)]))
 
     return update_weights
 
@@ -66,7 +60,7 @@ def _patch_module(module) -> None:
         logger.warning("npu_flashrl: cannot patch %s -> %s: %s", PATCH_SYNC_END, TARGET, exc)
 
 
-@patches.register(PATCH_SYNC_END, TARGET, "verl 51d2104 / 0.6.1",
+@patches.register(PATCH_SYNC_END, TARGET, verl_rules.sync_versions(),
                   doc="every verl weight sync into the vLLM rollout ends with end_weight_sync: a layer "
                       "whose shard never arrived fails the sync, naming it")
 def _apply_sync_end() -> None:

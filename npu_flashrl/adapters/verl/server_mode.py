@@ -1,16 +1,18 @@
-"""verl server mode (verl 0.7 .. 0.9.1): INT8 rollouts behind verl's bucketed weight sync.
+"""verl server mode (the server-mode verl lines, `npu_flashrl.lines.verl`): INT8 rollouts behind verl's bucketed weight sync.
 
-From verl 0.7 the rollout is a vLLM server (`vLLMHttpServer` Ray actor) whose vLLM workers
+On these lines the rollout is a vLLM server (`vLLMHttpServer` Ray actor) whose vLLM workers
 (`distributed_executor_backend="mp"`) receive every weight sync as buckets through
 `vLLMColocateWorkerExtension.update_weights_from_ipc`. npu_flashrl reaches those processes
 through its vLLM general plugin (see docs/verl_server_mode.md for the process map). This module:
 
-- tells the engine patch (`vllm_engine`) that an engine built with verl's worker extension gets
-  its syncs through `update_weights_from_ipc`, and which replica it is (`VERL_REPLICA_RANK`);
+- registers with the engine patch (`vllm_engine.register_server_engines`, on import) that an
+  engine built with verl's worker extension gets its syncs through `update_weights_from_ipc`,
+  which replica it is (`VERL_REPLICA_RANK`), and whether it serves the policy;
 - refuses verl's own `rollout.quantization` together with FLASHRL_CONFIG;
 - wraps `update_weights_from_ipc` (patch `verl_server_sync_end`): a sync reaching a model that
   should be INT8 but has no npu_flashrl loader is refused, and after the last bucket every INT8
-  model's sync is ended (`end_weight_sync`), so shards that never arrived are an error naming them;
+  model's sync is ended (the rule shared with sync mode, :mod:`.sync_end`), so shards that never
+  arrived are an error naming them;
 - makes verl's receiver keep acknowledging buckets after a bucket failed (patch
   `verl_server_receiver_drains`): the trainer-side sender waits for the RPC only after its last
   bucket, so a receiver that stops mid-sync leaves the job hanging instead of failing.
@@ -23,6 +25,10 @@ from typing import Any, List, Mapping, Optional
 
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.adapters import vllm_engine
+from npu_flashrl.adapters.verl import sync_end
+from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines.verl_rules import MEGATRON_ENV  # noqa: F401  (re-exported)
 
 logger = get_logger("adapters.verl.server")
 
@@ -34,9 +40,9 @@ RECEIVE_TARGET = f"{_TRANSFER}:BucketedWeightReceiver.receive_weights"
 PATCH_SYNC = "verl_server_sync_end"
 PATCH_DRAIN = "verl_server_receiver_drains"
 PATCHES = (PATCH_SYNC, PATCH_DRAIN)
-VERSIONS = "verl 0.7.1 .. 0.9.1"
+VERSIONS = verl_rules.server_versions()
 REPLICA_ENV = "VERL_REPLICA_RANK"
-LOADER_ATTR = "_npu_flashrl_loader"
+LOADER_ATTR = sync_end.LOADER_ATTR
 
 # What `vLLMHttpServer._apply_quantization` can put into the engine's `quantization`:
 # rollout.quantization (fp8, torchao, ascend = MXFP8 on 950) or rollout.qat (modelopt,
@@ -85,7 +91,7 @@ def replica_rank(environ: Optional[Mapping[str, str]] = None) -> int:
         raise ServerModeError(
             f"{REPLICA_ENV} is not set in the process building verl's vLLM engine: a hybrid "
             "FlashRL config (several entries) picks its entry per verl replica "
-            f"({REPLICA_ENV} % len(configs)). verl 0.7-0.9's vLLMHttpServer sets it; a single-"
+            f"({REPLICA_ENV} % len(configs)). server-mode verl's vLLMHttpServer sets it; a single-"
             "entry FLASHRL_CONFIG does not need it")
     try:
         return int(raw)
@@ -107,57 +113,29 @@ def check_engine_quantization(engine_args: Any) -> None:
         "FLASHRL_CONFIG to use verl's own quantized rollout")
 
 
-MEGATRON_ENV = "NPU_FLASHRL_UNVERIFIED_MEGATRON"
-_MEGATRON = (
-    "FLASHRL_CONFIG with actor_rollout_ref.actor.strategy=megatron on verl 0.7+ is not supported: "
-    "verl 0.9's Megatron engine (workers/engine/megatron/transformer_impl.py, get_per_tensor_param) "
-    "sends its weights through Megatron-Bridge's (or mbridge's) export, HF names and full tensors, "
-    "the form npu_flashrl's INT8 loader takes, but that is not verified (no megatron-core or "
-    "Megatron-Bridge in npu_flashrl's test stack), and npu_flashrl's Megatron trainer-side patches "
-    "(the MindSpeed check and FLASHRL_LMHEAD_FP32 at Megatron worker init, the use_fused_kernels "
-    "refusal, the weight-stream check) target verl 51d2104's workers/megatron_workers.py and "
-    "utils/megatron_utils.per_tensor_generator, which verl 0.9 no longer uses: they would silently "
-    "not apply. Fix: actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or the pinned verl 51d2104 "
-    f"for Megatron; to try it on hardware anyway, set {MEGATRON_ENV}=1 (a WARNING instead)")
+class _VerlServerEngines:
+    """Server-mode verl's `vLLMHttpServer` engines, as the engine patch asks about them."""
+
+    is_server_engine = staticmethod(is_server_engine)
+    serves_the_policy = staticmethod(serves_the_policy)
+    check_engine_quantization = staticmethod(check_engine_quantization)
+
+    @staticmethod
+    def replica_rank() -> int:
+        return replica_rank()
+
+
+vllm_engine.register_server_engines(_VerlServerEngines())
 
 
 def check_verl_config(select, environ: Optional[Mapping[str, str]] = None) -> None:
-    """Driver-side check of a verl 0.7+ config with FLASHRL_CONFIG set (`select(dotted_key)` reads
-    it): verl's own quantized rollout next to FLASHRL_CONFIG is refused before any Ray actor
-    starts, naming the key to drop; so is a Megatron actor (see `_MEGATRON`; env
-    NPU_FLASHRL_UNVERIFIED_MEGATRON=1 makes it a WARNING), and FLASHRL_LMHEAD_FP32=1 with verl's
-    fused kernels (they bypass lm_head). Server mode is the only mode there:
-    nothing to demand of `rollout.mode` (verl itself refuses `sync`)."""
-    env = os.environ if environ is None else environ
-    strategy = select("actor_rollout_ref.actor.strategy")
-    if str(strategy).strip().lower() == "megatron":
-        if (env.get(MEGATRON_ENV) or "").strip() not in ("1", "true", "True"):
-            raise ServerModeError(_MEGATRON)
-        logger.warning("npu_flashrl: %s=1: %s", MEGATRON_ENV, _MEGATRON.split(". Fix:")[0])
-    from npu_flashrl.config import lmhead_fp32_requested
-
-    fused = select("actor_rollout_ref.model.use_fused_kernels")
-    if lmhead_fp32_requested(env) and (fused is True or str(fused).strip().lower() == "true"):
-        # verl 0.9's apply_monkey_patch swaps the model's forward for a fused linear+log-prob one
-        # after the model is built: lm_head never runs, and the fp32 head would silently do nothing
-        raise ServerModeError(
-            "FLASHRL_LMHEAD_FP32=1 with actor_rollout_ref.model.use_fused_kernels=True: verl's fused "
-            "kernels compute the log-probs from lm_head's weight without calling lm_head, so the "
-            "fp32 lm-head would not apply. Fix: actor_rollout_ref.model.use_fused_kernels=False "
-            "(verl's default) or FLASHRL_LMHEAD_FP32=0")
-    quant = select("actor_rollout_ref.rollout.quantization")
-    qat = select("actor_rollout_ref.rollout.qat.enable")
-    clash = []
-    if quant is not None and str(quant).strip().lower() not in ("", "null", "none"):
-        clash.append(f"actor_rollout_ref.rollout.quantization={quant}")
-    if qat is True or str(qat).strip().lower() == "true":
-        clash.append("actor_rollout_ref.rollout.qat.enable=true")
-    if clash:
-        raise ServerModeError(
-            f"FLASHRL_CONFIG is set together with {' and '.join(clash)}: verl would quantize the "
-            "rollout itself and npu_flashrl's INT8 W8A8_DYNAMIC rollout cannot apply as well. "
-            f"Fix: drop {' and '.join(c.split('=')[0] for c in clash)} to run npu_flashrl's INT8 "
-            "rollout, or unset FLASHRL_CONFIG to use verl's own")
+    """Driver-side check of a server-mode verl config with FLASHRL_CONFIG set (`select(dotted_key)` reads
+    it); the rules are the server-mode line's (`verl_rules.Server09.rollout_mode_problem`).
+    Raises ServerModeError naming the key to change."""
+    problem = verl_rules.for_line(verl_rules.SERVER).rollout_mode_problem(select, os.environ if environ is None
+                                                           else environ)
+    if problem is not None:
+        raise ServerModeError(problem)
 
 
 # ------------------------------------------------------------------------------------ the sync
@@ -174,8 +152,6 @@ def _models(worker: Any) -> List[Any]:
 def sync_problem(worker: Any, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why this worker's model cannot take an npu_flashrl sync, or None if it can (or when
     npu_flashrl has nothing to do here)."""
-    from npu_flashrl.adapters import vllm_engine
-
     env = os.environ if environ is None else environ
     choice = vllm_engine.engine_choice(_vllm_config(worker))
     if choice is None:
@@ -187,11 +163,11 @@ def sync_problem(worker: Any, environ: Optional[Mapping[str, str]] = None) -> Op
                     "(+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG=...) and keep "
                     "VLLM_PLUGINS unset or listing npu_flashrl")
         return None
-    if not choice.get("quantized"):
+    if not choice.quantized:
         return None  # this replica's entry is 16-bit: verl's own load path is the right one
     model = _models(worker)[0]
     if getattr(model, LOADER_ATTR, None) is None:
-        return (f"the engine was built for npu_flashrl's {choice.get('fn')} entry but "
+        return (f"the engine was built for npu_flashrl's {choice.fn} entry but "
                 f"{type(model).__name__} has no npu_flashrl INT8 loader: bf16 tensors would be "
                 "written into int8 parameters. The model must be built on vllm-ascend's "
                 "W8A8_DYNAMIC layers while npu_flashrl is active in the vLLM worker (vLLM "
@@ -220,41 +196,22 @@ def _device(worker: Any):
     return device
 
 
-def _end_syncs(models: List[Any], failed: bool) -> None:
-    from npu_flashrl.adapters import vllm_ascend
-
-    errors = []
-    for model in models:
-        try:
-            vllm_ascend.end_weight_sync(model)
-        except vllm_ascend.WeightSyncError as exc:
-            errors.append(exc)
-    if errors and not failed:
-        raise errors[0]
-
-
 def _wrap_update(original):
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False,
                                 use_shm: bool = False, **kwargs):
-        if peft_config and base_sync_done:
-            # LoRA adapter sync: verl clones the tensors into add_lora, load_weights never runs
+        def update():
             return original(self, peft_config=peft_config, base_sync_done=base_sync_done,
                             use_shm=use_shm, **kwargs)
+
+        if sync_end.lora_adapter_sync({"peft_config": peft_config, "base_sync_done": base_sync_done}):
+            return update()
         problem = sync_problem(self)
         if problem is not None:
             _drain(self, use_shm)
             raise ServerModeError(f"npu_flashrl: weight sync refused: {problem}")
-        models = [m for m in _models(self) if getattr(m, LOADER_ATTR, None) is not None]
-        try:
-            result = original(self, peft_config=peft_config, base_sync_done=base_sync_done,
-                              use_shm=use_shm, **kwargs)
-        except BaseException:
-            _end_syncs(models, failed=True)  # drop staged shards; the first error is the one to see
-            raise
-        # verl's post-bucket process_weights_after_loading ran (a no-op on processed W8A8
-        # layers); a fused layer still missing shards is an error naming them.
-        _end_syncs(models, failed=False)
-        return result
+        # verl's post-bucket process_weights_after_loading runs inside (a no-op on processed
+        # W8A8 layers); then a fused layer still missing shards is an error naming them.
+        return sync_end.run_and_end(update, sync_end.int8_models(_models(self)))
 
     update_weights_from_ipc.__doc__ = original.__doc__
     update_weights_from_ipc.__wrapped__ = original

@@ -1,6 +1,7 @@
 """Tensors vllm-ascend's W8A8 post-processing derives from the weight scale and bias, the same on
-every line whose schemes compute them (v0.10.1rc1, 0.11.0, 0.23.0's ModelSlim path): rewritten
-after an in-place reload, which never reruns post-processing. Layout modules pick from here."""
+every supported line whose schemes compute them (on 0.23.0 its ModelSlim path): rewritten after an
+in-place reload, which never reruns post-processing. `base.StackLine` uses them; a line overrides
+what its schemes derive differently."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ import torch
 from npu_flashrl import kernels
 from npu_flashrl._logging import get_logger
 
-logger = get_logger("vllm_ascend")
+logger = get_logger("lines.derived")
 
 
 @torch.no_grad()
