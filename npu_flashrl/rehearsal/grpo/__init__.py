@@ -22,8 +22,9 @@ What one run does:
    (`grpo.variants.<name>.reward` / `.reward_std` per step, the bounds), grpo.png.
 
 Sizes: `settings.PRESETS` (default <= 3 min, `--quick` < 60 s on 2 CPU cores, tiny model cached).
-Lines: verl 0.9.1 (current) and verl 0.6.1 (0.11 line) have the same functions; the pinned line's
-verl 51d2104 too (not run here: no pinned venv on the machine this was written on).
+Lines: the verl of every stack line (`npu_flashrl.lines`) has these functions with the same names
+and arguments; the run is verified on the current line and the primary line (server-mode verl with its
+bucketed transfer, sync-mode verl with in-process `load_weights`), not yet on the pinned line.
 """
 from __future__ import annotations
 

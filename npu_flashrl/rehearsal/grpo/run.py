@@ -100,9 +100,6 @@ def _run(args, settings, device: str, emulated: bool, t_start: float, transport:
             cpu_vllm.prepare_process()
         bar.update(1)
         setup = prepare_config(args, bf16_dir, work, progress=False)
-        from npu_flashrl.adapters import vllm_ascend
-
-        vllm_ascend.configure_online_quantization(None)  # the bf16 rollout is built first
         import npu_flashrl
 
         applied = npu_flashrl.activate(setup["config"])
@@ -116,8 +113,7 @@ def _run(args, settings, device: str, emulated: bool, t_start: float, transport:
 
         profile = load_profile(setup["profile"])
 
-    def bf16_build():
-        vllm_ascend.configure_online_quantization(None)
+    def bf16_build():  # an engine without npu_flashrl's choice: vLLM's own bf16 model
         return make_rollout(device, bf16_dir, None)
 
     def int8_build():
@@ -159,7 +155,6 @@ def _run(args, settings, device: str, emulated: bool, t_start: float, transport:
                         layer_results[variant] = lr_list
                 del handle
         transport.update(sync.info())
-    vllm_ascend.configure_online_quantization(None)
     timings["grpo_s"] = time.perf_counter() - t
 
     # ---------------------------------------------------------------- 4. verdict + output

@@ -43,9 +43,9 @@ def _batched_attention_forward(self, query, key, value, *args, **kwargs):
 @contextlib.contextmanager
 def batched_attention(batch: int):
     """Within: vLLM's Attention layers treat their flattened input as `batch` sequences of equal length."""
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
-    attention = compat.vllm_attention_class()
+    attention = ascend_harness.vllm_attention_class()
     saved = attention.forward
     attention.forward = _batched_attention_forward
     _BATCH["size"] = batch
@@ -58,7 +58,7 @@ def batched_attention(batch: int):
 
 def forward_last_logits(model, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, vocab] fp32 logits of the vLLM model at the last position of each row of `ids` [B, T]."""
-    from npu_flashrl import compat
+    from npu_flashrl.sim import ascend_harness
 
     b, t = ids.shape
     flat = ids.reshape(-1)
@@ -66,7 +66,7 @@ def forward_last_logits(model, ids: torch.Tensor, vocab_size: int) -> torch.Tens
     with batched_attention(b):
         hidden = model.model(flat, positions)
     last = hidden.view(b, t, -1)[:, -1]
-    return compat.compute_logits(model, last).float()[:, :vocab_size]
+    return ascend_harness.compute_logits(model, last).float()[:, :vocab_size]
 
 
 def sample(model, prompts: torch.Tensor, n: int, response_len: int, generator: torch.Generator,

@@ -14,10 +14,10 @@
 
 Every function is looked up on verl's module at call time, so a test can spy on it there.
 
-Lines: verl 0.9.1 (current), 0.6.1 (the 0.11 line) and 51d2104 (pinned) have these functions with
-the same names and arguments (0.6.1 / 51d2104: `agg_loss` without verl 0.9's global batch info, read
-from the same actor config); the rollout-correction keys differ and come from
-`tis_overrides(verl=<line>)`. verl's generated trainer config is read from the installed verl.
+Lines: the verl of every stack line has these functions with the same names and arguments (the
+sync-mode verl lines call `agg_loss` without the server-mode lines' global batch info, which the
+same actor config carries); the rollout-correction keys differ per verl line and come from
+`tis_overrides()` for the installed verl. verl's generated trainer config is read from the installed verl.
 """
 from __future__ import annotations
 
