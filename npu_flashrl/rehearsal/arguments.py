@@ -51,7 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "npu"), default="auto",
                    help="npu: real torch_npu/CANN, no emulation (NOT VERIFIED ON HARDWARE); cpu: emulated "
                         "torch_npu kernels; auto (default): npu when torch_npu works, else cpu")
-    p.add_argument("--steps", type=_number(int, 1), default=4, help="simulated training steps (weight syncs); default 4")
+    p.add_argument("--steps", type=_number(int, 1), default=None,
+                   help="simulated training steps (weight syncs); default 4 (--grpo: GRPO steps per run, default "
+                        "10, --quick 6)")
     p.add_argument("--buckets", type=_number(int, 1), default=4,
                    help="each sync arrives in (about) this many buckets, the weights in a shuffled order; "
                         "default 4")
@@ -96,15 +98,31 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write mismatch.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="keep npu_flashrl/vLLM INFO logging")
+    g = p.add_argument_group("GRPO (issue 25)")
+    g.add_argument("--grpo", action="store_true",
+                   help="instead of the weight-path rehearsal: GRPO on a task with a verifiable reward, rollouts "
+                        "sampled from the bf16 / INT8 / INT8+fp32-head rollout models, verl's own GRPO advantage, "
+                        "TIS and policy loss; variants bf16, int8, int8+tis, int8+tis+fp32head; writes grpo.png; "
+                        "fails unless bf16 learns and int8+tis tracks it (about 3 min on 2 CPU cores)")
+    g.add_argument("--quick", action="store_true", help="--grpo: the CI size (2 seeds x 6 steps, under 60 s)")
+    g.add_argument("--seeds", type=_number(int, 1), default=None,
+                   help="--grpo: runs per variant (default 3, --quick 2)")
 
 
 def check_arguments(args) -> None:
     """Refuse option combinations and values before anything process-global happens."""
+    grpo = getattr(args, "grpo", False)
+    if not grpo:
+        for flag, value in (("--quick", getattr(args, "quick", False)), ("--seeds", getattr(args, "seeds", None))):
+            if value:
+                raise RehearsalError(f"{flag} is a --grpo option")
+        if args.steps is None:
+            args.steps = 4
     if args.mode != "profile" and args.w8a8:
         raise RehearsalError("--w8a8 is only used with --mode profile")
     if args.w8a8 and not os.path.isdir(args.w8a8):
         raise RehearsalError(f"--w8a8 {args.w8a8}: no such directory")
-    for flag, value, lo in (("--steps", args.steps, 1), ("--buckets", args.buckets, 1),
+    for flag, value, lo in (("--steps", args.steps if args.steps is not None else 1, 1), ("--buckets", args.buckets, 1),
                             ("--num-seqs", args.num_seqs, 1), ("--seq-len", args.seq_len, 2),
                             ("--inner-iters", args.inner_iters, 1), ("--train-iters", args.train_iters, 1)):
         if value < lo:

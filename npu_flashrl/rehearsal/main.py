@@ -21,6 +21,10 @@ from npu_flashrl.rehearsal.model import check_model_dir, is_moe
 
 
 def run(args) -> int:
+    if getattr(args, "grpo", False):  # issue 25: a GRPO run instead (npu_flashrl.rehearsal.grpo)
+        from npu_flashrl.rehearsal.grpo import run as run_grpo
+
+        return run_grpo(args)
     t_start = time.perf_counter()
     device, emulated = resolve_device(args.device)
     model_cfg = check_model_dir(args.model) if args.model is not None else None

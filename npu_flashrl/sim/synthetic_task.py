@@ -41,6 +41,12 @@ class MarkovTask:
         object.__setattr__(self, "_probs", torch.tensor(list(self.branch_probs), dtype=torch.float64))
 
     @property
+    def successors(self) -> torch.Tensor:
+        """[n_tokens, branches] int64: row i lists the successors of content token i (offsets from
+        `base`) in the order of `branch_probs` (column 0 = the most likely one)."""
+        return self._succ.clone()
+
+    @property
     def min_vocab_size(self) -> int:
         return self.base + self.n_tokens
 

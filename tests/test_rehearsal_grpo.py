@@ -1,0 +1,377 @@
+"""`npu-flashrl rehearse --grpo` (issue 25): GRPO on the tiny model with verl's own algorithm code,
+rollouts sampled from the bf16 / INT8 / INT8+fp32head vLLM rollout models.
+
+End to end (current line: vLLM / vllm-ascend 0.23 + verl 0.9.1, syncs through verl's bucketed transfer;
+0.11 line: vLLM / vllm-ascend 0.11 + verl 0.6.1, in-process load_weights): one subprocess runs
+`rehearse --grpo --quick` with spies on verl's modules (each spy counts the call and delegates to
+verl's function), then two faulted runs of the rehearsal's fault seam (halved weight scales, a stale
+shard; --seeds 1 --steps 2, in the same process after the healthy run). Asserted: the healthy
+run passes every check (bf16 learns, int8+tis tracks it, TIS weights in the loss, the INT8 state
+after every sync) and writes report.json / grpo.png; verl's functions are what ran, as often as
+the run says; each fault fails the INT8 state check that sees it, naming the layers.
+
+The checks themselves are also tested on constructed results (each one able to fail), the task's
+reward on hand-written answers, and the batched attention against the harness's per-sequence one.
+
+Stand-ins: torch_npu emulated by the reference kernels; vLLM attention replaced by plain causal
+attention (batched per sequence for sampling, `grpo/sampling.py`); verl's device helpers inside the
+bucketed transfer (CPU, no IPC), the vLLM worker object its receiver is mixed into and the bucket size
+in bytes (`transport.stand_ins` in report.json); the trainer is transformers' Qwen2 under bf16 autocast
+in place of verl's FSDP actor (verl's loss functions get its log-probs).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from npu_flashrl import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
+VARIANTS = ("bf16", "int8", "int8+tis", "int8+tis+fp32head")
+QUICK = dict(steps=6, seeds=2, mini_batches=2)  # settings.PRESETS["quick"], checked below
+SCALE = "int8+tis state: weight scales match the reference"
+INT8 = "int8+tis state: int8 values equal the reference quantization"
+ALL_LAYERS = {f"model.layers.{i}.{p}" for i in (0, 1) for p in
+              ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+QKV0 = "model.layers.0.self_attn.qkv_proj"
+FAULTS = {"scale_x0.5": (SCALE, ALL_LAYERS), "stale_shard": (INT8, {QKV0})}
+
+
+
+def _line():
+    try:
+        return compat.line().name
+    except compat.UnsupportedVersion:
+        return None
+
+
+# Run on the current line (verl 0.9.1, verl transport) and the 0.11 line (verl 0.6.1, direct transport).
+# The pinned line's verl 51d2104 has the same functions as 0.6.1, but the run was not tried there
+# (no pinned venv where it was written): skipped rather than claimed.
+needs_line = pytest.mark.skipif(_line() not in ("0.23.0", "0.11.0"),
+                                   reason="rehearse --grpo is verified on the current and 0.11 lines only")
+
+_DRIVER = r"""
+import collections, inspect, json, os, sys
+root, cache, faults = sys.argv[1], sys.argv[2], sys.argv[3:]
+from verl.trainer.ppo import core_algos, rollout_corr_helper
+calls = collections.Counter()
+weights_passed = []
+origin = {}
+
+def spy(mod, name):
+    orig = getattr(mod, name)
+    origin[name] = {"module": orig.__module__, "file": inspect.getsourcefile(orig)}
+    def wrapper(*a, **k):
+        calls[name] += 1
+        return orig(*a, **k)
+    setattr(mod, name, wrapper)
+
+spy(core_algos, "compute_grpo_outcome_advantage")
+spy(core_algos, "agg_loss")  # called by verl's vanilla loss through its module global
+spy(rollout_corr_helper, "compute_rollout_correction_and_add_to_batch")
+vanilla = core_algos.POLICY_LOSS_REGISTRY["vanilla"]
+origin["vanilla"] = {"module": vanilla.__module__, "file": inspect.getsourcefile(vanilla),
+                     "name": vanilla.__name__}
+
+def vanilla_spy(*a, rollout_is_weights=None, **k):
+    calls["vanilla"] += 1
+    weights_passed.append(rollout_is_weights is not None)
+    return vanilla(*a, rollout_is_weights=rollout_is_weights, **k)
+
+core_algos.POLICY_LOSS_REGISTRY["vanilla"] = vanilla_spy
+from npu_flashrl import cli
+codes = {}
+base = ["rehearse", "--grpo", "--quick", "--no-progress", "--cache-dir", cache]
+print("===== healthy", flush=True)
+codes["healthy"] = cli.main(base + ["--output-dir", os.path.join(root, "healthy")])
+spied = {"calls": dict(calls), "weights_passed": sum(weights_passed), "origin": origin,
+         "verl_file": inspect.getsourcefile(core_algos)}
+for fault in faults:
+    os.environ["NPU_FLASHRL_REHEARSAL_FAULT"] = fault
+    print(f"===== {fault}", flush=True)
+    codes[fault] = cli.main(base + ["--seeds", "1", "--steps", "2", "--no-plot", "--output-dir",
+                                    os.path.join(root, fault)])
+print("SPIED " + json.dumps(spied), flush=True)
+print("CODES " + json.dumps(codes), flush=True)
+"""
+
+
+def _env():
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", FAULT_ENV):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, rehearsal_cache):
+    root = tmp_path_factory.mktemp("rehearsal-grpo")
+    p = subprocess.run([sys.executable, "-c", _DRIVER, str(root), str(rehearsal_cache), *FAULTS],
+                       capture_output=True, text=True, timeout=1800, env=_env(), cwd=ROOT)
+    lines = {tag: [ln for ln in p.stdout.splitlines() if ln.startswith(tag + " ")] for tag in ("CODES", "SPIED")}
+    assert lines["CODES"], f"driver failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    stdout = {}
+    for chunk in p.stdout.split("===== ")[1:]:
+        name, _, text = chunk.partition("\n")
+        stdout[name] = text
+    reports = {}
+    for n in ("healthy", *FAULTS):
+        with open(root / n / "report.json") as f:
+            reports[n] = json.load(f)
+    return {"codes": json.loads(lines["CODES"][-1][6:]), "spied": json.loads(lines["SPIED"][-1][6:]),
+            "reports": reports, "stdout": stdout, "root": root}
+
+
+@pytest.mark.every_line
+@needs_line
+def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
+    r = grpo_runs["reports"]["healthy"]
+    out = grpo_runs["stdout"]["healthy"]
+    assert grpo_runs["codes"]["healthy"] == 0, out[-4000:]
+    assert r["ok"] and r["fault_injected"] is None
+    failed = [c for c in r["checks"] if not c["ok"]]
+    assert not failed, failed
+    names = [c["check"] for c in r["checks"]]
+    for must in ("bf16 GRPO learns (final - first reward >= margin)",
+                 "int8+tis final reward within the seed-spread bound of bf16",
+                 "int8+tis: TIS weights in the loss", "int8+tis+fp32head: TIS weights in the loss",
+                 "int8: no TIS weights in the loss", "int8+tis: INT8 state checked after every sync",
+                 INT8, SCALE):
+        assert must in names, must
+    g = r["grpo"]
+    assert g["settings"]["steps"] == QUICK["steps"] and g["settings"]["seeds"] == QUICK["seeds"]
+    for v in VARIANTS:
+        assert len(g["variants"][v]["reward"]) == QUICK["steps"] == len(g["variants"][v]["reward_std"])
+        assert all(0.0 <= x <= 1.0 for x in g["variants"][v]["reward"])
+    bf16 = g["variants"]["bf16"]
+    assert bf16["final"] - bf16["first"] >= g["bounds"]["bf16_rise"]["margin"] >= 0.05
+    # the same prompts per (seed, step) in every variant: identical step-1 rollouts of int8 and int8+tis
+    first = {v: [row for row in g["rows"] if row["variant"] == v and row["step"] == 1] for v in VARIANTS}
+    assert [x["reward"] for x in first["int8"]] == [x["reward"] for x in first["int8+tis"]]
+    # TIS weights differ from 1 on the INT8 rollout and the bf16 reference passed none
+    tis_rows = [row for row in g["rows"] if row["variant"] == "int8+tis"]
+    assert all(row["tis_weights"]["frac_not_1"] > 0 for row in tis_rows)
+    assert all(row["tis_weights"] is None for row in g["rows"] if row["variant"] in ("bf16", "int8"))
+    expected = ("verl", "0.9.1") if compat.verl_server_mode() else ("direct", "0.6.1")
+    assert (r["transport"]["name"], r["versions"]["verl"]) == expected
+    assert os.path.getsize(r["plot"]) > 10_000
+    assert "rehearsal --grpo passed" in out and "time: total" in out
+
+
+@pytest.mark.every_line
+@needs_line
+def test_verl_functions_not_copies_are_what_ran(grpo_runs):
+    s = grpo_runs["spied"]
+    verl_dir = os.path.dirname(os.path.dirname(os.path.dirname(s["verl_file"])))
+    for name, o in s["origin"].items():
+        assert o["module"] == "verl.trainer.ppo.core_algos" or name == "compute_rollout_correction_and_add_to_batch"
+        assert o["file"].startswith(verl_dir + os.sep), (name, o["file"])
+    assert s["origin"]["vanilla"]["name"] == "compute_policy_loss_vanilla"
+    steps = len(VARIANTS) * QUICK["seeds"] * QUICK["steps"]
+    c = s["calls"]
+    assert c["compute_grpo_outcome_advantage"] == steps
+    assert c["compute_rollout_correction_and_add_to_batch"] == steps
+    tis_variants = 2
+    weighted = tis_variants * QUICK["seeds"] * QUICK["steps"] * QUICK["mini_batches"]
+    # one loss per mini-batch, plus (TIS variants) the same loss without the weights for the check
+    assert c["vanilla"] == steps * QUICK["mini_batches"] + weighted
+    assert c["agg_loss"] >= c["vanilla"]
+    assert s["weights_passed"] == weighted
+    # and npu_flashrl defines none of them itself
+    pkg = os.path.join(ROOT, "npu_flashrl")
+    for dirpath, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(dirpath, f)).read()
+                for fn in ("def compute_grpo_outcome_advantage", "def agg_loss", "def compute_policy_loss_vanilla",
+                           "def compute_rollout_correction_weights"):
+                    assert fn not in text, (f, fn)
+
+
+@pytest.mark.every_line
+@needs_line
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_fault_fails_the_grpo_run_by_a_state_check(grpo_runs, fault):
+    r = grpo_runs["reports"][fault]
+    out = grpo_runs["stdout"][fault]
+    assert grpo_runs["codes"][fault] == 1 and r["ok"] is False and r["fault_injected"] == fault
+    check, layers = FAULTS[fault]
+    failed = {c["check"]: c for c in r["checks"] if not c["ok"]}
+    for variant in ("int8", "int8+tis", "int8+tis+fp32head"):
+        name = check.replace("int8+tis state", f"{variant} state")
+        assert name in failed, sorted(failed)
+        assert set(failed[name]["failing_layers"]) == layers, failed[name]["failing_layers"]
+    assert f"[FAIL] {check}: " in out and "rehearsal --grpo FAILED" in out
+    # the healthy run had these checks, passing
+    healthy = {c["check"]: c["ok"] for c in grpo_runs["reports"]["healthy"]["checks"]}
+    assert healthy[check] is True
+
+
+# ---------------------------------------------------------------------------------- pieces
+
+def test_task_reward_is_the_chain_rule():
+    from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
+    from npu_flashrl.sim.synthetic_task import MarkovTask
+
+    m = MarkovTask()
+    task = GreedyChainTask(m, prompt_len=4, response_len=3)
+    prompts = task.prompts(5, torch.Generator().manual_seed(0))
+    top = m.successors[:, 0] + m.base
+    good = []
+    for row in prompts:
+        t, seq = int(row[-1]), []
+        for _ in range(3):
+            t = int(top[t - m.base])
+            seq.append(t)
+        good.append(seq)
+    good = torch.tensor(good)
+    assert task.reward(prompts, good).tolist() == [1.0] * 5
+    bad = good.clone()
+    bad[0, 1] = m.successors[bad[0, 0] - m.base, 1] + m.base  # the second most likely successor
+    bad[1, 2] = 1  # a special token
+    bad[2, 0] = good[2, 0] + 1 if good[2, 0] + 1 < m.base + m.n_tokens else good[2, 0] - 1
+    assert task.reward(prompts, bad).tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]
+    # a wrong first token also makes the next ones wrong relative to the chain, except by accident
+    assert task.token_correct(prompts, bad)[0].tolist() == [True, False, False]
+
+
+def test_batched_attention_equals_per_sequence_attention():
+    from npu_flashrl.rehearsal.grpo import sampling
+    from npu_flashrl.sim import cpu_vllm
+
+    class Layer:
+        num_heads, num_kv_heads, head_size = 4, 2, 8
+
+    g = torch.Generator().manual_seed(0)
+    b, t = 3, 5
+    q = torch.randn(b * t, 4 * 8, generator=g)
+    k = torch.randn(b * t, 2 * 8, generator=g)
+    v = torch.randn(b * t, 2 * 8, generator=g)
+    sampling._BATCH["size"] = b
+    try:
+        batched = sampling._batched_attention_forward(Layer(), q, k, v)
+    finally:
+        sampling._BATCH["size"] = None
+    per_seq = torch.cat([cpu_vllm._plain_attention_forward(Layer(), q[i * t:(i + 1) * t], k[i * t:(i + 1) * t],
+                                                           v[i * t:(i + 1) * t]) for i in range(b)])
+    torch.testing.assert_close(batched, per_seq)
+    # and it is not the whole flattened batch as one sequence
+    assert not torch.allclose(batched, cpu_vllm._plain_attention_forward(Layer(), q, k, v))
+
+
+def test_quick_preset_matches_this_test():
+    from npu_flashrl.rehearsal.grpo.settings import PRESETS
+
+    q = PRESETS["quick"]
+    assert (q.steps, q.seeds, q.mini_batches) == (QUICK["steps"], QUICK["seeds"], QUICK["mini_batches"])
+
+
+def test_grpo_options_are_refused_without_grpo(tmp_path):
+    from npu_flashrl import cli
+
+    for extra in (["--quick"], ["--seeds", "2"]):
+        code = cli.main(["rehearse", *extra, "--output-dir", str(tmp_path)])
+        assert code != 0
+
+
+# ---------------------------------------------------------------------------------- the checks
+
+def _results(rewards, tis_weights=None, loss_delta=1e-3, mismatch=None, seeds=3, steps=6):
+    """Constructed per-variant rows: rewards[variant] = per-step reward (the same for every seed,
+    +-0.02 by seed)."""
+    from npu_flashrl.rehearsal.grpo.settings import VARIANT_SPEC
+
+    out = {}
+    for v, curve in rewards.items():
+        tis = VARIANT_SPEC[v][1]
+        rows = []
+        for seed in range(seeds):
+            for step in range(1, steps + 1):
+                w = None
+                if tis:
+                    w = (tis_weights or {"mean": 1.0, "min": 0.9, "max": 1.1, "frac_not_1": 0.9, "clip_frac": 0.0,
+                                         "n": 100})
+                row = {"variant": v, "seed": seed, "step": step, "reward": curve[step - 1] + 0.02 * (seed - 1),
+                       "token_correct": 0.5, "token_mult_prob_error": (mismatch or {}).get(v, 1.01 if "int8" in v
+                                                                                           else 1.002),
+                       "kl_k3": 1e-4, "tis": tis, "tis_weights": w, "loss": 0.01, "sync_s": 0.1}
+                if w is not None:
+                    row["loss_without_tis"] = 0.01 + loss_delta
+                rows.append(row)
+        out[v] = {"rows": rows, "algo": {}}
+    return out
+
+
+def _verdict(results, steps=6, seeds=3):
+    import dataclasses
+
+    from npu_flashrl.rehearsal.grpo import checks, report
+    from npu_flashrl.rehearsal.grpo.settings import PRESETS
+
+    s = dataclasses.replace(PRESETS["default"], steps=steps, seeds=seeds, window=2)
+    summary = report.summarize(results, s)
+    return {c["check"]: c for c in checks.evaluate(results, summary, {}, {}, s, "cpu", 0.05)}, summary
+
+
+LEARNING = [0.35, 0.45, 0.55, 0.65, 0.75, 0.8]
+
+
+def test_checks_pass_on_a_learning_run_that_int8_tis_tracks():
+    res = _results({v: LEARNING for v in VARIANTS})
+    checks, _ = _verdict(res)
+    assert all(c["ok"] for c in checks.values()), [c for c in checks.values() if not c["ok"]]
+
+
+@pytest.mark.parametrize("case", ["flat", "starts_solved", "int8_tis_lags", "weights_all_1", "weights_absent",
+                                  "loss_unchanged", "weights_in_int8"])
+def test_each_check_can_fail(case):
+    curves = {v: LEARNING for v in VARIANTS}
+    kw = {}
+    expect = None
+    if case == "flat":
+        curves = {v: [0.4] * 6 for v in VARIANTS}
+        expect = "bf16 GRPO learns (final - first reward >= margin)"
+    elif case == "starts_solved":
+        curves = {v: [0.97, 0.98, 0.99, 1.0, 1.0, 1.0] for v in VARIANTS}
+        expect = "task starts neither solved nor hopeless (bf16 first reward)"
+    elif case == "int8_tis_lags":
+        curves["int8+tis"] = [0.35, 0.4, 0.42, 0.45, 0.45, 0.46]
+        expect = "int8+tis final reward within the seed-spread bound of bf16"
+    elif case == "weights_all_1":
+        kw["tis_weights"] = {"mean": 1.0, "min": 1.0, "max": 1.0, "frac_not_1": 0.0, "clip_frac": 0.0, "n": 100}
+        expect = "int8+tis: TIS weights in the loss"
+    elif case == "loss_unchanged":
+        kw["loss_delta"] = 0.0
+        expect = "int8+tis: TIS weights in the loss"
+    res = _results(curves, **kw)
+    if case == "weights_absent":
+        for row in res["int8+tis"]["rows"]:
+            row["tis_weights"] = None
+            row.pop("loss_without_tis")
+        expect = "int8+tis: TIS weights in the loss"
+    elif case == "weights_in_int8":
+        for row in res["int8"]["rows"]:
+            row["tis_weights"] = {"mean": 1.0, "min": 0.9, "max": 1.1, "frac_not_1": 0.9, "clip_frac": 0.0, "n": 1}
+        expect = "int8: no TIS weights in the loss"
+    checks, _ = _verdict(res)
+    assert checks[expect]["ok"] is False, checks[expect]
+    # kw applies to both TIS variants: the fp32-head one fails the same way
+    others = [c for name, c in checks.items() if not c["ok"] and name != expect
+              and not (kw and name == "int8+tis+fp32head: TIS weights in the loss")]
+    if case not in ("starts_solved",):  # an already solved task cannot rise either
+        assert not others, others
+
+
+def test_tracking_bound_grows_with_the_seed_spread():
+    res = _results({v: LEARNING for v in VARIANTS})
+    _, tight = _verdict(res)
+    for row in res["int8+tis"]["rows"]:
+        row["reward"] += 0.15 * (row["seed"] - 1)
+    _, loose = _verdict(res)
+    assert loose["bounds"]["int8+tis_vs_bf16"]["bound"] > 2 * tight["bounds"]["int8+tis_vs_bf16"]["bound"]
