@@ -48,6 +48,7 @@ ROOT = os.path.dirname(HERE)
 PREFIX = "@npu_flashrl@ "
 TIMEOUT_S = 600
 BUCKET_BYTES = 1 << 20
+SIZES = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.n=1")
 
 
 def megatron_overlay():
@@ -148,10 +149,16 @@ def megatron_rig(int8_ready):
     dirs, hf = [], []
     for seed in range(4):  # bf16 checkpoints: Megatron's Float16Module holds bf16 parameters
         d = os.path.join(root, f"qwen2_w{seed}")
-        hf.append(build_tiny_qwen2(d, seed=seed, config_overrides=SHAPE, tokenizer=False))
+        # with a tokenizer: verl's engine reads its pad_token_id in forward_step
+        hf.append(build_tiny_qwen2(d, seed=seed, config_overrides=SHAPE, tokenizer=seed == 0))
         dirs.append(d)
     handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
-    ranks = EngineRanks(dirs[0], world=2, tp=2, handle=handle)
+    # the trainer side as activation leaves it with FLASHRL_LMHEAD_FP32=1: npu_flashrl's engine
+    # patches applied before verl builds the engine (they do not change the exported weights)
+    from npu_flashrl.adapters.megatron import ENGINE_PATCHES
+
+    ranks = EngineRanks(dirs[0], world=2, tp=2, handle=handle, patches=ENGINE_PATCHES,
+                        environ={"FLASHRL_LMHEAD_FP32": "1"})
     yield dict(root=root, dirs=dirs, hf=hf, ranks=ranks, handle=handle, int8_ready=int8_ready)
     ranks.close()
     for k, v in saved.items():
@@ -202,3 +209,76 @@ def test_three_syncs_equal_fresh_load(megatron_rig, fn):
             _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
             assert len(buckets) > 1 and _split_layers("qwen2", buckets), buckets
 
+
+def test_lmhead_fp32_on_the_engine_log_prob_path(megatron_rig):
+    """FLASHRL_LMHEAD_FP32=1 on verl 0.9.1's Megatron engine at TP=2 (vocab-parallel head): the
+    patch `megatron_engine_lmhead_fp32` gave the built model's output_layer the fp32 forward;
+    verl's log-prob pass (`infer_batch`: `forward_step` -> `_lm_head_logits_processor` ->
+    `vocab_parallel_log_probs_from_logits`) then gets fp32 logits computed in fp32, each rank
+    its half of the vocabulary, and log-probs >10x closer to a float64 head than verl's bf16
+    head gives (whose logits Megatron's Float16Module only casts to fp32 afterwards)."""
+    ranks = megatron_rig["ranks"]
+    ranks.tell(call="megatron_rank_calls:lmhead_fp32")
+    for raw in ranks.expect("result"):
+        res = json.loads(raw)
+        assert res["patched"] == [True, True]  # megatron_engine_checks, megatron_engine_lmhead_fp32
+        assert res["tp"] == 2 and res["fp32_head"] and res["param_dtype"] == "torch.bfloat16"
+        on, off = res["on"], res["off"]
+        assert on["hidden_dtype"] == off["hidden_dtype"] == "torch.bfloat16"  # the body stays bf16
+        assert on["local_vocab"] == off["local_vocab"] == 512 // 2  # vocab-parallel
+        assert on["logits_dtype"] == "torch.float32" and off["logits_dtype"] == "torch.bfloat16"
+        assert on["log_probs_dtype"] == "torch.float32"
+        assert res["disabled"]
+        assert on["err"] < 1e-4 and off["err"] > 10 * on["err"], (on, off)
+
+
+def test_tis_reaches_the_megatron_loss(megatron_rig):
+    """TIS as npu_flashrl recommends it on verl 0.9 (decoupled mode, rollout_is=token:
+    `tis_overrides(verl="0.9")`) on verl's own ppo_megatron_trainer config: the actor's
+    `ppo_loss` on the Megatron engine's loss path multiplies the driver's rollout_is_weights
+    into the PPO-clip loss of the engine's own log-probs, and the gradient changes with them."""
+    import torch
+
+    from npu_flashrl.adapters import verl as ad
+    from test_verl091_tis import _masked_mean, _ppo_clip_per_token
+
+    overrides = [*ad.tis_overrides(verl="0.9"), *SIZES]
+    ranks = megatron_rig["ranks"]
+    ranks.tell(call="megatron_rank_calls:tis_loss", kwargs={"overrides": list(overrides)})
+    results = [json.loads(raw) for raw in ranks.expect("result")]
+    res = results[0]
+    assert res["loss_mode"] == "vanilla"
+    w = torch.tensor(res["weights"])  # verl's driver step: truncated IS weights, not all 1
+    assert (w <= res["threshold"]).all() and (w < 0.9).any() and (w > 1.1).any()
+    cfg = _tis_actor_config(overrides)
+    mask = torch.tensor(res["response_mask"], dtype=torch.float32)
+    w = torch.tensor(res["weights"])
+    old, adv = torch.tensor(res["old"]), torch.tensor(res["adv"])
+    for name, weights in (("weighted", w), ("plain", torch.ones_like(w))):
+        run = res[name]
+        cur = torch.zeros_like(old)
+        for i, lp in enumerate(run["log_probs"]):
+            # no-padding row: prompt + valid response; the log-prob of response token j sits at
+            # prompt - 1 + j (verl shifts the labels by one), so the response's are [-(n+1):-1]
+            n = int(mask[i].sum())
+            cur[i, :n] = torch.tensor(lp)[-(n + 1):-1]
+        expected = _masked_mean(_ppo_clip_per_token(cfg, old, cur, adv) * weights, mask)
+        loss = run["loss"][0] if isinstance(run["loss"], list) else run["loss"]
+        assert abs(loss - float(expected)) < 1e-3 * max(1.0, abs(float(expected))), (name, loss, expected)
+    assert res["weighted"]["loss"] != res["plain"]["loss"]
+    assert res["weighted"]["grad_norm"] != res["plain"]["grad_norm"]
+    assert results[1]["weighted"]["loss"] == res["weighted"]["loss"]  # both TP ranks, one loss
+
+
+def _tis_actor_config(overrides):
+    import os as _os
+
+    from omegaconf import OmegaConf
+
+    import verl
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = OmegaConf.load(_os.path.join(_os.path.dirname(verl.__file__), "trainer", "config",
+                                       "_generated_ppo_megatron_trainer.yaml"))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)

@@ -15,12 +15,18 @@ Stand-ins (`install()`; each for what needs a GPU/NPU or a package the CPU stack
   and forks without switching generator state (the CPU has no CUDA generator; dropout is 0 in
   these models and every weight is loaded from the checkpoint);
 - `torch.cuda.current_device()`: "cpu" (Megatron's layers allocate on it), and
-  `nn.Module.cuda()`: a no-op (the bridge moves the built model to the GPU);
+  `nn.Module.cuda()`: a no-op (the bridge moves the built model to the GPU); inside
+  megatron-core's `pipeline_parallel.schedules` and `transformer.utils`, `torch` is a proxy whose
+  tensor factories put `device="cuda"` tensors (a token counter, attention masks) on the CPU;
 - TransformerEngine: megatron-core's local layer spec (`use_transformer_engine=False`) where
   mbridge asks for the TE spec, and the local spec's separate norms
   (`input_layernorm`, `pre_mlp_layernorm`) read as TE's fused names
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) in mbridge's name mapping.
-  Local norms (torch, no Apex) refuse sequence parallel: engines are built with it off;
+  Local norms (torch, no Apex) refuse sequence parallel, and the local `DotProductAttention`
+  takes no packed sequences: engines are built with sequence parallel off and
+  `use_remove_padding=False` (verl's padded "bshd" forward instead of packed "thd"). verl's
+  bshd padding mask ([batch, seq] bool, right padding) is read by the local attention as no
+  mask, i.e. causal only, which is exact for every valid token of a right-padded row;
 - `peft` and HF `datasets`, which verl imports at module level and the CPU stack lacks: empty
   modules while verl's engine is imported;
 - the actor's optimizer and DDP wrapper (megatron-core's optimizer allocates on 'cuda'
@@ -124,6 +130,26 @@ def _stub_absent(names):
     return added
 
 
+class _CpuFactories(types.ModuleType):
+    """`torch`, with `device="cuda"` in its tensor factories read as the CPU."""
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like")
+
+    def __getattr__(self, name):
+        import torch
+
+        fn = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return fn
+
+        def on_cpu(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+                kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        return on_cpu
+
+
 # the local spec's norm names -> TE's fused names, which mbridge's tables know
 _LOCAL_NORMS = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
                 ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
@@ -160,8 +186,23 @@ def install() -> None:
             return contextlib.nullcontext()
 
     mrandom.CudaRNGStatesTracker = CPURNGStatesTracker
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
+
+    schedules.torch = transformer_utils.torch = _CpuFactories("torch")
     torch.cuda.current_device = lambda: "cpu"
     torch.nn.Module.cuda = lambda self, device=None: self
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    attention = DotProductAttention.forward
+
+    def causal_for_padding(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = None
+        return attention(self, query, key, value, attention_mask, *args, **kwargs)
+
+    DotProductAttention.forward = causal_for_padding
 
     from mbridge.core.bridge import Bridge
     from mbridge.core.llm_bridge import LLMBridge
@@ -195,9 +236,10 @@ def build_engine(model_dir: str, tp: int = 1, ep: int = 1, **engine_overrides):
     override.setdefault("sequence_parallel", False)  # local (torch) norms refuse it
     cfg = dict(vanilla_mbridge=True, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                forward_only=True, use_distributed_optimizer=False, sequence_parallel=False,
+               use_remove_padding=False,
                override_transformer_config=override)
     cfg.update(engine_overrides)
-    engine = MegatronEngineWithLMHead(HFModelConfig(path=model_dir, load_tokenizer=False),
+    engine = MegatronEngineWithLMHead(HFModelConfig(path=model_dir),
                                       McoreEngineConfig(**cfg), McoreOptimizerConfig(lr=1e-5),
                                       CheckpointConfig())
     engine.initialize()
@@ -246,8 +288,9 @@ def main(argv=None) -> int:
     verl_transfer.use_cpu_device()
     rank = int(spec["rank"])
     if spec.get("patches"):
-        from npu_flashrl import patches
+        from npu_flashrl import adapters, patches
 
+        adapters.load_all()  # registers the patches, as activation does
         applied = patches.apply_patches(list(spec["patches"]))
         if not all(applied.values()):
             raise SystemExit(f"npu_flashrl patches not applied: {applied}")
@@ -270,7 +313,13 @@ def main(argv=None) -> int:
             import importlib
 
             mod, _, fn = cmd["call"].partition(":")
-            result = getattr(importlib.import_module(mod), fn)(engine, **cmd.get("kwargs", {}))
+            try:
+                result = getattr(importlib.import_module(mod), fn)(engine, **cmd.get("kwargs", {}))
+            except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+                import traceback
+
+                _say("error " + json.dumps(traceback.format_exc()))
+                continue
             _say("result " + json.dumps(result))
     return 0
 
