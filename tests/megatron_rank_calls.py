@@ -169,3 +169,30 @@ def tis_loss(engine, overrides, seed=0):
     out["response_mask"] = mask.tolist()
     out["threshold"] = float(cfg.algorithm.rollout_correction.rollout_is_threshold)
     return out
+
+
+def mindspeed_repatch(engine, seed=0):
+    """What MindSpeed's repatch left in place (stand-in adaptor, tests/mindspeed_standin.py)."""
+    import mindspeed.megatron_adaptor as adaptor
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from npu_flashrl import patches
+    from npu_flashrl.adapters.megatron import engine_091, ensure_mindspeed_before_megatron
+    from npu_flashrl.adapters.megatron import is_fp32_output_layer
+
+    head, seen, hooks = _capture(engine)
+    before = adaptor.CALLS["column_parallel_forward"]
+    with engine.eval_mode():
+        engine.infer_batch(_batch(seed))
+    for h in hooks:
+        h.remove()
+    return {"engine": type(engine).__name__, "order": ensure_mindspeed_before_megatron("npu"),
+            "repatched": adaptor.REPATCHED, "wrapped_before": adaptor.WRAPPED_BEFORE,
+            "gpt_init_wrapped_after": getattr(GPTModel.__dict__["__init__"], patches.ORIGINAL_ATTR,
+                                              None) is not None,
+            "patched": [getattr(getattr(MegatronEngine, m), patches.ORIGINAL_ATTR, None) is not None
+                        for m in ("__init__", "_build_megatron_module")],
+            "fp32_head": is_fp32_output_layer(engine_091._unwrap(engine.module[0])),
+            "logits_dtype": str(seen["logits"].dtype),
+            "column_parallel_calls": adaptor.CALLS["column_parallel_forward"] - before}

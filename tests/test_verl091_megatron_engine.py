@@ -68,10 +68,11 @@ def _free_port():
 class EngineRanks:
     """The trainer's ranks, each a `python -m npu_flashrl.sim.megatron_engine` process."""
 
-    def __init__(self, model_dir, world, tp, handle, ep=1, patches=(), environ=None):
+    def __init__(self, model_dir, world, tp, handle, ep=1, patches=(), environ=None,
+                 engine="megatron", path=()):
         overlay = megatron_overlay()
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
-                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, HERE, overlay,
+                   PYTHONPATH=os.pathsep.join(p for p in (*path, ROOT, HERE, overlay,
                                                           os.environ.get("PYTHONPATH")) if p))
         env.pop("FLASHRL_CONFIG", None)
         env.update(environ or {})
@@ -79,7 +80,7 @@ class EngineRanks:
         self.errs, self.procs, self.lines = [], [], []
         for rank in range(world):
             spec = dict(rank=rank, world=world, port=port, model=model_dir, tp=tp, ep=ep,
-                        handle=handle, patches=list(patches))
+                        handle=handle, patches=list(patches), engine=engine)
             err = tempfile.TemporaryFile()
             self.errs.append(err)
             self.procs.append(subprocess.Popen(
@@ -282,3 +283,36 @@ def _tis_actor_config(overrides):
                                        "_generated_ppo_megatron_trainer.yaml"))
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_patches_survive_mindspeed_repatch(megatron_rig, tmp_path):
+    """verl 0.9.1's NPU engine, `MindspeedEngineWithLMHead`, with a stand-in MindSpeed adaptor
+    (tests/mindspeed_standin.py: patches Megatron attributes at import, `repatch` removes and
+    re-applies them) and FLASHRL_LMHEAD_FP32=1. verl's `_init_device_mesh` runs `repatch` with
+    its config; npu_flashrl's engine patches (on verl's classes) are still in place afterwards,
+    the fp32 head (set on the built output_layer after the repatch) computes fp32 logits and
+    goes through MindSpeed's re-applied ColumnParallelLinear.forward, and the engine check saw
+    MindSpeed imported before Megatron. The pinned line's `megatron_lmhead_fp32` wrapper on
+    `GPTModel.__init__` (a Megatron attribute MindSpeed patches too) does not survive the
+    repatch: why the engine path enables the head after the model is built."""
+    import mindspeed_standin
+
+    from npu_flashrl.adapters.megatron import ENGINE_PATCHES, PATCH_LMHEAD
+
+    ranks = EngineRanks(megatron_rig["dirs"][0], world=1, tp=1, handle="",
+                        patches=(*ENGINE_PATCHES, PATCH_LMHEAD), engine="mindspeed",
+                        environ={"FLASHRL_LMHEAD_FP32": "1"},
+                        path=(mindspeed_standin.write(tmp_path),))
+    try:
+        ranks.tell(call="megatron_rank_calls:mindspeed_repatch")
+        res = json.loads(ranks.expect("result")[0])
+    finally:
+        ranks.close()
+    assert res["engine"] == "MindspeedEngineWithLMHead"
+    assert res["order"] == "already"  # the adaptor came before Megatron in this process
+    assert len(res["repatched"]) == 1 and res["repatched"][0]["use_flash_attn"] is True
+    assert res["wrapped_before"] == [True]  # the pinned line's GPTModel.__init__ wrapper ...
+    assert res["gpt_init_wrapped_after"] is False  # ... is gone after repatch
+    assert res["patched"] == [True, True]  # the engine patches are not Megatron attributes
+    assert res["fp32_head"] and res["logits_dtype"] == "torch.float32"
+    assert res["column_parallel_calls"] > 0  # the head's fp32 forward ran MindSpeed's patch

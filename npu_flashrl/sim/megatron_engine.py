@@ -225,12 +225,20 @@ def install() -> None:
     Bridge._weight_name_mapping_mcore_to_hf = local_norm_names
 
 
-def build_engine(model_dir: str, tp: int = 1, ep: int = 1, **engine_overrides):
-    """verl's own MegatronEngineWithLMHead for the HF checkpoint in `model_dir`, initialized
-    (model built, weights loaded through the bridge). The process group must exist."""
+def build_engine(model_dir: str, tp: int = 1, ep: int = 1, engine: str = "megatron",
+                 **engine_overrides):
+    """verl's own MegatronEngineWithLMHead (engine="mindspeed": its NPU subclass
+    MindspeedEngineWithLMHead, which runs MindSpeed's `repatch` first) for the HF checkpoint in
+    `model_dir`, initialized (model built, weights loaded through the bridge). The process group
+    must exist."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    if engine == "mindspeed":
+        from verl.workers.engine.mindspeed.transformer_impl import (
+            MindspeedEngineWithLMHead as MegatronEngineWithLMHead)
+    else:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     override = dict(engine_overrides.pop("override_transformer_config", {}) or {})
     override.setdefault("sequence_parallel", False)  # local (torch) norms refuse it
@@ -239,11 +247,11 @@ def build_engine(model_dir: str, tp: int = 1, ep: int = 1, **engine_overrides):
                use_remove_padding=False,
                override_transformer_config=override)
     cfg.update(engine_overrides)
-    engine = MegatronEngineWithLMHead(HFModelConfig(path=model_dir),
-                                      McoreEngineConfig(**cfg), McoreOptimizerConfig(lr=1e-5),
-                                      CheckpointConfig())
-    engine.initialize()
-    return engine
+    built = MegatronEngineWithLMHead(HFModelConfig(path=model_dir),
+                                     McoreEngineConfig(**cfg), McoreOptimizerConfig(lr=1e-5),
+                                     CheckpointConfig())
+    built.initialize()
+    return built
 
 
 def init_process_group(rank: int, world: int, port: int) -> None:
@@ -295,7 +303,8 @@ def main(argv=None) -> int:
         if not all(applied.values()):
             raise SystemExit(f"npu_flashrl patches not applied: {applied}")
     init_process_group(rank, int(spec["world"]), int(spec["port"]))
-    engine = build_engine(spec["model"], tp=int(spec.get("tp", 1)), ep=int(spec.get("ep", 1)))
+    engine = build_engine(spec["model"], tp=int(spec.get("tp", 1)), ep=int(spec.get("ep", 1)),
+                          engine=spec.get("engine", "megatron"))
     _say("ready")
     for line in sys.stdin:
         if not line.strip():
