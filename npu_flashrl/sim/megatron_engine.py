@@ -1,4 +1,4 @@
-"""verl 0.9.1's Megatron engine (`verl/workers/engine/megatron/transformer_impl.py`,
+"""server-mode verl's Megatron engine (`verl/workers/engine/megatron/transformer_impl.py`,
 `MegatronEngineWithLMHead`) on a CPU: built, loaded and exporting weights in one process per
 trainer rank, with gloo between the ranks.
 
@@ -9,7 +9,7 @@ EP all-gathered over gloo), megatron-core's `GPTModel` with its tensor-parallel 
 name mapping and q/k/v, gate/up and TP merges, verl's `BucketedWeightSender`.
 
 Stand-ins (`install()`; each for what needs a GPU/NPU or a package the CPU stack cannot have):
-- verl's platform: a CPU `PlatformBase` given to verl's own `set_platform` (verl 0.9.1 has no CPU
+- verl's platform: a CPU `PlatformBase` given to verl's own `set_platform` (server-mode verl has no CPU
   platform; device "cpu", a device module with no-op cache/memory calls, gloo);
 - megatron-core's CUDA RNG-states tracker (`tensor_parallel.random`): one that records the seeds
   and forks without switching generator state (the CPU has no CUDA generator; dropout is 0 in
@@ -33,9 +33,9 @@ Stand-ins (`install()`; each for what needs a GPU/NPU or a package the CPU stack
   unconditionally): the engine is built `forward_only=True`. The weights it exports and the loss
   path (`forward_backward_batch(..., forward_only=False)`, what `train_batch` runs before
   `optimizer_step`) are the actor's.
-- Megatron-Bridge (verl 0.9.1's default, `vanilla_mbridge=False`) needs Python >= 3.12 from
+- Megatron-Bridge (server-mode verl's default, `vanilla_mbridge=False`) needs Python >= 3.12 from
   0.4 on (verl's `megatron` extra pins 0.5.2): the CPU stack runs on 3.11, so the engine uses
-  mbridge (`vanilla_mbridge=True`), the bridge verl 0.9's Ascend install script installs.
+  mbridge (`vanilla_mbridge=True`), the bridge server-mode verl's Ascend install script installs.
 
 Rank process: `python -m npu_flashrl.sim.megatron_engine JSON` (JSON: rank, world, port, model,
 tp, ep, handle) builds the engine, prints PREFIX+"ready", then reads one JSON command per line
