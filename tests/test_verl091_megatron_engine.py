@@ -71,7 +71,7 @@ class EngineRanks:
     """The trainer's ranks, each a `python -m npu_flashrl.sim.megatron_engine` process."""
 
     def __init__(self, model_dir, world, tp, handle, ep=1, patches=(), environ=None,
-                 engine="megatron", path=()):
+                 engine="megatron", path=(), pp=1):
         overlay = megatron_overlay()
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
                    PYTHONPATH=os.pathsep.join(p for p in (*path, ROOT, HERE, overlay,
@@ -81,7 +81,7 @@ class EngineRanks:
         port = _free_port()
         self.errs, self.procs, self.lines = [], [], []
         for rank in range(world):
-            spec = dict(rank=rank, world=world, port=port, model=model_dir, tp=tp, ep=ep,
+            spec = dict(rank=rank, world=world, port=port, model=model_dir, tp=tp, ep=ep, pp=pp,
                         handle=handle, patches=list(patches), engine=engine)
             err = tempfile.TemporaryFile()
             self.errs.append(err)
@@ -378,3 +378,30 @@ def test_moe_three_syncs_equal_fresh_int8_load(moe_rig):
             ranks.expect("sent")
             _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
             assert len(buckets) > 1 and _split_layers("qwen3_moe", buckets), buckets
+
+
+def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
+    """Pipeline parallel 2 (one decoder layer per stage, TP 1): the export (mbridge broadcasts each
+    stage's tensors over the PP group, layer numbers made global) is every HF tensor once on both
+    ranks, and two syncs from it into the INT8 rollout equal fresh INT8 loads."""
+    _need_int8(megatron_rig["int8_ready"])
+    rig, fn = megatron_rig, "int8_profile_free"
+    ranks = EngineRanks(rig["dirs"][0], world=2, tp=1, pp=2, handle=rig["handle"])
+    try:
+        ranks.tell(names=True)
+        want = {n: list(p.shape) for n, p in rig["hf"][0].named_parameters()}
+        for raw in ranks.expect("names"):
+            exported = json.loads(raw)
+            assert len(exported) == len(want) and {n: sh for n, sh, _ in exported} == want
+        with _build(rig, 0, fn) as v:
+            worker, buckets = _worker(v)
+            ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+            for i in (2, 1):
+                ranks.tell(load=rig["dirs"][i])
+                ranks.expect("loaded")
+                ranks.tell(send=True, bucket_bytes=BUCKET_BYTES)
+                worker.update_weights_from_ipc(use_shm=True)
+                ranks.expect("sent")
+                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+    finally:
+        ranks.close()

@@ -43,7 +43,7 @@ Stand-ins (`install()`; each for what needs a GPU/NPU or a package the CPU stack
   mbridge (`vanilla_mbridge=True`), the bridge verl 0.9's Ascend install script installs.
 
 Rank process: `python -m npu_flashrl.sim.megatron_engine JSON` (JSON: rank, world, port, model,
-tp, ep, handle) builds the engine, prints PREFIX+"ready", then reads one JSON command per line
+tp, ep, pp, engine, handle) builds the engine, prints PREFIX+"ready", then reads one JSON command per line
 on stdin: `{"load": DIR}` loads DIR's HF weights into the engine through the bridge (the
 trainer's weights after a step), `{"send": true, "bucket_bytes": N}` runs `get_per_tensor_param`
 and sends it with verl's sender (rank 0, to `handle`; other ranks take part in the export's
@@ -342,7 +342,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"npu_flashrl patches not applied: {applied}")
     init_process_group(rank, int(spec["world"]), int(spec["port"]))
     engine = build_engine(spec["model"], tp=int(spec.get("tp", 1)), ep=int(spec.get("ep", 1)),
-                          engine=spec.get("engine", "megatron"))
+                          engine=spec.get("engine", "megatron"),
+                          pipeline_model_parallel_size=int(spec.get("pp", 1)))
     _say("ready")
     for line in sys.stdin:
         if not line.strip():
