@@ -178,6 +178,13 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
             server_091.check_verl_config(lambda key: _select(config, key, None), env)
         except server_091.ServerModeError as exc:
             raise RolloutModeError(str(exc)) from None
+        from npu_flashrl.adapters.verl import checkpoint_engine
+
+        try:  # checkpoint engines (one-step-off / fully-async): what cannot feed an INT8 rollout
+            checkpoint_engine.check_config(lambda key: _select(config, key, None),
+                                           checkpoint_engine.config_from(env))
+        except checkpoint_engine.CheckpointEngineError as exc:
+            raise RolloutModeError(str(exc)) from None
     elif flashrl:
         mode = _select(config, "actor_rollout_ref.rollout.mode", None)
         if mode is None or str(mode).strip().lower() != "sync":

@@ -18,6 +18,7 @@ import torch
 from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters.vllm_ascend import experts as _experts
 from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl.adapters.vllm_ascend import wire as _wire
 from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
@@ -214,9 +215,19 @@ class Int8WeightLoader:
                 # refuse a bad call before writing anything of it
                 weights = [self._item(i, w) for i, w in enumerate(weights)]
                 for name, tensor in weights:
-                    self._validate(name, tensor)
+                    wired = _wire.wire_weight(self, name, tensor)  # INT8 wire (wire.py)
+                    if wired is None:
+                        self._validate(name, tensor)
+                    else:
+                        _wire.validate(self, name, wired, tensor)
             for i, item in enumerate(weights):
                 name, tensor = item if checked else self._item(i, item)
+                wired = _wire.wire_weight(self, name, tensor)
+                if wired is not None:  # pre-quantized: staged as it is (wire.py)
+                    if not checked:
+                        _wire.validate(self, name, wired, tensor)
+                    loaded |= _wire.stage(self, name, wired, tensor, borrowed=checked)
+                    continue
                 target = self.targets.get(name)
                 expert = self.experts.get(name)
                 if not checked:
@@ -244,6 +255,7 @@ class Int8WeightLoader:
                     self._commit(target)
             if buffer:
                 loaded |= self._flush(buffer)
+            _wire.keep_pending(self)
         except Exception as exc:
             # Staged (uncommitted) shards of this sync are dropped: their layers keep their
             # previous weights. Anything already written this sync makes the model inconsistent.
@@ -447,9 +459,14 @@ class Int8WeightLoader:
         return None
 
     def _stage(self, target: _Target, name: str, tensor: torch.Tensor) -> None:
+        q, scale = self._quantize(name, tensor)
+        self._stage_quantized(target, name, q, scale)
+
+    def _stage_quantized(self, target: _Target, name: str, q: torch.Tensor,
+                         scale: Optional[torch.Tensor]) -> None:
+        """Stage one shard's int8 [out, in] and fp32 scale [out] (None: keep the scales)."""
         shard = _Target.shard_of(name)
         idx = target.shards.index(shard)
-        q, scale = self._quantize(name, tensor)
         st = self._pending.get(target.path)
         layer = target.layer
         if st is None:
@@ -489,6 +506,13 @@ class Int8WeightLoader:
         if name not in target.local:
             return False
         q, scale = self._quantize(name, tensor)
+        return self._stage_expert_quantized(target, name, q, scale)
+
+    def _stage_expert_quantized(self, target, name: str, q: torch.Tensor,
+                                scale: Optional[torch.Tensor]) -> bool:
+        """Stage one expert shard's int8 and fp32 scale; commit its layer when complete."""
+        if name not in target.local:
+            return False
         if scale is None:  # the profile quantizer keeps scales: refused at attach for MoE
             raise WeightSyncError(f"{name}: {self.quantizer.name} gives no expert scales")
         st = self._pending.get(target.path)

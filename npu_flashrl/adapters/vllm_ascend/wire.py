@@ -1,0 +1,142 @@
+"""The INT8 wire, receiver side: commit pre-quantized W8A8_DYNAMIC shards in place.
+
+The trainer (`npu_flashrl.quant.wire`) sends a projection as `<p>.weight` int8 [out, in] and
+`<p>.weight_scale` fp32 [out, 1], quantized by the rollout's own kernel and compute dtype. This
+module is what `Int8WeightLoader.load_weights` (reload.py) asks about every tensor of a sync into
+a processed model:
+
+- `wire_weight(loader, name, tensor)`: the projection weight a tensor belongs to when it is a wire
+  tensor (an int8 projection weight, or a projection's `weight_scale` / `weight_offset`), else None;
+- `validate(...)`: refuse it by name before anything is written (dtype, shape, a NaN / Inf / <= 0
+  scale, a non-zero offset, a loader whose quantizer keeps its own scales);
+- `stage(...)`: hold a weight until its scale arrived (or the other way round; they may come in
+  different buckets), then hand the pair to the loader's staging (`_stage_quantized`,
+  `_stage_expert_quantized`): the same staging buffers, the same per-layer commit, the same
+  derived tensors as a float sync, only without quantizing again.
+
+A pair still incomplete at the end of the sync is a missing shard: it lives in the loader's
+`_pending` table like a half-received fused layer, so `end_sync` names it and drops it, and a
+failed call drops it with everything else staged.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Set
+
+import torch
+
+from npu_flashrl.quant import WeightSyncError
+from npu_flashrl.quant.wire import OFFSET_SUFFIX, SCALE_SUFFIX, scale_name
+
+_KEY = "wire:"
+# the only quantizer whose scales the trainer can reproduce (fresh absmax/127 per row)
+WIRE_FN = "int8_profile_free"
+
+
+class WirePair:
+    """One projection's int8 weight and scale of this sync, until both have arrived."""
+
+    def __init__(self, weight_name: str):
+        self.name = weight_name
+        self.q: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
+        self.borrowed = False  # holds views of the caller's (bucket) tensors
+        self.received: Set[str] = set()
+
+    def missing(self) -> List[str]:
+        return [n for n, t in ((self.name, self.q), (scale_name(self.name), self.scale)) if t is None]
+
+    def buffers(self):
+        return tuple(t for t in (self.q, self.scale) if t is not None)
+
+    def keep(self) -> None:
+        """Copy what is held out of the caller's tensors (a bucket buffer is reused)."""
+        if self.borrowed:
+            self.q = None if self.q is None else self.q.clone()
+            self.scale = None if self.scale is None else self.scale.clone()
+            self.borrowed = False
+
+
+def _layer(loader, weight_name: str):
+    return loader.targets.get(weight_name) or loader.experts.get(weight_name)
+
+
+def wire_weight(loader, name: str, tensor) -> Optional[str]:
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        return None
+    if tensor.dtype == torch.int8 and _layer(loader, name) is not None:
+        return name
+    for suffix in (SCALE_SUFFIX, OFFSET_SUFFIX):
+        if name.endswith("." + suffix):
+            weight = name[: -len(suffix)] + "weight"
+            if _layer(loader, weight) is not None:
+                return weight
+    return None
+
+
+def validate(loader, name: str, weight_name: str, tensor: torch.Tensor) -> None:
+    if getattr(loader.quantizer, "name", None) != WIRE_FN:
+        raise WeightSyncError(
+            f"{name}: an INT8-wire tensor reached a rollout whose fn is "
+            f"{getattr(loader.quantizer, 'name', '?')!r}; the INT8 wire carries fresh per-channel "
+            f"scales and needs fn '{WIRE_FN}' (FlashRL's `int8` profile scales live on the rollout "
+            "only). Drop `wire: int8` from the FlashRL config entry or use fn int8_profile_free")
+    out = loader.targets[weight_name].full_shape(weight_name) if weight_name in loader.targets \
+        else loader.experts[weight_name].full_shape(weight_name)
+    out_rows = tuple(out)[0]
+    if name == weight_name:
+        if tuple(tensor.shape) != tuple(out):
+            raise WeightSyncError(f"{name}: expected int8 shape {tuple(out)}, got {tuple(tensor.shape)}")
+        return
+    if not tensor.is_floating_point():
+        raise WeightSyncError(f"{name}: expected a floating-point scale/offset, got {tensor.dtype}")
+    if tuple(tensor.shape) not in ((out_rows,), (out_rows, 1)):
+        raise WeightSyncError(f"{name}: expected shape ({out_rows}, 1) (W8A8_DYNAMIC, one per output "
+                              f"row of {weight_name}), got {tuple(tensor.shape)}")
+    if name.endswith(OFFSET_SUFFIX):
+        if tensor.numel() and bool(tensor.ne(0).any()):
+            raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
+                                  "(W8A8_DYNAMIC offsets are zero)")
+        return
+    if tensor.numel():
+        lo, hi = torch.aminmax(tensor.float())
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
+        if float(lo) <= 0:
+            raise WeightSyncError(f"{name}: scales must be > 0, got min {float(lo)}; refusing the sync")
+
+
+def stage(loader, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool) -> Set[str]:
+    """Take one wire tensor; stage the projection once its weight and scale are both here.
+    `borrowed`: the tensor is a view the caller reuses after this call (kept past the call only
+    through `keep_pending`). Returns the names loaded."""
+    if name.endswith("." + OFFSET_SUFFIX):
+        return {name}  # validated zero; the commit zeroes the live offset
+    key = _KEY + weight_name
+    pair = loader._pending.get(key)
+    if pair is None:
+        pair = loader._pending[key] = WirePair(weight_name)
+    if name == weight_name:
+        pair.q = tensor if borrowed else tensor.clone()
+    else:
+        pair.scale = tensor if borrowed else tensor.clone()
+    pair.borrowed = pair.borrowed or borrowed
+    pair.received.add(name)
+    if pair.q is None or pair.scale is None:
+        return {name}
+    del loader._pending[key]
+    scale = pair.scale.reshape(-1).float()
+    if weight_name in loader.experts:
+        loader._stage_expert_quantized(loader.experts[weight_name], weight_name, pair.q, scale)
+        return {weight_name, scale_name(weight_name)}
+    target = loader.targets[weight_name]
+    loader._stage_quantized(target, weight_name, pair.q, scale)
+    if len(loader._pending[target.path].received) == len(target.shards):
+        loader._commit(target)
+    return {weight_name, scale_name(weight_name)}
+
+
+def keep_pending(loader) -> None:
+    """End of a load_weights call: incomplete pairs copy what they hold of the caller's tensors."""
+    for key, st in loader._pending.items():
+        if key.startswith(_KEY):
+            st.keep()
