@@ -172,7 +172,11 @@ def test_int8_wire_sync_equals_float_wire_sync(rig, arch):
         wire = sum(f.get_tensor(n).numel() + f.get_tensor(n[:-6] + "weight_scale").numel() * 4
                    for n in projections)
         bf16 = sum(g.get_tensor(n).numel() * 2 for n in projections)
-    assert bf16 / wire >= 1.95, (bf16, wire)
+        cols = {g.get_tensor(n).shape[1] for n in projections}
+    # one int8 per weight plus one fp32 scale per output row: bf16/int8 = 2 in / (in + 4), 1.94
+    # at the tiny MoE's in=128, 1.997 at Qwen2.5-7B's 3584 (benchmarks/sync.py)
+    assert bf16 / wire >= 2 * min(cols) / (min(cols) + 4) - 1e-9, (bf16, wire)
+    assert bf16 / wire > 1.9
 
 
 @pytest.mark.parametrize("arch,fault", [

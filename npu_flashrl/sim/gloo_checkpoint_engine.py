@@ -64,12 +64,16 @@ class GlooCheckpointEngine(CheckpointEngine):
         is_master: trainer rank 0 (the only sender).
         host: address the master's store listens on (default 127.0.0.1: one machine).
         timeout_s: bound on every collective.
+        rebuild_group: a new group at every sync (HCCLCheckpointEngine's option; lets several
+            trainers, e.g. a test's, take turns feeding one rollout).
     """
 
     def __init__(self, bucket_size: int, is_master: bool = False, host: str = "127.0.0.1",
-                 timeout_s: float = 120.0, **_: Any) -> None:
+                 timeout_s: float = 120.0, rebuild_group: bool = False, **_: Any) -> None:
         self.bucket_size = int(bucket_size)
         self.is_master = is_master
+        self.rebuild_group = rebuild_group
+        self.master: Optional[MasterMetadata] = None
         self.host = host
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
         self.port = _free_port(host) if is_master else None
@@ -83,6 +87,8 @@ class GlooCheckpointEngine(CheckpointEngine):
     # ----------------------------------------------------------------- verl's engine protocol
     def prepare(self) -> Optional[MasterMetadata]:
         self.buffer = torch.zeros(self.bucket_size, dtype=torch.uint8)
+        if self.is_master and self.rebuild_group:
+            self.port = _free_port(self.host)
         return MasterMetadata(self.host, self.port) if self.is_master else None
 
     @classmethod
@@ -100,7 +106,10 @@ class GlooCheckpointEngine(CheckpointEngine):
         if rank < 0:
             self.rank, self.world_size = rank, world_size
             return
+        if self.group is not None and master_metadata != self.master:
+            self.group = self.store = None  # a new master (rebuilt group, or a failed sync's)
         if self.group is None:
+            self.master = master_metadata
             self.store = torch.distributed.TCPStore(master_metadata.host, master_metadata.port,
                                                     world_size, is_master=rank == 0,
                                                     timeout=self.timeout)
@@ -115,6 +124,8 @@ class GlooCheckpointEngine(CheckpointEngine):
 
     def finalize(self):
         self.buffer = None
+        if self.rebuild_group:
+            self.group = self.store = None
 
     # ----------------------------------------------------------------- transfer
     def _broadcast(self, t: torch.Tensor) -> None:

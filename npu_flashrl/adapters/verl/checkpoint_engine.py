@@ -193,7 +193,9 @@ def _wrap_update(original):
 @patches.register(PATCH_WIRE, _WORKER, VERSIONS,
                   "wire: int8: the trainer sends projections as int8 + scale (W8A8_DYNAMIC names)")
 def _apply_wire() -> None:
-    patches.replace(_WORKER, _wrap_update)
+    # verl's worker module is imported by trainer processes only: patch it when it is imported
+    # there, never import it (and its dataset / FSDP dependencies) everywhere else
+    patches.when_imported(_WORKER.split(":")[0], lambda _module: patches.replace(_WORKER, _wrap_update))
 
 
 def install() -> dict:
