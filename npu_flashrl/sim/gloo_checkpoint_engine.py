@@ -203,3 +203,62 @@ class GlooCheckpointEngine(CheckpointEngine):
 
         return {"pid": os.getpid(), "stats": dict(self.stats),
                 "patches": sorted(p["name"] for p in patches.status() if p.get("applied"))}
+
+
+# ----------------------------------------------------------------------------- a trainer process
+
+def main(argv=None) -> int:
+    """`python -m npu_flashrl.sim.gloo_checkpoint_engine PORT WORLD BUCKET_BYTES FILE [FILE ...]`:
+    a trainer rank 0 that serves the group on 127.0.0.1:PORT and sends each file (a
+    `verl_transfer.save_weights` file, in its order) as one sync, for a receiver started with
+    `GlooCheckpointEngine.connect`. Prints `sent <seconds>` after each."""
+    import json
+    import sys
+    import time
+
+    from safetensors import safe_open
+
+    argv = sys.argv[1:] if argv is None else argv
+    port, world, bucket = int(argv[0]), int(argv[1]), int(argv[2])
+    engine = GlooCheckpointEngine(bucket, is_master=True)
+    engine.port = port
+    engine.prepare()
+    engine.init_process_group(0, world, MasterMetadata(engine.host, port))
+    for path in argv[3:]:
+        with open(path + ".order") as f:
+            order = json.load(f)
+        with safe_open(path, "pt") as f:
+            t0 = time.perf_counter()
+            asyncio.run(engine.send_weights((n, f.get_tensor(n)) for n in order))
+        print(f"sent {time.perf_counter() - t0:.4f}", flush=True)
+    return 0
+
+
+def connect(port: int, rank: int, world: int, bucket_bytes: int,
+            timeout_s: float = 300.0) -> GlooCheckpointEngine:
+    """A receiving rank of the group `main` serves (rollout side)."""
+    engine = GlooCheckpointEngine(bucket_bytes, timeout_s=timeout_s)
+    engine.prepare()
+    engine.init_process_group(rank, world, MasterMetadata(engine.host, port))
+    return engine
+
+
+def iter_received(engine: GlooCheckpointEngine):
+    """One sync's (name, tensor) pairs as a plain generator (the engine's is async); each tensor
+    is a view of the bucket and valid until the next item is asked for."""
+    loop = asyncio.new_event_loop()
+    agen = engine.receive_weights()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
