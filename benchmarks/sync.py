@@ -137,11 +137,29 @@ def sync_ce(rollout, path, bucket_bytes):
     try:
         engine = gce.connect(port, 1, 2, bucket_bytes)
         rollout.begin()
+        pulled = [0.0]
+
+        def received():
+            # The engine's tensors are views of its bucket: copied out, as verl's
+            # CheckpointEngineWorker copies them into its BucketedWeightSender's buffer. Time spent
+            # waiting for the broadcast is transfer, not receiver.
+            it = gce.iter_received(engine)
+            while True:
+                t = time.perf_counter()
+                item = next(it, None)
+                if item is not None:
+                    item = (item[0], item[1].clone())
+                pulled[0] += time.perf_counter() - t
+                if item is None:
+                    return
+                yield item
+
         with PeakMemory() as mem:
             t0 = time.perf_counter()
-            rollout.load(gce.iter_received(engine))
+            rollout.load(received())
             rollout.end()
             total = time.perf_counter() - t0
+        rollout.seconds -= pulled[0]
         out = proc.communicate(timeout=600)[0]
         if proc.returncode != 0 or "sent" not in out:
             raise RuntimeError(f"gloo trainer process failed ({proc.returncode}): {out[-2000:]}")
