@@ -254,6 +254,7 @@ def _server_cls():
             self._resume_event = asyncio.Event()
             self._resume_event.set()
             self.steps: List[dict] = []
+            self.finished: List[dict] = []
             self._load: List[asyncio.Task] = []
 
         def ready(self) -> dict:
@@ -283,6 +284,9 @@ def _server_cls():
                     if self.engine.paused:
                         reason = "aborted"
                         break
+                    if getattr(self, "_stop", False):
+                        reason = "stopped"
+                        break
                     # a decode step: the weights every layer holds right now
                     self.steps.append({"request": request_id, "t": time.monotonic(),
                                        "global_steps": self.global_steps,
@@ -291,7 +295,13 @@ def _server_cls():
                     steps += 1
             finally:
                 states.pop(request_id, None)
-            return {"request_id": request_id, "steps": steps, "stop_reason": reason}
+            out = {"request_id": request_id, "steps": steps, "stop_reason": reason,
+                   "t": time.monotonic()}
+            self.finished.append(out)
+            return out
+
+        def count_steps(self, global_steps=None) -> int:
+            return sum(1 for s in self.steps if global_steps is None or s["global_steps"] == global_steps)
 
         async def start_load(self, clients: int, max_steps: int) -> None:
             """verl's agent loop stand-in: `clients` callers that resubmit their request when it
@@ -306,10 +316,11 @@ def _server_cls():
 
             self._load = [asyncio.ensure_future(client(k)) for k in range(clients)]
 
-        async def stop_load(self) -> List[dict]:
+        async def stop_load(self) -> dict:
             self._stop = True
             await asyncio.gather(*self._load, return_exceptions=True)
-            steps, self.steps = self.steps, []
-            return steps
+            out = {"steps": self.steps, "finished": self.finished}
+            self.steps, self.finished = [], []
+            return out
 
     return SimVllmServer
