@@ -135,7 +135,11 @@ def sync_ce(rollout, path, bucket_bytes):
                              str(port), "2", str(bucket_bytes), path], env=_env(),
                             stdout=subprocess.PIPE, text=True)
     try:
-        engine = gce.connect(port, 1, 2, bucket_bytes)
+        try:
+            engine = gce.connect(port, 1, 2, bucket_bytes, timeout_s=180)
+        except Exception as exc:  # noqa: BLE001 - say what the trainer process did
+            raise RuntimeError(f"gloo trainer process (exit code {proc.poll()}) never served the "
+                               f"group: {exc}".splitlines()[0]) from None
         rollout.begin()
         pulled = [0.0]
 
@@ -191,7 +195,8 @@ def main(argv=None):
 
     patches.apply_patches(list(vllm_ascend.PATCHES))
     cfg = dict(QWEN25_7B, num_hidden_layers=args.layers, **(TINY if args.tiny else {}))
-    bucket = (64 << 10) if args.tiny else args.bucket_mb << 20
+    # a tensor must fit one bucket (verl asserts it on shared memory): the tiny embedding is 512 KB
+    bucket = (1 << 20) if args.tiny else args.bucket_mb << 20
     root = tempfile.mkdtemp(prefix="npu_flashrl_bench_sync_")
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -219,7 +224,15 @@ def main(argv=None):
                 for transport in ("shm", "ce"):
                     fn = (lambda r, p: sync_shm(r, p, bucket, sender)) if transport == "shm" \
                         else (lambda r, p: sync_ce(r, p, bucket))
-                    total, recv, peak = fn(rollout, files[k])
+                    print(f"  {k}) {LABELS[k]} via {transport} ...", flush=True)
+                    if sender.proc.poll() is not None:
+                        raise RuntimeError(f"verl sender process exited: {sender.stderr_tail()}")
+                    try:
+                        total, recv, peak = fn(rollout, files[k])
+                    except RuntimeError as exc:  # reported in the table; the other runs go on
+                        print(f"     failed: {exc}", flush=True)
+                        results[(k, transport)] = {"failed": str(exc)}
+                        continue
                     q = quant_s if k in "cd" else 0.0
                     results[(k, transport)] = {"quantize_s": q, "transfer_s": total - recv,
                                                "receiver_s": recv, "end_to_end_s": q + total,
@@ -234,6 +247,9 @@ def main(argv=None):
     print(f"\n{'variant':<28}{'via':>5}{'quant s':>9}{'transfer s':>12}{'receiver s':>12}"
           f"{'total s':>9}{'wire MB':>9}{'peak MB':>9}")
     for (k, tr), r in results.items():
+        if "failed" in r:
+            print(f"{k}) {LABELS[k]:<25}{tr:>5}  failed: {r['failed'][:80]}")
+            continue
         print(f"{k}) {LABELS[k]:<25}{tr:>5}{r['quantize_s']:>9.3f}{r['transfer_s']:>12.3f}"
               f"{r['receiver_s']:>12.3f}{r['end_to_end_s']:>9.3f}{r['wire_bytes'] / 2**20:>9.1f}"
               f"{r['peak_extra_bytes'] / 2**20:>9.1f}")
@@ -241,6 +257,11 @@ def main(argv=None):
     ratios = {}
     for tr in ("shm", "ce"):
         b, c, d = results[("b", tr)], results[("c", tr)], results.get(("d", tr))
+        if "failed" in b or "failed" in c:
+            print(f"\n[{tr}] (b) or (c) failed: no ratios")
+            continue
+        if d is not None and "failed" in d:
+            d = None
         ratios[tr] = {"bytes": b["wire_bytes"] / c["wire_bytes"],
                       "receiver_b_c": b["receiver_s"] / c["receiver_s"],
                       "end_to_end_b_c": b["end_to_end_s"] / c["end_to_end_s"]}
