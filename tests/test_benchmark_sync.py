@@ -23,7 +23,7 @@ def test_sync_benchmark_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sync.py"), "--tiny",
                           "--layers", "2", "--threads", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+                         capture_output=True, text=True, timeout=1500, env=env, cwd=str(tmp_path))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     for line in ("bytes bf16/int8 = ", "receiver b/c = ", "layerwise/in-place = ",
                  "end-to-end b/c = "):
