@@ -87,12 +87,17 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
 
             names.append(hf_adapter.PATCH_NAME)
         if _installed("megatron-core") or "megatron" in sys.modules:
+            from npu_flashrl import compat
             from npu_flashrl.adapters import megatron as megatron_adapter
 
-            # wait for verl's Megatron worker module; cheap when the FSDP backend is used
-            names += list(megatron_adapter.PATCHES)
-            if lmhead_fp32_requested():
-                names.append(megatron_adapter.PATCH_LMHEAD)
+            # wait for verl's Megatron worker module (server-mode verl: its Megatron engine module);
+            # cheap when the FSDP backend is used
+            if compat.verl_server_mode():
+                names += list(megatron_adapter.ENGINE_PATCHES)
+            else:
+                names += list(megatron_adapter.PATCHES)
+                if lmhead_fp32_requested():
+                    names.append(megatron_adapter.PATCH_LMHEAD)
     vllm_engine.set_config(cfg)  # what each engine then gets lives in that engine's config only
     return patches.apply_patches(names)
 

@@ -28,7 +28,7 @@ OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 # pins key -> (distribution names to try, required?)
 _REQUIRED = {"torch": True, "vllm": True, "vllm_ascend": True, "transformers": True,
              "torch_npu": False, "verl": False, "flash_llm_rl": False, "mindspeed": False,
-             "megatron_core": False}
+             "megatron_core": False, "mbridge": False}
 
 
 def _row(check: str, status: str, detail: str, fix: str = "") -> Dict[str, str]:

@@ -69,7 +69,16 @@ import sys
 sys.exit(0 if sys.version_info >= (3, 10) else 1)
 PY
 
-stamp_want="$( (cat "$REQS" "${BASH_SOURCE[0]}" "$ROOT/setup.py"; printf '%s\n' "${abs_sources[@]}") | sha256sum | cut -d' ' -f1)"
+# Optional overlay of the line (requirements/cpu-stack-<line>-megatron.txt): installed with
+# --no-deps into <venv>/megatron-overlay, which is not on the venv's sys.path (tests add it to the
+# processes that need it).
+OVERLAY_REQS="${REQS%.txt}-megatron.txt"
+overlay_pins=()
+if [[ -f "$OVERLAY_REQS" ]]; then
+  mapfile -t overlay_pins < <(awk '/^[[:space:]]*(#|$)/ { next } { print $1 }' "$OVERLAY_REQS")
+fi
+
+stamp_want="$( (cat "$REQS" "${BASH_SOURCE[0]}" "$ROOT/setup.py"; printf '%s\n' "${overlay_pins[@]}" "${abs_sources[@]}") | sha256sum | cut -d' ' -f1)"
 stamp_file="$VENV/.npu_flashrl_stack"
 if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp_want" ]]; then
   log "CPU stack already installed in $VENV (pins unchanged)"
@@ -113,6 +122,10 @@ done
 
 mapfile -t nodeps < <(section nodeps)
 [[ ${#nodeps[@]} -eq 0 ]] || run "${PIP[@]}" install --no-deps -c "$constraints" "${nodeps[@]}"
+
+if [[ ${#overlay_pins[@]} -gt 0 ]]; then
+  run "${PIP[@]}" install --no-deps --upgrade --target "$VENV/megatron-overlay" "${overlay_pins[@]}"
+fi
 
 # The project itself, editable, without re-resolving its (already present) dependencies.
 run "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"

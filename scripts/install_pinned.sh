@@ -17,7 +17,7 @@
 #                                  [--only NAME[,NAME..]] [--skip-checks] [--allow-mismatch]
 #                                  [--no-verify] [--help]
 #   --line names: the lines of the pins file (pinned, current; anything else is refused)
-#   --only names: torch torch_npu vllm vllm_ascend mindspeed megatron_core verl transformers
+#   --only names: torch torch_npu vllm vllm_ascend mindspeed megatron_core mbridge verl transformers
 #                 flash_llm_rl npu_flashrl (anything else is refused)
 #
 # Environment (all optional):
@@ -97,7 +97,7 @@ require_number MAX_JOBS '^[1-9][0-9]{0,3}$' "a whole number of parallel compile 
 require_number SKIP_NPU_CHECK '^[01]$' "0 or 1"
 require_number ALLOW_MISMATCH '^[01]$' "0 or 1"
 
-COMPONENTS=(torch torch_npu vllm vllm_ascend mindspeed megatron_core verl transformers flash_llm_rl npu_flashrl)
+COMPONENTS=(torch torch_npu vllm vllm_ascend mindspeed megatron_core mbridge verl transformers flash_llm_rl npu_flashrl)
 if [[ -n "$ONLY" ]]; then
   IFS=, read -r -a only_names <<<"$ONLY"
   for name in "${only_names[@]}"; do
@@ -487,6 +487,8 @@ done
 install_component vllm_ascend steps_vllm_ascend "${ascend_index_args[@]}"
 install_component mindspeed steps_editable
 install_component megatron_core steps_no_deps
+# mbridge (current line: verl's Megatron engine with vanilla_mbridge=True); its deps are present
+install_component mbridge steps_no_deps --no-deps
 install_component verl steps_verl
 # transformers last among the sources so no requirement file moves it off its commit (a release
 # pin is in the constraints file from the start).

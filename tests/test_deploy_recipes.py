@@ -41,8 +41,18 @@ MOE_INT8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh"
 MOE_BF16 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh"
 MOE_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh"
 MOE_BF16_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh"
-V09_ENTRIES = [V09_INT8, V09_BF16, MOE_INT8, MOE_BF16]
-V09_CONFIGS = [V09_CONFIG, V09_BF16_CONFIG, MOE_CONFIG, MOE_BF16_CONFIG]
+# verl 0.9.1's Megatron / MindSpeed engine (issue 23)
+MEG32_INT8 = EX / "flash_rl" / "grpo_qwen25_32b_megatron_int8_A2_verl09.sh"
+MEG32_BF16 = EX / "flash_rl" / "grpo_qwen25_32b_megatron_bf16_A2_verl09.sh"
+MEG32_CONFIG = EX / "configs" / "test_grpo_qwen25_32b_megatron_int8_A2_verl09.sh"
+MEG32_BF16_CONFIG = EX / "configs" / "test_grpo_qwen25_32b_megatron_bf16_A2_verl09.sh"
+MEGMOE_INT8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_int8_A3_verl09.sh"
+MEGMOE_BF16 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_bf16_A3_verl09.sh"
+MEGMOE_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_int8_A3_verl09.sh"
+MEGMOE_BF16_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_bf16_A3_verl09.sh"
+V09_ENTRIES = [V09_INT8, V09_BF16, MOE_INT8, MOE_BF16, MEG32_INT8, MEG32_BF16, MEGMOE_INT8, MEGMOE_BF16]
+V09_CONFIGS = [V09_CONFIG, V09_BF16_CONFIG, MOE_CONFIG, MOE_BF16_CONFIG, MEG32_CONFIG,
+               MEG32_BF16_CONFIG, MEGMOE_CONFIG, MEGMOE_BF16_CONFIG]
 BUCKET_KEY = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
 
 spec = importlib.util.spec_from_file_location("lint_overrides", EX / "lint_overrides.py")
@@ -345,7 +355,9 @@ def test_verl09_shares_everything_else_with_the_pinned_recipe(inputs):
 @pytest.mark.parametrize("int8, bf16, name", [
     (V09_INT8, V09_BF16, "qwen25_7b_fsdp_bf16_A2_verl09"),
     (MOE_INT8, MOE_BF16, "qwen3_30b_a3b_fsdp_bf16_A3_verl09"),
-], ids=["qwen25_7b", "qwen3_30b_a3b"])
+    (MEG32_INT8, MEG32_BF16, "qwen25_32b_megatron_bf16_A2_verl09"),
+    (MEGMOE_INT8, MEGMOE_BF16, "qwen3_30b_a3b_megatron_bf16_A3_verl09"),
+], ids=["qwen25_7b", "qwen3_30b_a3b", "qwen25_32b_megatron", "qwen3_30b_a3b_megatron"])
 def test_verl09_bf16_twin_differs_only_in_quantization(inputs, int8, bf16, name):
     a = run(int8, dict(inputs["env"], EXPERIMENT_NAME="x"), "--dry-run")
     b = run(bf16, dict(inputs["env"], EXPERIMENT_NAME="x", UPDATE_WEIGHTS_BUCKET_MB="1024"), "--dry-run")
@@ -361,6 +373,45 @@ def test_verl09_bf16_twin_differs_only_in_quantization(inputs, int8, bf16, name)
     assert "FLASHRL_CONFIG" not in plain.stdout and "npu-flashrl" not in plain.stdout
     assert overrides_of(plain.stdout)[BUCKET_KEY] == "2048"
     assert overrides_of(plain.stdout)["trainer.experiment_name"] == name
+
+
+@pytest.mark.parametrize("script, sizes", [
+    (MEG32_INT8, {"tensor_model_parallel_size": "4", "pipeline_model_parallel_size": "4",
+                  "expert_model_parallel_size": "1"}),
+    (MEGMOE_INT8, {"tensor_model_parallel_size": "4", "pipeline_model_parallel_size": "1",
+                   "expert_model_parallel_size": "4", "expert_tensor_parallel_size": "4"}),
+], ids=["qwen25_32b", "qwen3_30b_a3b"])
+def test_verl09_megatron_recipes(inputs, script, sizes):
+    """verl 0.9.1's Megatron engine recipes: ppo_megatron_trainer, the sizes of verl's own Ascend
+    examples (16 NPUs), mbridge export (vanilla_mbridge=True, what npu_flashrl verified into the
+    INT8 reload), actor and ref alike; the GRPO / rollout / TIS / runtime-env part is the FSDP
+    verl09 recipe's; npu_flashrl's driver checks accept the command."""
+    from npu_flashrl.adapters import verl as ad
+
+    proc = run(script, inputs["env"], "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "--config-name=ppo_megatron_trainer" in verl_command(proc.stdout)
+    ov = overrides_of(proc.stdout)
+    assert ov["actor_rollout_ref.actor.strategy"] == "megatron"
+    for role in ("actor", "ref"):
+        for key, value in sizes.items():
+            assert ov[f"actor_rollout_ref.{role}.megatron.{key}"] == value, (role, key)
+        assert ov[f"actor_rollout_ref.{role}.megatron.use_mbridge"] == "True"
+        assert ov[f"actor_rollout_ref.{role}.megatron.vanilla_mbridge"] == "True"
+    assert ov["trainer.nnodes"] == ("2" if script == MEG32_INT8 else "1")
+    assert int(ov["trainer.nnodes"]) * int(ov["trainer.n_gpus_per_node"]) == 16
+    assert not any(k.endswith("grad_offload") for k in ov)  # not in verl 0.9.1's engine config
+    fsdp = overrides_of(run(MOE_INT8 if script == MEGMOE_INT8 else V09_INT8, inputs["env"],
+                            "--dry-run").stdout)
+    for k, v in fsdp.items():
+        if k.startswith(("algorithm.", "actor_rollout_ref.rollout.", "data.", "+ray_kwargs")) and \
+                k != "+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG":
+            assert ov.get(k) == v, k
+    words = [f"{k}={v}" for k, v in ov.items()]
+    ad.check_rollout_mode(ad.overrides_to_config(words), environ={"FLASHRL_CONFIG": "x"}, verl="0.9")
+    refused = run(script, dict(inputs["env"], USE_MBRIDGE="False"), "--dry-run")
+    assert refused.returncode != 0 and "requires actor_rollout_ref.actor.megatron.use_mbridge=True" \
+        in refused.stderr
 
 
 def test_verl09_recipe_tis_is_the_adapters(inputs):

@@ -45,8 +45,8 @@ def models(tmp_path_factory):
 
 
 def build(va, model_dir):
-    va.configure_online_quantization("int8_profile_free")
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend")
+    """The policy rollout's INT8 model (its engine choice: int8_profile_free)."""
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8())
 
 
 def unchanged(before, model):

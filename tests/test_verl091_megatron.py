@@ -1,11 +1,8 @@
-"""verl 0.9 + Megatron actor + FLASHRL_CONFIG: refused at the driver check (issue 11, item 5).
-
-Why refused rather than supported: read from verl 0.9.1's wheel (its source text here, because
-importing verl's Megatron engine needs megatron-core, which the CPU test stack does not have).
-The engine's weight export streams HF names through Megatron-Bridge/mbridge, the form the INT8
-loader takes, but nothing of it can run here, and npu_flashrl's Megatron trainer-side patches
-target verl 51d2104 modules that verl 0.9 no longer has. The configs are verl 0.9.1's own
-generated trainer configs (`model_engine=megatron` and the FSDP default). No stand-ins.
+"""verl 0.9 + Megatron actor + FLASHRL_CONFIG at the driver check: accepted (issue 23), with what
+stays refused named. The engine itself (export into the INT8 rollout, fp32 head, TIS) runs in
+tests/test_verl091_megatron_engine.py; this file reads verl 0.9.1's own generated trainer configs
+(`ppo_megatron_trainer` and the FSDP default) and the engine's source text, and builds no
+model. No stand-ins.
 """
 import os
 
@@ -21,7 +18,6 @@ pytestmark = [
 
 from npu_flashrl.adapters import verl as ad  # noqa: E402
 from npu_flashrl.adapters.megatron import _common  # noqa: E402
-from npu_flashrl.adapters.verl import server_mode  # noqa: E402
 
 ENV = {"FLASHRL_CONFIG": "int8.yaml"}
 TIS = ad.tis_overrides(verl="0.9")
@@ -40,53 +36,59 @@ def _cfg(name, *overrides):
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
 
 
-def test_what_the_refusal_rests_on():
-    """verl 0.9.1's Megatron engine exports HF-named weights through a bridge, and the modules
-    npu_flashrl's Megatron patches wait for are gone."""
+def test_what_the_engine_patches_rest_on():
+    """verl 0.9.1's Megatron engine exports HF-named weights through a bridge, the pinned line's
+    worker module is gone (so the engine patches target `MegatronEngine`), and the methods
+    npu_flashrl's engine patches wrap are where they expect them."""
+    from npu_flashrl.adapters.megatron import engine_091
+
     engine = open(os.path.join(_verl_dir(), "workers", "engine", "megatron", "transformer_impl.py"),
                   encoding="utf-8").read()
     export = engine[engine.index("def get_per_tensor_param("):engine.index("def _mcore_export_index(")]
     assert "self.bridge.export_hf_weights(" in export and "self.bridge.export_weights(" in export
     assert not os.path.exists(os.path.join(_verl_dir(), *_common.WORKER_MODULE.split(".")[1:]) + ".py")
-    # per_tensor_generator (the stream patch's target) is still defined, but nothing calls it
-    callers = []
-    for folder, _, files in os.walk(_verl_dir()):
-        for f in files:
-            if f.endswith(".py"):
-                text = open(os.path.join(folder, f), encoding="utf-8").read()
-                if "per_tensor_generator(" in text.replace("def per_tensor_generator(", ""):
-                    callers.append(f)
-    assert callers == []
+    assert engine_091.ENGINE_MODULE == "verl.workers.engine.megatron.transformer_impl"
+    init = engine[engine.index("class MegatronEngine(BaseEngine):"):engine.index("def _init_device_mesh(")]
+    assert "self._init_device_mesh()" in init  # so the checks run before MindSpeed's repatch
+    build = engine[engine.index("def initialize(self):"):engine.index("def train_mode(")]
+    # the fp32 head goes on right after the model is built, before the fused forward would
+    assert build.index("self._build_megatron_module()") < build.index("self._maybe_enable_fused_kernels()")
+    mindspeed = open(os.path.join(_verl_dir(), "workers", "engine", "mindspeed", "transformer_impl.py"),
+                     encoding="utf-8").read()
+    assert "class MindspeedEngineWithLMHead(MegatronEngineWithLMHead)" in mindspeed
+    assert "_mindspeed_repatch(self.engine_config)" in mindspeed
 
 
-def test_megatron_actor_refused_with_the_reason_and_fix():
+def test_megatron_actor_accepted():
     cfg = _cfg("_generated_ppo_megatron_trainer.yaml", *TIS)
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"
-    with pytest.raises(ad.RolloutModeError) as err:
-        ad.check_rollout_mode(cfg, environ=ENV, verl="0.9")
-    msg = str(err.value)
-    assert "actor_rollout_ref.actor.strategy=megatron" in msg and "export" in msg
-    assert "Fix: actor_rollout_ref.actor.strategy=fsdp2" in msg and server_mode.MEGATRON_ENV in msg
-    # without FLASHRL_CONFIG npu_flashrl has nothing to say about the backend
-    ad.check_rollout_mode(cfg, environ={}, verl="0.9")
-    # verl 0.9.1's FSDP default passes
+    assert ad.check_rollout_mode(cfg, environ=ENV, verl="0.9") == []
     assert ad.check_rollout_mode(_cfg("_generated_ppo_trainer.yaml", *TIS), environ=ENV, verl="0.9") == []
 
 
-def test_megatron_escape_hatch_warns(caplog):
-    cfg = _cfg("_generated_ppo_megatron_trainer.yaml", *TIS)
-    env = dict(ENV, **{server_mode.MEGATRON_ENV: "1"})
-    with caplog.at_level("WARNING", logger="npu_flashrl"):
-        assert ad.check_rollout_mode(cfg, environ=env, verl="0.9") == []
-    assert any("not supported" in r.getMessage() and "Fix:" not in r.getMessage() for r in caplog.records)
+def test_what_stays_refused_on_the_megatron_config():
+    """The refusals that remain, on verl's own ppo_megatron_trainer config: verl's own quantized
+    rollout next to FLASHRL_CONFIG, FLASHRL_LMHEAD_FP32=1 with the fused kernels (verl's Megatron
+    fused forward reads output_layer.weight directly), TIS in bypass mode with ppo_clip."""
+    base = ("_generated_ppo_megatron_trainer.yaml", *TIS)
+    with pytest.raises(ad.RolloutModeError, match="Drop|drop"):
+        ad.check_rollout_mode(_cfg(*base, "actor_rollout_ref.rollout.quantization=fp8"),
+                              environ=ENV, verl="0.9")
+    fused = _cfg(*base, "actor_rollout_ref.model.use_fused_kernels=True")
+    with pytest.raises(ad.RolloutModeError, match="use_fused_kernels=False"):
+        ad.check_rollout_mode(fused, environ=dict(ENV, FLASHRL_LMHEAD_FP32="1"), verl="0.9")
+    assert ad.check_rollout_mode(fused, environ=ENV, verl="0.9") == []
+    bypass = _cfg(*base, "algorithm.rollout_correction.bypass_mode=True",
+                  "algorithm.rollout_correction.loss_type=ppo_clip")
+    with pytest.raises(ad.TisConfigError, match="for metrics only"):
+        ad.check_rollout_mode(bypass, environ=ENV, verl="0.9")
 
 
-def test_verify_refuses_it(tmp_path):
+def test_verify_accepts_it(tmp_path):
     from npu_flashrl import verify
 
     path = tmp_path / "overrides.txt"
     path.write_text("\n".join(["FLASHRL_CONFIG=int8.yaml python3 -m verl.trainer.main_ppo",
                                "actor_rollout_ref.actor.strategy=megatron", *TIS]))
     rows = verify.verl_rows(str(path), "0.9")
-    assert rows[0]["status"] == verify.FAIL and "strategy=megatron" in rows[0]["detail"]
-    assert rows[0]["fix"].startswith("actor_rollout_ref.actor.strategy=fsdp2")
+    assert rows and all(r["status"] != verify.FAIL for r in rows), rows

@@ -55,20 +55,6 @@ def _float(value: Optional[float]) -> Optional[float]:
     return None if value is None else float(value)
 
 
-MEGATRON_ENV = "NPU_FLASHRL_UNVERIFIED_MEGATRON"
-_MEGATRON = (
-    "FLASHRL_CONFIG with actor_rollout_ref.actor.strategy=megatron on verl 0.7+ is not supported: "
-    "verl 0.9's Megatron engine (workers/engine/megatron/transformer_impl.py, get_per_tensor_param) "
-    "sends its weights through Megatron-Bridge's (or mbridge's) export, HF names and full tensors, "
-    "the form npu_flashrl's INT8 loader takes, but that is not verified (no megatron-core or "
-    "Megatron-Bridge in npu_flashrl's test stack), and npu_flashrl's Megatron trainer-side patches "
-    "(the MindSpeed check and FLASHRL_LMHEAD_FP32 at Megatron worker init, the use_fused_kernels "
-    "refusal, the weight-stream check) target verl 51d2104's workers/megatron_workers.py and "
-    "utils/megatron_utils.per_tensor_generator, which verl 0.9 no longer uses: they would silently "
-    "not apply. Fix: actor_rollout_ref.actor.strategy=fsdp2 (or fsdp), or the pinned verl 51d2104 "
-    f"for Megatron; to try it on hardware anyway, set {MEGATRON_ENV}=1 (a WARNING instead)")
-
-
 class VerlLine:
     """One verl line (see the module doc). Subclasses fill the tables and the rules."""
 
@@ -232,24 +218,19 @@ class Server09(VerlLine):
 
     def rollout_mode_problem(self, select, environ) -> Optional[str]:
         """verl's own quantized rollout next to FLASHRL_CONFIG is refused before any Ray actor
-        starts, naming the key to drop; so is a Megatron actor (`_MEGATRON`; env
-        NPU_FLASHRL_UNVERIFIED_MEGATRON=1 makes it a WARNING), and FLASHRL_LMHEAD_FP32=1 with
-        verl's fused kernels (they bypass lm_head). Server mode is the only mode there: nothing to
-        demand of `rollout.mode` (verl itself refuses `sync`)."""
-        strategy = select("actor_rollout_ref.actor.strategy")
-        if str(strategy).strip().lower() == "megatron":
-            flag = environ.get(MEGATRON_ENV)
-            if not ((flag or "").strip() == "1" or is_true(flag)):
-                return _MEGATRON
-            logger.warning("npu_flashrl: %s=1: %s", MEGATRON_ENV, _MEGATRON.split(". Fix:")[0])
+        starts, naming the key to drop; so is FLASHRL_LMHEAD_FP32=1 with verl's fused kernels
+        (they bypass lm_head / output_layer), on the FSDP and the Megatron engine alike. A Megatron
+        actor is accepted: its engine-side checks run where verl builds it
+        (adapters/megatron/engine_091.py). Server mode is the only mode there: nothing to demand
+        of `rollout.mode` (verl itself refuses `sync`)."""
         from npu_flashrl.config import lmhead_fp32_requested
 
         if lmhead_fp32_requested(environ) and is_true(select("actor_rollout_ref.model.use_fused_kernels")):
             # verl 0.9's apply_monkey_patch swaps the model's forward for a fused linear+log-prob
             # one after the model is built: lm_head never runs, the fp32 head would do nothing
             return ("FLASHRL_LMHEAD_FP32=1 with actor_rollout_ref.model.use_fused_kernels=True: verl's "
-                    "fused kernels compute the log-probs from lm_head's weight without calling lm_head, "
-                    "so the fp32 lm-head would not apply. Fix: actor_rollout_ref.model.use_fused_kernels="
+                    "fused kernels (FSDP and Megatron engines) compute the log-probs from lm_head's / "
+                    "output_layer's weight without calling it, so the fp32 lm-head would not apply. Fix: actor_rollout_ref.model.use_fused_kernels="
                     "False (verl's default) or FLASHRL_LMHEAD_FP32=0")
         quant = select("actor_rollout_ref.rollout.quantization")
         clash = []

@@ -28,7 +28,6 @@ from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters import vllm_engine
 from npu_flashrl.adapters.verl import sync_end
 from npu_flashrl.lines import verl_rules
-from npu_flashrl.lines.verl_rules import MEGATRON_ENV  # noqa: F401  (re-exported)
 from npu_flashrl.errors import NpuFlashrlError
 
 logger = get_logger(__name__)

@@ -19,6 +19,13 @@
 #   USE_MBRIDGE [False]                        verl's mbridge HF<->Megatron conversion
 #   USE_FLASH_ATTN [True]                      MindSpeed flash attention (+override_transformer_config)
 #   RECOMPUTE_GRANULARITY [full] RECOMPUTE_METHOD [uniform] RECOMPUTE_NUM_LAYERS [1]
+# With RECIPE_LINE=current (verl 0.9.1's Megatron / MindSpeed engine; the *_megatron_*_verl09
+# recipes set it) also, and with these defaults:
+#   USE_MBRIDGE [True] VANILLA_MBRIDGE [True]  verl 0.9 requires use_mbridge=True; vanilla_mbridge=True
+#                                              exports through mbridge (what verl's Ascend install
+#                                              script installs and npu_flashrl verified on CPU;
+#                                              False: Megatron-Bridge, verl's default)
+#   TRAIN_EP [1] TRAIN_ETP [1]                 Megatron expert / expert-tensor parallel sizes
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,20 +40,33 @@ TRAIN_CP="${TRAIN_CP:-1}"
 ACTOR_OFFLOAD="${ACTOR_OFFLOAD:-False}"
 USE_DIST_CKPT="${USE_DIST_CKPT:-False}"
 DIST_CKPT_PATH="${DIST_CKPT_PATH:-}"
-USE_MBRIDGE="${USE_MBRIDGE:-False}"
+if [[ "${RECIPE_LINE:-pinned}" == current ]]; then
+  USE_MBRIDGE="${USE_MBRIDGE:-True}"
+else
+  USE_MBRIDGE="${USE_MBRIDGE:-False}"
+fi
+VANILLA_MBRIDGE="${VANILLA_MBRIDGE:-True}"
+TRAIN_EP="${TRAIN_EP:-1}"
+TRAIN_ETP="${TRAIN_ETP:-1}"
 USE_FLASH_ATTN="${USE_FLASH_ATTN:-True}"
 RECOMPUTE_GRANULARITY="${RECOMPUTE_GRANULARITY:-full}"
 RECOMPUTE_METHOD="${RECOMPUTE_METHOD:-uniform}"
 RECOMPUTE_NUM_LAYERS="${RECOMPUTE_NUM_LAYERS:-1}"
 
 grpo_preflight
+if [[ ! "$TRAIN_EP" =~ ^[1-9][0-9]*$ || ! "$TRAIN_ETP" =~ ^[1-9][0-9]*$ ]]; then
+  recipe_die "TRAIN_EP=$TRAIN_EP / TRAIN_ETP=$TRAIN_ETP must be positive integers"
+fi
+if [[ "$RECIPE_LINE" == current && "$USE_MBRIDGE" != True ]]; then
+  recipe_die "USE_MBRIDGE=$USE_MBRIDGE: verl 0.9's Megatron engine requires actor_rollout_ref.actor.megatron.use_mbridge=True (MegatronEngine.__init__ asserts it)"
+fi
 if (( TRAIN_TP * TRAIN_PP * TRAIN_CP > NPUS_PER_NODE * NNODES )); then
   recipe_die "TRAIN_TP*TRAIN_PP*TRAIN_CP=$((TRAIN_TP * TRAIN_PP * TRAIN_CP)) exceeds the $((NPUS_PER_NODE * NNODES)) NPUs"
 fi
 if [[ "$USE_DIST_CKPT" == True ]]; then require_dir DIST_CKPT_PATH "$DIST_CKPT_PATH"; fi
 if [[ "$DRY_RUN" == 0 ]]; then
   "$PYTHON" -c 'import mindspeed.megatron_adaptor' 2>/dev/null \
-    || recipe_die "mindspeed.megatron_adaptor is not importable by $PYTHON: the Megatron backend on NPU needs MindSpeed (scripts/install_pinned.sh --only mindspeed,megatron_core)"
+    || recipe_die "mindspeed.megatron_adaptor is not importable by $PYTHON: the Megatron backend on NPU needs MindSpeed (scripts/install_pinned.sh --line $RECIPE_LINE --only mindspeed,megatron_core)"
 fi
 grpo_worker_env
 grpo_shared_overrides
@@ -60,7 +80,6 @@ MEGATRON_OVERRIDES=(
   "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=$TRAIN_PP"
   "actor_rollout_ref.actor.megatron.context_parallel_size=$TRAIN_CP"
   "actor_rollout_ref.actor.megatron.param_offload=$ACTOR_OFFLOAD"
-  "actor_rollout_ref.actor.megatron.grad_offload=$ACTOR_OFFLOAD"
   "actor_rollout_ref.actor.megatron.optimizer_offload=$ACTOR_OFFLOAD"
   "actor_rollout_ref.actor.megatron.use_dist_checkpointing=$USE_DIST_CKPT"
   "actor_rollout_ref.actor.megatron.use_mbridge=$USE_MBRIDGE"
@@ -76,6 +95,22 @@ MEGATRON_OVERRIDES=(
   "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=$RECOMPUTE_METHOD"
   "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=$RECOMPUTE_NUM_LAYERS"
 )
+if [[ "$RECIPE_LINE" != current ]]; then
+  # verl 51d2104's worker key (verl 0.9.1's engine config has no grad_offload: param_offload
+  # covers the gradient buffers there)
+  MEGATRON_OVERRIDES+=("actor_rollout_ref.actor.megatron.grad_offload=$ACTOR_OFFLOAD")
+else
+  # verl 0.9.1's engine keys (ppo_megatron_trainer): the bridge and expert parallelism
+  MEGATRON_OVERRIDES+=(
+    "actor_rollout_ref.actor.megatron.vanilla_mbridge=$VANILLA_MBRIDGE"
+    "actor_rollout_ref.ref.megatron.use_mbridge=$USE_MBRIDGE"
+    "actor_rollout_ref.ref.megatron.vanilla_mbridge=$VANILLA_MBRIDGE"
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=$TRAIN_EP"
+    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=$TRAIN_ETP"
+    "actor_rollout_ref.ref.megatron.expert_model_parallel_size=$TRAIN_EP"
+    "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=$TRAIN_ETP"
+  )
+fi
 if [[ -n "$DIST_CKPT_PATH" ]]; then
   MEGATRON_OVERRIDES+=(
     "actor_rollout_ref.actor.megatron.dist_checkpointing_path=$(hydra_value "$DIST_CKPT_PATH")"

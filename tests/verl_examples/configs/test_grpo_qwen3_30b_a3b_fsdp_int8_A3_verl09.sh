@@ -50,34 +50,6 @@ export ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-True}"
 export ACTOR_OPTIMIZER_OFFLOAD="${ACTOR_OPTIMIZER_OFFLOAD:-True}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_30b_a3b_fsdp_${ROLLOUT_PRECISION:-int8}_A3_verl09}"
 
-# moe_preflight: what verl 0.9.1 would refuse only inside Ray, and what npu_flashrl refuses at
-# engine build, said before anything starts. Extra Hydra overrides count.
-moe_preflight() {
-  if (( ROLLOUT_EP != 1 && ROLLOUT_EP != ROLLOUT_TP * ROLLOUT_DP )); then
-    recipe_die "ROLLOUT_EP=$ROLLOUT_EP: verl 0.9.1's RolloutConfig requires actor_rollout_ref.rollout.expert_parallel_size = tensor_model_parallel_size x data_parallel_size ($ROLLOUT_TP x $ROLLOUT_DP = $((ROLLOUT_TP * ROLLOUT_DP))) for expert parallel, or 1 (experts split over the TP ranks)"
-  fi
-  [[ "${ROLLOUT_PRECISION:-int8}" == int8 ]] || return 0
-  local a key value why
-  for a in "${EXTRA_ARGS[@]}"; do
-    key="${a%%=*}"; key="${key#+}"; key="${key#+}"; value="${a#*=}"; value="${value//\'/}"
-    why=""
-    case "$key" in
-      *.dynamic_eplb|*.enable_eplb)
-        case "${value,,}" in true|1) why="dynamic EPLB moves experts between ranks and slots at run time" ;; esac ;;
-      *.expert_map_path)
-        case "${value,,}" in null|none|"") ;; *) why="an expert map turns vllm-ascend's dynamic EPLB on" ;; esac ;;
-      *.num_redundant_experts)
-        [[ "$value" =~ ^0*$ ]] || why="redundant experts give a logical expert several physical copies" ;;
-    esac
-    if [[ -n "$why" ]]; then
-      recipe_die "$a: $why, which npu_flashrl's in-place INT8 expert reload does not track (it refuses such an engine at build, docs/moe.md); drop it for INT8 rollouts"
-    fi
-  done
-  if [[ -n "${FLASHRL_CONFIG:-}" && -f "$FLASHRL_CONFIG" ]] \
-      && grep -Eq "^[[:space:]-]*fn:[[:space:]]*[\"']?int8[\"']?[[:space:]]*(#.*)?$" "$FLASHRL_CONFIG"; then
-    recipe_die "FLASHRL_CONFIG $FLASHRL_CONFIG has fn: int8: FlashRL's int8 profile has no entries for MoE experts and npu_flashrl refuses it for a MoE model; use fn: int8_profile_free (npu-flashrl setup -m \$MODEL_PATH --fn int8_profile_free) or a W8A8 MoE checkpoint (docs/moe.md)"
-  fi
-}
 moe_preflight
 
 MOE_OVERRIDES=(
