@@ -39,10 +39,10 @@ def _batch(seed=0, **tensors):
 def _capture(engine):
     """Hooks on the last stage's output_layer (its input, weight shard and output) and on the
     engine's `_lm_head_logits_processor` (the labels it is given and the log-probs it returns)."""
-    from npu_flashrl.adapters.megatron import engine_091
+    from npu_flashrl.adapters.megatron import engine
 
     seen = {}
-    head = engine_091._unwrap(engine.module[0]).output_layer
+    head = engine._unwrap(engine.module[0]).output_layer
     hooks = [head.register_forward_hook(lambda mod, args, out: seen.update(
         hidden=args[0].detach(), weight=mod.weight.detach().clone(),
         logits=(out[0] if isinstance(out, tuple) else out).detach()))]
@@ -77,10 +77,10 @@ def lmhead_fp32(engine, seed=0):
     from megatron.core import parallel_state as mpu
 
     from npu_flashrl.adapters.megatron import disable_fp32_output_layer, is_fp32_output_layer
-    from npu_flashrl.adapters.megatron import engine_091
+    from npu_flashrl.adapters.megatron import engine
 
     head, seen, hooks = _capture(engine)
-    gpt = engine_091._unwrap(engine.module[0])
+    gpt = engine._unwrap(engine.module[0])
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     from npu_flashrl import patches
@@ -145,9 +145,9 @@ def tis_loss(engine, overrides, seed=0):
                                          "response_mask": mask.float()})
     proto, _ = compute_rollout_correction_and_add_to_batch(proto, cfg.algorithm.rollout_correction)
     weights = proto.batch["rollout_is_weights"]
-    from npu_flashrl.adapters.megatron import engine_091
+    from npu_flashrl.adapters.megatron import engine
 
-    head = engine_091._unwrap(engine.module[0]).output_layer
+    head = engine._unwrap(engine.module[0]).output_layer
     out = {"loss_mode": actor.policy_loss.loss_mode, "weights": weights.tolist(),
            "old": old.tolist(), "adv": adv.tolist()}
     for name, extra in (("weighted", {"rollout_is_weights": weights}), ("plain", {})):
@@ -178,7 +178,7 @@ def mindspeed_repatch(engine, seed=0):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     from npu_flashrl import patches
-    from npu_flashrl.adapters.megatron import engine_091, ensure_mindspeed_before_megatron
+    from npu_flashrl.adapters.megatron import engine, ensure_mindspeed_before_megatron
     from npu_flashrl.adapters.megatron import is_fp32_output_layer
 
     head, seen, hooks = _capture(engine)
@@ -193,6 +193,6 @@ def mindspeed_repatch(engine, seed=0):
                                               None) is not None,
             "patched": [getattr(getattr(MegatronEngine, m), patches.ORIGINAL_ATTR, None) is not None
                         for m in ("__init__", "_build_megatron_module")],
-            "fp32_head": is_fp32_output_layer(engine_091._unwrap(engine.module[0])),
+            "fp32_head": is_fp32_output_layer(engine._unwrap(engine.module[0])),
             "logits_dtype": str(seen["logits"].dtype),
             "column_parallel_calls": adaptor.CALLS["column_parallel_forward"] - before}

@@ -40,14 +40,14 @@ def test_what_the_engine_patches_rest_on():
     """verl 0.9.1's Megatron engine exports HF-named weights through a bridge, the pinned line's
     worker module is gone (so the engine patches target `MegatronEngine`), and the methods
     npu_flashrl's engine patches wrap are where they expect them."""
-    from npu_flashrl.adapters.megatron import engine_091
+    from npu_flashrl.adapters.megatron import engine
 
     engine = open(os.path.join(_verl_dir(), "workers", "engine", "megatron", "transformer_impl.py"),
                   encoding="utf-8").read()
     export = engine[engine.index("def get_per_tensor_param("):engine.index("def _mcore_export_index(")]
     assert "self.bridge.export_hf_weights(" in export and "self.bridge.export_weights(" in export
     assert not os.path.exists(os.path.join(_verl_dir(), *_common.WORKER_MODULE.split(".")[1:]) + ".py")
-    assert engine_091.ENGINE_MODULE == "verl.workers.engine.megatron.transformer_impl"
+    assert engine.ENGINE_MODULE == "verl.workers.engine.megatron.transformer_impl"
     init = engine[engine.index("class MegatronEngine(BaseEngine):"):engine.index("def _init_device_mesh(")]
     assert "self._init_device_mesh()" in init  # so the checks run before MindSpeed's repatch
     build = engine[engine.index("def initialize(self):"):engine.index("def train_mode(")]

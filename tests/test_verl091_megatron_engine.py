@@ -7,7 +7,9 @@ bridge, and for each sync loads the next checkpoint (the trainer's weights after
 runs `get_per_tensor_param` (mbridge's `export_weights`: TP all-gather over gloo, q/k/v and
 gate/up split, HF names). Rank 0 streams it with verl's real `BucketedWeightSender` into verl's
 real `update_weights_from_ipc` in this process, on a vLLM model built on vllm-ascend's
-W8A8_DYNAMIC layers through npu_flashrl (the harness of tests/test_verl_server.py).
+W8A8_DYNAMIC layers through npu_flashrl (the harness of tests/test_verl_server.py). The same for a
+tiny Qwen3-MoE with expert parallel 2 (mbridge's EP all-gather; vllm-ascend's W8A8_DYNAMIC
+fused-MoE layers on the receiver).
 
 Stand-ins: the engine's are listed in `npu_flashrl/sim/megatron_engine.py` (CPU verl platform,
 CPU RNG tracker, `torch.cuda.current_device`/`Module.cuda`, megatron-core's local layer spec
@@ -69,7 +71,7 @@ class EngineRanks:
     """The trainer's ranks, each a `python -m npu_flashrl.sim.megatron_engine` process."""
 
     def __init__(self, model_dir, world, tp, handle, ep=1, patches=(), environ=None,
-                 engine="megatron", path=()):
+                 engine="megatron", path=(), pp=1):
         overlay = megatron_overlay()
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
                    PYTHONPATH=os.pathsep.join(p for p in (*path, ROOT, HERE, overlay,
@@ -79,7 +81,7 @@ class EngineRanks:
         port = _free_port()
         self.errs, self.procs, self.lines = [], [], []
         for rank in range(world):
-            spec = dict(rank=rank, world=world, port=port, model=model_dir, tp=tp, ep=ep,
+            spec = dict(rank=rank, world=world, port=port, model=model_dir, tp=tp, ep=ep, pp=pp,
                         handle=handle, patches=list(patches), engine=engine)
             err = tempfile.TemporaryFile()
             self.errs.append(err)
@@ -316,3 +318,90 @@ def test_patches_survive_mindspeed_repatch(megatron_rig, tmp_path):
     assert res["patched"] == [True, True]  # the engine patches are not Megatron attributes
     assert res["fp32_head"] and res["logits_dtype"] == "torch.float32"
     assert res["column_parallel_calls"] > 0  # the head's fp32 forward ran MindSpeed's patch
+
+
+MOE_BUCKET_BYTES = 256 << 10  # a layer's experts spread over several buckets (test_verl_server.py)
+
+
+@pytest.fixture(scope="module")
+def moe_rig(megatron_rig):
+    """Tiny Qwen3-MoE (2 layers, 8 experts) checkpoints w0..w3 and verl's engine on them with
+    expert parallel 2 (two rank processes, 4 experts each, TP 1)."""
+    from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe
+
+    dirs, hf = [], []
+    for seed in range(4):
+        d = os.path.join(megatron_rig["root"], f"qwen3_moe_w{seed}")
+        hf.append(build_tiny_qwen3_moe(d, seed=seed, tokenizer=seed == 0))
+        dirs.append(d)
+    ranks = EngineRanks(dirs[0], world=2, tp=1, ep=2, handle=megatron_rig["handle"])
+    yield dict(megatron_rig, dirs=dirs, hf=hf, ranks=ranks)
+    ranks.close()
+
+
+def test_moe_engine_with_ep2_exports_every_expert(moe_rig):
+    """Expert parallel 2: each rank holds 4 of the 8 experts; the export (mbridge's EP
+    all-gather) gives every rank all of them, per-expert HF names at full shape, once."""
+    ranks, model = moe_rig["ranks"], moe_rig["hf"][0]
+    ranks.tell(names=True)
+    per_rank = [json.loads(s) for s in ranks.expect("names")]
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(moe_rig["dirs"][0], "model.safetensors"), "pt") as f:
+        want = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert any(".mlp.experts.7.down_proj.weight" in k for k in want)
+    for exported in per_rank:
+        names = [n for n, _, _ in exported]
+        assert len(names) == len(set(names))
+        assert {n: sh for n, sh, _ in exported} == want
+    assert per_rank[0] == per_rank[1]
+
+
+def test_moe_three_syncs_equal_fresh_int8_load(moe_rig):
+    """Three syncs from the EP=2 Megatron engine into vLLM's Qwen3-MoE on vllm-ascend's
+    W8A8_DYNAMIC fused-MoE layers through npu_flashrl: each equals a fresh INT8 load of that
+    checkpoint (int8 experts, scales, fp32 scale copies), every tensor at its old address, a
+    layer's experts spread over several 256 KB buckets."""
+    _need_int8(moe_rig["int8_ready"])
+    fn, rig, ranks = "int8_profile_free", moe_rig, moe_rig["ranks"]
+    with _build(rig, 0, fn) as v:
+        worker, buckets = _worker(v)
+        assert getattr(v.model, "_npu_flashrl_loader", None) is not None
+        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        assert "model.layers.0.mlp.experts.w13_weight_scale_fp32" in ptrs
+        for i in (1, 2, 3):
+            ranks.tell(load=rig["dirs"][i])
+            ranks.expect("loaded")
+            buckets.clear()
+            ranks.tell(send=True, bucket_bytes=MOE_BUCKET_BYTES)
+            worker.update_weights_from_ipc(use_shm=True)
+            ranks.expect("sent")
+            _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+            assert len(buckets) > 1 and _split_layers("qwen3_moe", buckets), buckets
+
+
+def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
+    """Pipeline parallel 2 (one decoder layer per stage, TP 1): the export (mbridge broadcasts each
+    stage's tensors over the PP group, layer numbers made global) is every HF tensor once on both
+    ranks, and two syncs from it into the INT8 rollout equal fresh INT8 loads."""
+    _need_int8(megatron_rig["int8_ready"])
+    rig, fn = megatron_rig, "int8_profile_free"
+    ranks = EngineRanks(rig["dirs"][0], world=2, tp=1, pp=2, handle=rig["handle"])
+    try:
+        ranks.tell(names=True)
+        want = {n: list(p.shape) for n, p in rig["hf"][0].named_parameters()}
+        for raw in ranks.expect("names"):
+            exported = json.loads(raw)
+            assert len(exported) == len(want) and {n: sh for n, sh, _ in exported} == want
+        with _build(rig, 0, fn) as v:
+            worker, buckets = _worker(v)
+            ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+            for i in (2, 1):
+                ranks.tell(load=rig["dirs"][i])
+                ranks.expect("loaded")
+                ranks.tell(send=True, bucket_bytes=BUCKET_BYTES)
+                worker.update_weights_from_ipc(use_shm=True)
+                ranks.expect("sent")
+                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+    finally:
+        ranks.close()

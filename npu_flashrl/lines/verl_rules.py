@@ -221,7 +221,7 @@ class Server09(VerlLine):
         starts, naming the key to drop; so is FLASHRL_LMHEAD_FP32=1 with verl's fused kernels
         (they bypass lm_head / output_layer), on the FSDP and the Megatron engine alike. A Megatron
         actor is accepted: its engine-side checks run where verl builds it
-        (adapters/megatron/engine_091.py). Server mode is the only mode there: nothing to demand
+        (adapters/megatron/engine.py). Server mode is the only mode there: nothing to demand
         of `rollout.mode` (verl itself refuses `sync`)."""
         from npu_flashrl.config import lmhead_fp32_requested
 

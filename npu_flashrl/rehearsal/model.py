@@ -25,11 +25,6 @@ def check_model_dir(path: str) -> Dict[str, Any]:
         raise RehearsalError(f"--model {path}: config.json is not readable JSON ({exc})") from None
     if not any(n.endswith(".safetensors") for n in os.listdir(path)):
         raise RehearsalError(f"--model {path}: no *.safetensors files (a safetensors checkpoint is needed)")
-    from npu_flashrl.checkpoint import checkpoint_problem
-
-    problem = checkpoint_problem(path)  # every shard's header, before anything is built from it
-    if problem:
-        raise RehearsalError(f"--model {path}: {problem}")
     archs = cfg.get("architectures") or []
     moe = any(k in cfg for k in MOE_CONFIG_KEYS)
     if moe:
@@ -46,6 +41,13 @@ def check_model_dir(path: str) -> Dict[str, Any]:
     if cfg.get("quantization_config") or cfg.get("compression_config"):
         raise RehearsalError(f"--model {path}: already quantized (quantization_config in config.json); "
                              "pass the bf16 checkpoint (and --w8a8 DIR for --mode profile)")
+    # every shard's header, before anything is built from it (after config.json's refusals, which
+    # name the more useful reason)
+    from npu_flashrl.checkpoint import checkpoint_problem
+
+    problem = checkpoint_problem(path)
+    if problem:
+        raise RehearsalError(f"--model {path}: {problem}")
     return cfg
 
 

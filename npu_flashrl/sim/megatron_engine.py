@@ -1,4 +1,4 @@
-"""verl 0.9.1's Megatron engine (`verl/workers/engine/megatron/transformer_impl.py`,
+"""server-mode verl's Megatron engine (`verl/workers/engine/megatron/transformer_impl.py`,
 `MegatronEngineWithLMHead`) on a CPU: built, loaded and exporting weights in one process per
 trainer rank, with gloo between the ranks.
 
@@ -9,20 +9,25 @@ EP all-gathered over gloo), megatron-core's `GPTModel` with its tensor-parallel 
 name mapping and q/k/v, gate/up and TP merges, verl's `BucketedWeightSender`.
 
 Stand-ins (`install()`; each for what needs a GPU/NPU or a package the CPU stack cannot have):
-- verl's platform: a CPU `PlatformBase` given to verl's own `set_platform` (verl 0.9.1 has no CPU
+- verl's platform: a CPU `PlatformBase` given to verl's own `set_platform` (server-mode verl has no CPU
   platform; device "cpu", a device module with no-op cache/memory calls, gloo);
 - megatron-core's CUDA RNG-states tracker (`tensor_parallel.random`): one that records the seeds
   and forks without switching generator state (the CPU has no CUDA generator; dropout is 0 in
   these models and every weight is loaded from the checkpoint);
 - `torch.cuda.current_device()`: "cpu" (Megatron's layers allocate on it), and
-  `nn.Module.cuda()`: a no-op (the bridge moves the built model to the GPU); inside
+  `nn.Module.cuda()`: a no-op (the bridge moves the built model to the GPU), `torch.cuda.Stream`
+  an object with no-op methods (megatron-core's MoE alltoall dispatcher opens one); inside
   megatron-core's `pipeline_parallel.schedules` and `transformer.utils`, `torch` is a proxy whose
   tensor factories put `device="cuda"` tensors (a token counter, attention masks) on the CPU;
 - TransformerEngine: megatron-core's local layer spec (`use_transformer_engine=False`) where
   mbridge asks for the TE spec, and the local spec's separate norms
   (`input_layernorm`, `pre_mlp_layernorm`) read as TE's fused names
-  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) in mbridge's name mapping.
-  Local norms (torch, no Apex) refuse sequence parallel, and the local `DotProductAttention`
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) in mbridge's name mapping
+  where mbridge does not know them, and the local MoE spec's SequentialMLP experts
+  (`experts.local_experts.<i>.linear_fcN.weight`) read as TE's grouped MLP
+  (`experts.linear_fcN.weight<i>`, the names mbridge maps and keys its EP all-gather on).
+  Local norms (torch, no Apex) refuse sequence parallel and `persist_layer_norm`, MoE layers run
+  megatron-core's SequentialMLP (no grouped GEMM), and the local `DotProductAttention`
   takes no packed sequences: engines are built with sequence parallel off and
   `use_remove_padding=False` (verl's padded "bshd" forward instead of packed "thd"). verl's
   bshd padding mask ([batch, seq] bool, right padding) is read by the local attention as no
@@ -33,12 +38,12 @@ Stand-ins (`install()`; each for what needs a GPU/NPU or a package the CPU stack
   unconditionally): the engine is built `forward_only=True`. The weights it exports and the loss
   path (`forward_backward_batch(..., forward_only=False)`, what `train_batch` runs before
   `optimizer_step`) are the actor's.
-- Megatron-Bridge (verl 0.9.1's default, `vanilla_mbridge=False`) needs Python >= 3.12 from
+- Megatron-Bridge (server-mode verl's default, `vanilla_mbridge=False`) needs Python >= 3.12 from
   0.4 on (verl's `megatron` extra pins 0.5.2): the CPU stack runs on 3.11, so the engine uses
-  mbridge (`vanilla_mbridge=True`), the bridge verl 0.9's Ascend install script installs.
+  mbridge (`vanilla_mbridge=True`), the bridge server-mode verl's Ascend install script installs.
 
 Rank process: `python -m npu_flashrl.sim.megatron_engine JSON` (JSON: rank, world, port, model,
-tp, ep, handle) builds the engine, prints PREFIX+"ready", then reads one JSON command per line
+tp, ep, pp, engine, handle) builds the engine, prints PREFIX+"ready", then reads one JSON command per line
 on stdin: `{"load": DIR}` loads DIR's HF weights into the engine through the bridge (the
 trainer's weights after a step), `{"send": true, "bucket_bytes": N}` runs `get_per_tensor_param`
 and sends it with verl's sender (rank 0, to `handle`; other ranks take part in the export's
@@ -54,6 +59,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 
@@ -130,6 +136,15 @@ def _stub_absent(names):
     return added
 
 
+class _NoStream:
+    """`torch.cuda.Stream` on a CPU: nothing to order."""
+
+    def __init__(self, *args, **kwargs): pass
+    def wait_stream(self, *args, **kwargs): pass
+    def synchronize(self): pass
+    def record_event(self, *args, **kwargs): return None
+
+
 class _CpuFactories(types.ModuleType):
     """`torch`, with `device="cuda"` in its tensor factories read as the CPU."""
     _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like")
@@ -149,6 +164,8 @@ class _CpuFactories(types.ModuleType):
 
         return on_cpu
 
+
+_LOCAL_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 # the local spec's norm names -> TE's fused names, which mbridge's tables know
 _LOCAL_NORMS = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
@@ -192,6 +209,7 @@ def install() -> None:
     schedules.torch = transformer_utils.torch = _CpuFactories("torch")
     torch.cuda.current_device = lambda: "cpu"
     torch.nn.Module.cuda = lambda self, device=None: self
+    torch.cuda.Stream = _NoStream  # the MoE alltoall dispatcher opens one for its D2H copies
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -217,12 +235,30 @@ def install() -> None:
     to_hf = Bridge._weight_name_mapping_mcore_to_hf
 
     def local_norm_names(self, name):
-        for local, te in _LOCAL_NORMS.items():
-            if name.endswith(local):
-                name = name[: -len(local)] + te
-        return to_hf(self, name)
+        try:  # the MoE bridges know `pre_mlp_layernorm` (TE has no fused fc1 norm there)
+            return to_hf(self, name)
+        except NotImplementedError:
+            for local, te in _LOCAL_NORMS.items():
+                if name.endswith(local):
+                    return to_hf(self, name[: -len(local)] + te)
+            raise
 
     Bridge._weight_name_mapping_mcore_to_hf = local_norm_names
+    local_to_global = Bridge._weight_name_mapping_mcore_local_to_global
+
+    def grouped_expert_names(self, model, consider_ep=True):
+        # local spec's SequentialMLP `experts.local_experts.<i>.linear_fcN.weight` read as TE's
+        # grouped MLP `experts.linear_fcN.weight<i>`, global <i> with consider_ep (mbridge's rule)
+        ret = local_to_global(self, model, consider_ep)
+        per_rank = (self.config.num_moe_experts or 0) // max(self.mpu.ep_size, 1)
+        offset = per_rank * self.mpu.ep_rank if consider_ep and self.mpu.ep_size > 1 else 0
+        for k, v in ret.items():
+            m = _LOCAL_EXPERT.match(v)
+            if m:
+                ret[k] = f"{m.group(1)}.mlp.experts.{m.group(3)}.weight{int(m.group(2)) + offset}"
+        return ret
+
+    Bridge._weight_name_mapping_mcore_local_to_global = grouped_expert_names
 
 
 def build_engine(model_dir: str, tp: int = 1, ep: int = 1, engine: str = "megatron",
@@ -241,7 +277,9 @@ def build_engine(model_dir: str, tp: int = 1, ep: int = 1, engine: str = "megatr
         from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     override = dict(engine_overrides.pop("override_transformer_config", {}) or {})
-    override.setdefault("sequence_parallel", False)  # local (torch) norms refuse it
+    override.setdefault("sequence_parallel", False)  # local (torch) norms refuse it ...
+    override.setdefault("persist_layer_norm", False)  # ... and this (mbridge's MoE bridges set it)
+    override.setdefault("moe_grouped_gemm", False)  # grouped GEMM needs TE / CUDA kernels
     cfg = dict(vanilla_mbridge=True, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                forward_only=True, use_distributed_optimizer=False, sequence_parallel=False,
                use_remove_padding=False,
@@ -304,7 +342,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"npu_flashrl patches not applied: {applied}")
     init_process_group(rank, int(spec["world"]), int(spec["port"]))
     engine = build_engine(spec["model"], tp=int(spec.get("tp", 1)), ep=int(spec.get("ep", 1)),
-                          engine=spec.get("engine", "megatron"))
+                          engine=spec.get("engine", "megatron"),
+                          pipeline_model_parallel_size=int(spec.get("pp", 1)))
     _say("ready")
     for line in sys.stdin:
         if not line.strip():

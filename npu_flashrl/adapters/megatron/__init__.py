@@ -14,7 +14,7 @@ module import time: ``npu_flashrl.adapters.load_all()`` imports this package in 
   conversion/validation point :func:`megatron_to_hf_stream` (dense architectures only; others get
   "INT8 rollout does not support <arch>").
 * ``output_layer``: the patch ``megatron_lmhead_fp32`` (fp32 logits of ``output_layer``).
-* ``engine_091``: verl 0.9's Megatron / MindSpeed engine (current line): the patches
+* ``engine``: server-mode verl's Megatron / MindSpeed engine (current line): the patches
   ``megatron_engine_checks`` (MindSpeed check, refusals by name) and ``megatron_engine_lmhead_fp32``
   on ``MegatronEngine``; the pinned-line worker and stream patches above do not apply there.
 
@@ -23,7 +23,7 @@ User-facing description: docs/megatron.md.
 from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
 from npu_flashrl.adapters.megatron._common import (ADAPTOR, PATCH_GUARD, PATCH_LMHEAD, PATCH_STREAM, PATCHES,
                                                    VERL_PIN, WORKER_CLASSES, WORKER_MODULE, when_imported)
-from npu_flashrl.adapters.megatron.engine_091 import (ENGINE_PATCHES, INT8_ARCHITECTURES,
+from npu_flashrl.adapters.megatron.engine import (ENGINE_PATCHES, INT8_ARCHITECTURES,
                                                      PATCH_ENGINE_CHECKS, PATCH_ENGINE_LMHEAD,
                                                      check_engine)
 from npu_flashrl.adapters.megatron.import_guard import (RAY_HOOK, RAY_HOOK_OVERRIDE, MindSpeedError,

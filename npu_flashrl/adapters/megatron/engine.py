@@ -1,7 +1,7 @@
-"""verl 0.9's Megatron / MindSpeed engine (current line): the trainer-side checks and the FP32
-lm-head, on the engine classes (verl 0.9 has no ``workers/megatron_workers.py``).
+"""server-mode verl's Megatron / MindSpeed engine (current line): the trainer-side checks and the FP32
+lm-head, on the engine classes (server-mode verl has no ``workers/megatron_workers.py``).
 
-Read from verl 0.9.1 ``verl/workers/engine/megatron/transformer_impl.py``: ``MegatronEngine.__init__``
+Read from server-mode verl ``verl/workers/engine/megatron/transformer_impl.py``: ``MegatronEngine.__init__``
 calls ``_init_device_mesh`` (megatron-core's ``initialize_model_parallel``); on NPU the registered
 engine is ``MindspeedEngineWithLMHead`` (``workers/engine/mindspeed/transformer_impl.py``), whose
 ``_init_device_mesh`` first runs MindSpeed's ``repatch(override_transformer_config)``, which
@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from npu_flashrl import patches
+from npu_flashrl import lines, patches
 from npu_flashrl.adapters.megatron._common import logger, when_imported
 from npu_flashrl.adapters.megatron.import_guard import ensure_mindspeed_before_megatron
 from npu_flashrl.adapters.megatron.output_layer import FusedKernelsConflict, enable_fp32_output_layer
@@ -45,7 +45,7 @@ ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 PATCH_ENGINE_CHECKS = "megatron_engine_checks"
 PATCH_ENGINE_LMHEAD = "megatron_engine_lmhead_fp32"
 ENGINE_PATCHES = (PATCH_ENGINE_CHECKS, PATCH_ENGINE_LMHEAD)
-# what the current line's INT8 reload takes from verl 0.9's engine (tests/test_verl_server.py,
+# what the current line's INT8 reload takes from server-mode verl's engine (tests/test_verl_server.py,
 # tests/test_verl091_megatron_engine.py)
 INT8_ARCHITECTURES = DENSE_ARCHITECTURES + ("Qwen3MoeForCausalLM",)
 VERIFIED_BRIDGE = "mbridge (vanilla_mbridge=True)"
@@ -138,8 +138,8 @@ def _wrap_build(original):
     return _build_megatron_module
 
 
-@register(PATCH_ENGINE_CHECKS, f"{ENGINE_MODULE}:MegatronEngine.__init__", "verl 0.9.1",
-          doc="verl 0.9 Megatron/MindSpeed engine: MindSpeed before Megatron (error on NPU "
+@register(PATCH_ENGINE_CHECKS, f"{ENGINE_MODULE}:MegatronEngine.__init__", lines.versions("verl", verl_mode="server"),
+          doc="server-mode verl Megatron/MindSpeed engine: MindSpeed before Megatron (error on NPU "
               "without it), FLASHRL_LMHEAD_FP32 + use_fused_kernels and INT8 of unsupported "
               "architectures refused by name")
 def _apply_checks() -> None:
@@ -148,8 +148,8 @@ def _apply_checks() -> None:
 
 
 @register(PATCH_ENGINE_LMHEAD, f"{ENGINE_MODULE}:MegatronEngine._build_megatron_module",
-          "verl 0.9.1",
-          doc="FLASHRL_LMHEAD_FP32 on verl 0.9's Megatron engine: fp32 output_layer on every "
+          lines.versions("verl", verl_mode="server"),
+          doc="FLASHRL_LMHEAD_FP32 on server-mode verl's Megatron engine: fp32 output_layer on every "
               "model chunk once built (after MindSpeed's repatch)")
 def _apply_lmhead() -> None:
     when_imported(ENGINE_MODULE, lambda _m: patches.replace(

@@ -1,5 +1,5 @@
 """The checks npu_flashrl's patch `megatron_engine_checks` runs in verl 0.9's Megatron engine
-`__init__` (adapters/megatron/engine_091.py), on plain config objects (what verl hands the engine:
+`__init__` (adapters/megatron/engine.py), on plain config objects (what verl hands the engine:
 its HFModelConfig's `hf_config`, its McoreEngineConfig's fields). verl's own engine runs with
 the patches in tests/test_verl091_megatron_engine.py. No stand-ins beyond the config objects."""
 import logging
@@ -8,7 +8,7 @@ import types
 import pytest
 
 from npu_flashrl.adapters.megatron import (FusedKernelsConflict, UnsupportedArchitectureError,
-                                           check_engine, engine_091)
+                                           check_engine, engine)
 
 
 def _model(*archs):
@@ -38,7 +38,7 @@ def test_int8_of_an_unsupported_architecture_refused_by_name(arch):
     check_engine(_model(arch), _engine(), environ={})
 
 
-@pytest.mark.parametrize("arch", engine_091.INT8_ARCHITECTURES)
+@pytest.mark.parametrize("arch", engine.INT8_ARCHITECTURES)
 def test_int8_architectures_accepted(arch):
     check_engine(_model(arch), _engine(), environ={"FLASHRL_CONFIG": "int8_profile_free"})
 
