@@ -77,6 +77,9 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
                 from npu_flashrl.adapters.verl import server_mode
 
                 names += list(server_mode.PATCHES)
+                from npu_flashrl.adapters.verl import checkpoint_engine  # one-step-off / fully-async
+
+                names += list(checkpoint_engine.PATCHES)
             else:
                 names.append(verl_adapter.PATCH_SYNC_END)  # rollout workers: every sync ends checked
         if lmhead_fp32_requested() and _importable("transformers"):

@@ -96,7 +96,11 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
 # Shortcut values of FLASHRL_CONFIG that need no file.
 SHORTCUTS = (FN_BF16, FN_INT8_PROFILE_FREE)
 
-_KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend")
+_KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend",
+               "wire")
+# `wire`: what the trainer sends at a weight sync (npu_flashrl.quant.wire): "float" (default,
+# the trainer's dtype) or "int8" (projections quantized on the trainer, W8A8_DYNAMIC names).
+WIRES = ("float", "int8")
 # Keys FlashRL 1.0.3 reads besides ours: kept in `extra` and written back untouched.
 FLASHRL_EXTRA_KEYS = ("module_attribute_to_preserve",)
 
@@ -174,6 +178,7 @@ class RolloutConfig:
     load_format: Optional[str] = None
     quantization: Optional[str] = None
     distributed_executor_backend: Optional[str] = EXTERNAL_LAUNCHER
+    wire: Optional[str] = None
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -198,6 +203,7 @@ class RolloutConfig:
         for k in extra:
             if not isinstance(k, str):
                 raise ConfigError(f"{where}: keys must be strings; got {k!r}")
+        _check_wire(fn, kwargs.get("wire"), where)
         return cls(fn=fn, extra=extra, **kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -229,6 +235,29 @@ class FlashRLConfig:
         return {"configs": [e.to_dict() for e in self.entries]}
 
 
+def _check_wire(fn: str, wire: Optional[str], where: str) -> None:
+    if wire is None:
+        return
+    if wire.strip() not in WIRES:
+        raise ConfigError(f"{where}.wire: expected one of {', '.join(WIRES)}; got {wire!r}")
+    if wire.strip() == "int8" and fn != FN_INT8_PROFILE_FREE:
+        why = ("FlashRL's int8 profile (fixed, profiled scales) lives on the rollout only, so the "
+               "trainer cannot quantize as the rollout does" if fn == FN_INT8
+               else "a bf16 rollout takes full-precision weights")
+        raise ConfigError(f"{where}.wire: int8 needs fn {FN_INT8_PROFILE_FREE}, not fn {fn!r}: {why}. "
+                          "Drop `wire: int8` or use fn int8_profile_free")
+
+
+def wire_of(cfg: "FlashRLConfig") -> str:
+    """What the trainer sends: one stream reaches every replica, so every entry must agree."""
+    wires = {(e.wire or "float").strip() for e in cfg.entries}
+    if len(wires) > 1:
+        raise ConfigError(f"{cfg.path or '<config>'}: entries disagree on `wire` ({sorted(wires)}); "
+                          "the trainer sends one stream to every rollout replica, so a hybrid "
+                          "config cannot mix an INT8 wire with a float one")
+    return wires.pop()
+
+
 def is_quantized(entry: RolloutConfig) -> bool:
     return entry.fn != FN_BF16
 
@@ -249,7 +278,9 @@ def parse_config(data: Any, source: str = "<config>") -> FlashRLConfig:
     if not isinstance(items, list) or not items:
         raise ConfigError(f"{source}: key `configs` must be a non-empty list of entries; got {items!r}")
     entries = [RolloutConfig.from_dict(item, f"{source}: configs[{i}]") for i, item in enumerate(items)]
-    return FlashRLConfig(entries=entries, path=None if source.startswith("<") else source)
+    cfg = FlashRLConfig(entries=entries, path=None if source.startswith("<") else source)
+    wire_of(cfg)  # a hybrid config mixing wires is refused here, naming the file
+    return cfg
 
 
 def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> FlashRLConfig:

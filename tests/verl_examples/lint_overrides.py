@@ -34,6 +34,14 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 ENTRY_MODULE = "verl.trainer.main_ppo"
+# verl 0.9's experimental trainers (docs/scale_out.md): their Hydra config is ppo_trainer plus the
+# keys of their own YAML (rollout.*, async_training.*), merged into the schema here.
+EXPERIMENTAL_ENTRIES = {
+    "verl.experimental.one_step_off_policy.main_ppo":
+        ("experimental", "one_step_off_policy", "config", "one_step_off_ppo_trainer.yaml"),
+    "verl.experimental.fully_async_policy.fully_async_main":
+        ("experimental", "fully_async_policy", "config", "fully_async_ppo_trainer.yaml"),
+}
 COMMON_RULES = {
     "algorithm.rollout_correction.rollout_is": {"null", "token", "sequence"},
     "actor_rollout_ref.rollout.calculate_log_probs": {"True", "true"},
@@ -86,18 +94,33 @@ def flatten(node, prefix: str = "") -> Dict[str, object]:
     return out
 
 
-def load_schema(config_name: str, verl_dir: Optional[str] = None) -> Dict[str, object]:
-    path = os.path.join(find_verl_config_dir(verl_dir), f"_generated_{config_name}.yaml")
+def load_schema(config_name: str, verl_dir: Optional[str] = None,
+                entry: str = ENTRY_MODULE) -> Dict[str, object]:
+    config_dir = find_verl_config_dir(verl_dir)
+    path = os.path.join(config_dir, f"_generated_{config_name}.yaml")
     with open(path, encoding="utf-8") as fh:
-        return flatten(yaml.safe_load(fh))
+        schema = flatten(yaml.safe_load(fh))
+    if entry in EXPERIMENTAL_ENTRIES:
+        verl_pkg = os.path.dirname(os.path.dirname(config_dir))  # .../verl/trainer/config -> .../verl
+        with open(os.path.join(verl_pkg, *EXPERIMENTAL_ENTRIES[entry]), encoding="utf-8") as fh:
+            own = yaml.safe_load(fh)
+        for key, value in flatten({k: v for k, v in own.items() if k not in ("hydra", "defaults")}).items():
+            if key:
+                schema.setdefault(key, value)
+    return schema
+
+
+def entry_of(words: List[str]) -> str:
+    for entry in (ENTRY_MODULE, *EXPERIMENTAL_ENTRIES):
+        if entry in words:
+            return entry
+    raise ValueError(f"no '{ENTRY_MODULE}' (or one of {', '.join(EXPERIMENTAL_ENTRIES)}) in the command")
 
 
 def parse_command(text: str) -> Tuple[str, List[str]]:
     """(config name, overrides) from a shell command text."""
     words = shlex.split(text.replace("\\\n", " "), comments=True)
-    if ENTRY_MODULE not in words:
-        raise ValueError(f"no '{ENTRY_MODULE}' in the command")
-    rest = words[words.index(ENTRY_MODULE) + 1:]
+    rest = words[words.index(entry_of(words)) + 1:]
     config_name = "ppo_trainer"
     overrides = []
     for w in rest:
@@ -161,7 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     text = open(args.file).read() if args.file else sys.stdin.read()
     config_name, overrides = parse_command(text)
-    schema = load_schema(config_name, args.verl_dir)
+    entry = entry_of(shlex.split(text.replace("\\\n", " "), comments=True))
+    schema = load_schema(config_name, args.verl_dir, entry)
     problems = lint(overrides, schema)
     for p in problems:
         print(p)

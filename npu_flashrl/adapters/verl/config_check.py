@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines.verl import is_server_line
 from npu_flashrl.values import is_null, is_true
 
 logger = get_logger(__name__)
@@ -136,6 +137,14 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
         problem = line.rollout_mode_problem(lambda key: _select(config, key, None), env)
         if problem is not None:
             raise RolloutModeError(problem)
+        if is_server_line(line.name):
+            from npu_flashrl.adapters.verl import checkpoint_engine
+
+            try:  # checkpoint engines (one-step-off / fully-async): what cannot feed an INT8 rollout
+                checkpoint_engine.check_config(lambda key: _select(config, key, None),
+                                               checkpoint_engine.config_from(env))
+            except checkpoint_engine.CheckpointEngineError as exc:
+                raise RolloutModeError(str(exc)) from None
     check_tis(config, line.name)
     warnings: List[str] = []
     if quantized:

@@ -145,13 +145,16 @@ class Int8WeightLoader:
         return [n for _, _, n in sorted(keyed)]
 
     def pending(self) -> Dict[str, List[str]]:
-        """Staged (uncommitted) layers of the sync in progress: layer path -> shards received."""
-        return self.sync.staged.received() if self.sync is not None else {}
+        """Staged (uncommitted) layers of the sync in progress: layer path -> shards received
+        (INT8 wire: projection weight -> the halves of its pair received)."""
+        if self.sync is None:
+            return {}
+        return {**self.sync.staged.received(), **self.sync.wire.received()}
 
     def staging_bytes(self) -> int:
         """Bytes held by staged, uncommitted layers of this sync (MoE: one layer's int8 experts
         per layer being received)."""
-        return self.sync.staged.nbytes() if self.sync is not None else 0
+        return self.sync.staged.nbytes() + self.sync.wire.nbytes() if self.sync is not None else 0
 
     def quantize(self, name: str, tensor: torch.Tensor):
         """(int8, scale) of one pushed projection / expert shard, produced in [in, out] memory

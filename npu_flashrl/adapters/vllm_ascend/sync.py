@@ -23,6 +23,7 @@ from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters.vllm_ascend import layout as _layout
 from npu_flashrl.adapters.vllm_ascend.experts import ExpertTarget
 from npu_flashrl.adapters.vllm_ascend.staging import StagingArea
+from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
 from npu_flashrl.quant import WeightSyncError
 
 logger = get_logger(__name__)
@@ -89,6 +90,7 @@ class WeightSync:
     def __init__(self, loader):
         self.loader = loader
         self.staged = StagingArea()
+        self.wire = WireReceiver(loader)    # INT8-wire pairs not yet complete (wire.py)
         self.failure: Optional[str] = None  # the first error of this sync
         self.wrote = False                  # something of this sync reached the live weights
         self.layers: Set[str] = set()       # quantized layers committed
@@ -113,10 +115,21 @@ class WeightSync:
                 weights = [validator.item(i, w) for i, w in enumerate(weights)]
                 for i, (name, tensor) in enumerate(weights):
                     validator.once(name, i, seen)
-                    validator.check(name, tensor, loader.quantizer)
+                    wired = self.wire.weight_of(name, tensor)
+                    if wired is None:
+                        validator.check(name, tensor, loader.quantizer)
+                    else:
+                        self.wire.validate(name, wired, tensor)
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
                 self.items += 1
+                wired = self.wire.weight_of(name, tensor)
+                if wired is not None:  # INT8 wire: pre-quantized on the trainer (wire.py)
+                    if not checked:
+                        validator.once(name, i, seen)
+                        self.wire.validate(name, wired, tensor)
+                    loaded |= self._take_wire(name, wired, tensor, borrowed=checked)
+                    continue
                 target = validator.target(name)
                 if not checked:
                     validator.once(name, i, seen)
@@ -138,6 +151,7 @@ class WeightSync:
                     buffered = 0
             if buffer:
                 loaded |= self._flush(buffer)
+            self.wire.keep()
         except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
             self.fail(exc)
             raise
@@ -149,6 +163,15 @@ class WeightSync:
         if not target.holds(name):
             return False
         q, scale = self.loader.quantize(name, tensor)
+        return self.stage_quantized(target, name, q, scale)
+
+    def stage_quantized(self, target, name: str, q: torch.Tensor,
+                        scale: Optional[torch.Tensor]) -> bool:
+        """Stage one shard already quantized (int8 [out, in], fp32 scale [out] or None: keep the
+        scales), the float path's quantizer output or the INT8 wire's pair; commit its layer once
+        every shard this rank holds arrived. False for an expert this rank does not hold."""
+        if not target.holds(name):
+            return False
         if scale is None and isinstance(target, ExpertTarget):
             # the profile quantizer keeps scales: refused at attach for MoE
             raise WeightSyncError(f"{name}: {self.loader.quantizer.name} gives no expert scales")
@@ -158,6 +181,16 @@ class WeightSync:
             self.layers.add(target.path)
             done.commit()
         return True
+
+    def _take_wire(self, name: str, weight_name: str, tensor: torch.Tensor,
+                   borrowed: bool) -> Set[str]:
+        """One INT8-wire tensor: its projection is staged once its int8 and scale both arrived."""
+        loaded, pair = self.wire.take(name, weight_name, tensor, borrowed)
+        if pair is not None:
+            target = self.loader.validator.target(weight_name)
+            if not self.stage_quantized(target, weight_name, *pair):
+                return set()  # an expert another rank holds: checked, then dropped
+        return loaded
 
     def _flush(self, buffer: List[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Write buffered non-projection tensors through vLLM's loaders and empty the buffer."""
@@ -186,6 +219,7 @@ class WeightSync:
         """A load of this sync raised: its staged (uncommitted) layers are dropped and keep their
         previous weights; anything already written makes the model inconsistent."""
         self.staged.drop()
+        self.wire.drop()
         if self.failure is None:
             self.failure = _reason(exc)
         if self.wrote:
@@ -205,8 +239,9 @@ class WeightSync:
         WeightSyncError naming what failed or never arrived, saying whether the model holds
         weights of two syncs (then it refuses to generate until a complete sync)."""
         consistency = self.loader.consistency
-        missing = self.staged.missing()
+        missing = self.staged.missing() + self.wire.missing()
         self.staged.drop()
+        self.wire.drop()
         failure, empty = self.failure, self.items == 0 and self.failure is None
         if failure is None and missing:
             failure = (f"{len(missing)} shard(s) {'never arrived' if self.wrote else 'missing'}: "

@@ -1,0 +1,153 @@
+"""The INT8 wire, receiver side: commit pre-quantized W8A8_DYNAMIC shards in place.
+
+The trainer (`npu_flashrl.quant.wire`) sends a projection as `<p>.weight` int8 [out, in] and
+`<p>.weight_scale` fp32 [out, 1], quantized by the rollout's own kernel and compute dtype. Every
+sync (`sync.WeightSync`) holds one `WireReceiver`, which it asks about every tensor:
+
+- `weight_of(name, tensor)`: the projection weight a tensor belongs to when it is a wire tensor
+  (an int8 projection weight, or a projection's `weight_scale` / `weight_offset`), else None;
+- `validate(...)`: refuse it by name before anything is written (dtype, shape, a NaN / Inf / <= 0
+  scale, a non-zero offset, a loader whose quantizer keeps its own scales);
+- `take(...)`: hold a weight until its scale arrived (or the other way round; they may come in
+  different buckets) and return the complete pair, which the sync hands to its staging as a float
+  sync's quantized shard (`WeightSync.stage_quantized`): the same staging buffers, the same
+  per-layer commit, the same derived tensors, only without quantizing again.
+
+A pair still incomplete at the end of the sync is a missing shard (`missing`): the end of the
+sync names it and drops it, and a failed call drops it with everything else staged (`drop`).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+from npu_flashrl.quant import WeightSyncError
+from npu_flashrl.quant.wire import OFFSET_SUFFIX, SCALE_SUFFIX, scale_name
+
+# the only quantizer whose scales the trainer can reproduce (fresh absmax/127 per row)
+WIRE_FN = "int8_profile_free"
+
+
+class WirePair:
+    """One projection's int8 weight and scale of this sync, until both have arrived."""
+
+    def __init__(self, weight_name: str):
+        self.name = weight_name
+        self.q: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
+        self.borrowed = False  # holds a view of the caller's (bucket) scale
+
+    def missing(self) -> List[str]:
+        return [n for n, t in ((self.name, self.q), (scale_name(self.name), self.scale)) if t is None]
+
+    def buffers(self):
+        return tuple(t for t in (self.q, self.scale) if t is not None)
+
+    def keep(self) -> None:
+        """Copy what is held out of the caller's tensors (a bucket buffer is reused; the weight
+        is always a copy already, `processed_layout`)."""
+        if self.borrowed:
+            self.scale = None if self.scale is None else self.scale.clone()
+            self.borrowed = False
+
+
+def processed_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] -> the same values as an [out, in] view of [in, out]-contiguous memory
+    (vllm-ascend's processed layout, what the staging buffers are): the layer's weight loader
+    then copies contiguous memory into the staging buffer instead of writing it transposed byte
+    by byte (sequential writes here; several times faster on a CPU; on the NPU the copy into the
+    NZ weight is the device's). A new tensor: nothing of the caller's (bucket) memory is kept."""
+    return q.t().contiguous().t()
+
+
+class WireReceiver:
+    """The INT8-wire pairs of one sync into `loader` (an `Int8WeightLoader`)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self._pairs: Dict[str, WirePair] = {}
+
+    def _layer(self, weight_name: str):
+        return self.loader.targets.get(weight_name) or self.loader.experts.get(weight_name)
+
+    def weight_of(self, name: str, tensor) -> Optional[str]:
+        """The projection weight `name` is a wire tensor of, or None (a float-wire tensor)."""
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            return None
+        if tensor.dtype == torch.int8 and self._layer(name) is not None:
+            return name
+        for suffix in (SCALE_SUFFIX, OFFSET_SUFFIX):
+            if name.endswith("." + suffix):
+                weight = name[: -len(suffix)] + "weight"
+                if self._layer(weight) is not None:
+                    return weight
+        return None
+
+    def validate(self, name: str, weight_name: str, tensor: torch.Tensor) -> None:
+        quantizer = self.loader.quantizer
+        if getattr(quantizer, "name", None) != WIRE_FN:
+            raise WeightSyncError(
+                f"{name}: an INT8-wire tensor reached a rollout whose fn is "
+                f"{getattr(quantizer, 'name', '?')!r}; the INT8 wire carries fresh per-channel "
+                f"scales and needs fn '{WIRE_FN}' (FlashRL's `int8` profile scales live on the rollout "
+                "only). Drop `wire: int8` from the FlashRL config entry or use fn int8_profile_free")
+        out = tuple(self._layer(weight_name).full_shape(weight_name))
+        if name == weight_name:
+            if tuple(tensor.shape) != out:
+                raise WeightSyncError(f"{name}: expected int8 shape {out}, got {tuple(tensor.shape)}")
+            return
+        out_rows = out[0]
+        if not tensor.is_floating_point():
+            raise WeightSyncError(f"{name}: expected a floating-point scale/offset, got {tensor.dtype}")
+        if tuple(tensor.shape) not in ((out_rows,), (out_rows, 1)):
+            raise WeightSyncError(f"{name}: expected shape ({out_rows}, 1) (W8A8_DYNAMIC, one per output "
+                                  f"row of {weight_name}), got {tuple(tensor.shape)}")
+        if name.endswith(OFFSET_SUFFIX):
+            if tensor.numel() and bool(tensor.ne(0).any()):
+                raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
+                                      "(W8A8_DYNAMIC offsets are zero)")
+            return
+        if tensor.numel():
+            lo, hi = torch.aminmax(tensor.float())
+            if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+                raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
+            if float(lo) <= 0:
+                raise WeightSyncError(f"{name}: scales must be > 0, got min {float(lo)}; refusing the sync")
+
+    def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool
+             ) -> Tuple[Set[str], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+        """Take one wire tensor: (the names loaded, the projection's (int8, fp32 scale [out]) once
+        both are here, else None). `borrowed`: the tensor is a view the caller reuses after this
+        call (kept past the call only through `keep`)."""
+        if name.endswith("." + OFFSET_SUFFIX):
+            return {name}, None  # validated zero; the commit zeroes the live offset
+        pair = self._pairs.get(weight_name)
+        if pair is None:
+            pair = self._pairs[weight_name] = WirePair(weight_name)
+        if name == weight_name:
+            pair.q = processed_layout(tensor)  # a copy in the staging layout
+        else:
+            pair.scale = tensor if borrowed else tensor.clone()
+            pair.borrowed = pair.borrowed or borrowed
+        if pair.q is None or pair.scale is None:
+            return {name}, None
+        del self._pairs[weight_name]
+        return {weight_name, scale_name(weight_name)}, (pair.q, pair.scale.reshape(-1).float())
+
+    def keep(self) -> None:
+        """End of a load_weights call: incomplete pairs copy what they hold of the caller's tensors."""
+        for pair in self._pairs.values():
+            pair.keep()
+
+    def missing(self) -> List[str]:
+        return [n for pair in self._pairs.values() for n in pair.missing()]
+
+    def received(self) -> Dict[str, List[str]]:
+        return {w: sorted({w, scale_name(w)} - set(p.missing())) for w, p in self._pairs.items()}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self._pairs.values() for t in p.buffers())
+
+    def drop(self) -> None:
+        self._pairs.clear()

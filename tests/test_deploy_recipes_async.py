@@ -1,0 +1,85 @@
+"""The scale-out recipes (tests/verl_examples/configs/test_grpo_qwen25_7b_fsdp_{int8,bf16}_A2_
+{one_step_off,fully_async}.sh, docs/scale_out.md): dry runs through verl 0.9.1's experimental
+trainers with a separate rollout pool and checkpoint_engine.backend=nccl (HCCL on Ascend), every
+override linted against verl 0.9.1's experimental config (ppo_trainer + the trainer's own YAML),
+the bf16 twins differing only in the rollout's precision, the preflight refusals. Only yaml is
+read, no verl is imported."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from test_deploy_recipes import (EX, inputs, lint_overrides, overrides_of, run,  # noqa: F401
+                                 schema_dir_091, verl_command)
+
+CFG = EX / "configs"
+INT8_OSO = CFG / "test_grpo_qwen25_7b_fsdp_int8_A2_one_step_off.sh"
+RECIPES = {("int8", "one_step_off"): INT8_OSO,
+           ("bf16", "one_step_off"): CFG / "test_grpo_qwen25_7b_fsdp_bf16_A2_one_step_off.sh",
+           ("int8", "fully_async"): CFG / "test_grpo_qwen25_7b_fsdp_int8_A2_fully_async.sh",
+           ("bf16", "fully_async"): CFG / "test_grpo_qwen25_7b_fsdp_bf16_A2_fully_async.sh"}
+ENTRY = {"one_step_off": "verl.experimental.one_step_off_policy.main_ppo",
+         "fully_async": "verl.experimental.fully_async_policy.fully_async_main"}
+
+
+@pytest.fixture()
+def env(inputs, tmp_path):  # noqa: F811
+    cfg = tmp_path / "flashrl.yaml"
+    cfg.write_text("configs:\n  - fn: int8_profile_free\n    wire: int8\n")
+    return dict(inputs["env"], FLASHRL_CONFIG=str(cfg))
+
+
+def _overrides(stdout, entry):
+    words = verl_command(stdout)
+    assert entry in words, words[:20]
+    rest = words[words.index(entry) + 1:]
+    return dict(w.split("=", 1) for w in rest if "=" in w and not w.startswith("--"))
+
+
+@pytest.mark.parametrize("key", list(RECIPES), ids=lambda k: "-".join(k))
+def test_dry_run_lints_against_verl_091_experimental_config(env, key):
+    precision, mode = key
+    proc = run(RECIPES[key], env, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    ov = _overrides(proc.stdout, ENTRY[mode])
+    assert ov["actor_rollout_ref.rollout.checkpoint_engine.backend"] == "nccl"
+    assert ov["rollout.n_gpus_per_node"] == "4" and ov["trainer.n_gpus_per_node"] == "4"
+    assert ov["trainer.experiment_name"] == f"qwen25_7b_fsdp_{mode}_{precision}_A2_verl09"
+    assert ("async_training.partial_rollout" in ov) == (mode == "fully_async")
+    config_name, overrides = lint_overrides.parse_command(proc.stdout[proc.stdout.index("env \\"):])
+    schema = lint_overrides.load_schema(config_name, schema_dir_091(), ENTRY[mode])
+    assert lint_overrides.lint(overrides, schema) == []
+    # the experimental keys are not in verl's plain ppo_trainer schema: the lint would catch them
+    plain = lint_overrides.load_schema(config_name, schema_dir_091())
+    assert any("rollout.n_gpus_per_node" in p for p in lint_overrides.lint(overrides, plain))
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_bf16_twin_differs_only_in_precision(env, mode):
+    a = _overrides(run(RECIPES[("int8", mode)], env, "--dry-run").stdout, ENTRY[mode])
+    b = _overrides(run(RECIPES[("bf16", mode)], env, "--dry-run").stdout, ENTRY[mode])
+    diff = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert diff == {"trainer.experiment_name", "trainer.default_local_dir"}, diff
+
+
+@pytest.mark.parametrize("extra_env, args, needle", [
+    ({"CHECKPOINT_ENGINE": "delta_sharded"}, (), "CHECKPOINT_ENGINE=delta_sharded with FLASHRL_CONFIG"),
+    ({}, ("actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded",), "delta_sharded"),
+    ({"TRAINER_NPUS": "6"}, (), "exceed NPUS_PER_NODE=8"),
+    ({"ASYNC_MODE": "both"}, (), "ASYNC_MODE must be one_step_off or fully_async"),
+    ({"ROLLOUT_NPUS": "4x"}, (), "ROLLOUT_NPUS must be an integer"),
+    ({}, ("actor_rollout_ref.rollout.quantization=fp8",), "drop actor_rollout_ref.rollout.quantization"),
+    ({}, ("--dryrun",), "unknown option"),
+])
+def test_preflight_refusals(env, extra_env, args, needle):
+    proc = run(INT8_OSO, dict(env, **extra_env), *(args if "--dryrun" in args else ("--dry-run", *args)))
+    assert proc.returncode in (1, 2), proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert ENTRY["one_step_off"] not in proc.stdout
+
+
+def test_help_is_its_own():
+    proc = subprocess.run(["bash", str(RECIPES[("bf16", "fully_async")]), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "fully_async twin" in proc.stdout
