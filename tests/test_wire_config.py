@@ -39,7 +39,10 @@ def test_int8_wire_stream():
               ("model.layers.0.mlp.gate.weight", w),            # MoE router: not a projection
               ("lm_head.weight", w),
               ("model.layers.1.mlp.up_proj.weight", bad)]
-    out = dict(int8_wire(stream, torch.bfloat16))
+    items = list(int8_wire(stream, torch.bfloat16))
+    names = [n for n, _ in items]
+    assert names.index("model.layers.0.self_attn.q_proj.weight_scale") < names.index("model.layers.0.self_attn.q_proj.weight")
+    out = dict(items)
     q, s = kernels.quantize_weight_per_channel(w, torch.bfloat16)
     for p in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.7.down_proj"):
         assert torch.equal(out[p + ".weight"], q) and out[p + ".weight"].dtype == torch.int8

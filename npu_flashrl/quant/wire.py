@@ -4,8 +4,8 @@ With `wire: int8` in the FlashRL config entry, the trainer sends each projection
 decoder layers (attention q/k/v/o, MLP gate/up/down, and every MoE expert's gate/up/down) as
 vllm-ascend's W8A8_DYNAMIC checkpoint tensors instead of the trainer's bf16/fp32:
 
+    <prefix>.weight_scale  fp32 [out, 1]   (sent first)
     <prefix>.weight        int8 [out, in]
-    <prefix>.weight_scale  fp32 [out, 1]
 
 computed by the same kernel, with the same compute dtype (the rollout model's), as the rollout's
 own online quantizer (`int8_profile_free`: `kernels.quantize_weight_per_channel`, torch_npu's on an
@@ -81,8 +81,10 @@ def int8_wire(weights: Iterable[Tuple[str, torch.Tensor]], compute_dtype: torch.
                 del tensor
                 if stats is not None:
                     stats["bytes_out"] = stats.get("bytes_out", 0) + q.numel() + scale.numel() * 4
-                yield name, q
+                # the scale first: it is what tells the receiver an int8 weight follows (a float
+                # sync never sends a weight_scale), so an int8 tensor without one stays an error
                 yield scale_name(name), scale
+                yield name, q
                 continue
         if stats is not None:
             stats["bytes_out"] = stats.get("bytes_out", 0) + tensor.numel() * tensor.element_size()

@@ -113,13 +113,15 @@ class WeightSync:
             if checked:
                 # refuse a bad call before writing anything of it
                 weights = [validator.item(i, w) for i, w in enumerate(weights)]
+                scales: set = set()  # wire weights whose scale came earlier in this call
                 for i, (name, tensor) in enumerate(weights):
                     validator.once(name, i, seen)
-                    wired = self.wire.weight_of(name, tensor)
+                    wired = self.wire.weight_of(name, tensor, scales)
                     if wired is None:
                         validator.check(name, tensor, loader.quantizer)
                     else:
                         self.wire.validate(name, wired, tensor)
+                        scales.add(wired)
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
                 self.items += 1

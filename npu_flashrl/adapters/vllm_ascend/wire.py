@@ -71,12 +71,20 @@ class WireReceiver:
     def _layer(self, weight_name: str):
         return self.loader.targets.get(weight_name) or self.loader.experts.get(weight_name)
 
-    def weight_of(self, name: str, tensor) -> Optional[str]:
-        """The projection weight `name` is a wire tensor of, or None (a float-wire tensor)."""
+    def weight_of(self, name: str, tensor, scales_seen=()) -> Optional[str]:
+        """The projection weight `name` is a wire tensor of, or None (a float-wire tensor). An
+        int8 projection weight is wire data only after its scale (sent first: pending from an
+        earlier call, or in `scales_seen` earlier in this call); without one it is refused naming
+        both, as a float sync's stray int8 tensor."""
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             return None
         if tensor.dtype == torch.int8 and self._layer(name) is not None:
-            return name
+            if name in self._pairs or name in scales_seen:
+                return name
+            raise WeightSyncError(
+                f"{name}: got int8 without its {scale_name(name)} before it; a float sync sends "
+                "floating-point (bf16/fp16/fp32) tensors to quantize online, the INT8 wire sends "
+                "each projection's weight_scale and then its int8 weight")
         for suffix in (SCALE_SUFFIX, OFFSET_SUFFIX):
             if name.endswith("." + suffix):
                 weight = name[: -len(suffix)] + "weight"
