@@ -207,8 +207,13 @@ _OVERRIDE = re.compile(r"(?<![\w.+])(\+{0,2}(?:actor_rollout_ref|ray_kwargs|trai
 
 
 def recommended_overrides():
-    """Every Hydra override docs/megatron.md and the Megatron adapter's error messages recommend."""
-    texts = [(ROOT / "docs" / "megatron.md").read_text(encoding="utf-8"),
+    """Every Hydra override docs/megatron.md (its pinned-line sections; section 5 is verl 0.9.1's
+    engine, whose keys such as `vanilla_mbridge` verl 51d2104 does not have) and the Megatron
+    adapter's error messages recommend."""
+    doc = (ROOT / "docs" / "megatron.md").read_text(encoding="utf-8")
+    current = doc.find("\n## 5. Current line")
+    assert current > 0, "docs/megatron.md: the current line's section 5 heading moved"
+    texts = [doc[:current],
              str(import_guard._order_error("megatron was imported first")), import_guard.missing_message(),
              str(stream.unsupported_message({"architectures": ["DeepseekV3ForCausalLM"]}))]
     try:
