@@ -119,3 +119,19 @@ def rehearsal_cache(tmp_path_factory):
     """One `npu-flashrl rehearse --cache-dir` for the session: the tiny model is pre-trained by the
     first rehearsal that runs (tests/test_rehearsal.py in file order) and reused by the others."""
     return tmp_path_factory.mktemp("rehearsal-cache")
+
+
+@pytest.fixture(autouse=True)
+def _npu_flashrl_logging_restored():
+    """A test that configures npu_flashrl's own handler (FLASHRL_LOGGING_LEVEL / _FILE in this
+    process) leaves the `npu_flashrl` logger non-propagating: restore the default (propagate to
+    the root, no handler of ours, no level) after it, so later tests' caplog sees our lines."""
+    yield
+    import logging
+
+    lg = logging.getLogger("npu_flashrl")
+    if not lg.propagate or lg.handlers or lg.level != logging.NOTSET:
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.propagate = True
+        lg.setLevel(logging.NOTSET)
