@@ -33,7 +33,11 @@ if _VLLM_ASCEND_SRC:
         os.environ["PYTHONPATH"] = _VLLM_ASCEND_SRC + (os.pathsep + _pp if _pp else "")
 
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402  (after the environment is fixed)
+
+_ROOT_LEVEL = logging.getLogger().level  # before any upstream import changes it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The pinned line's upstream trees (no registry release); a user's clone has no ../shared.
@@ -125,10 +129,15 @@ def rehearsal_cache(tmp_path_factory):
 def _npu_flashrl_logging_restored():
     """A test that configures npu_flashrl's own handler (FLASHRL_LOGGING_LEVEL / _FILE in this
     process) leaves the `npu_flashrl` logger non-propagating: restore the default (propagate to
-    the root, no handler of ours, no level) after it, so later tests' caplog sees our lines."""
+    the root, no handler of ours, no level) after it, so later tests' caplog sees our lines.
+    The root's level too: importing vLLM 0.23's API server imports model_hosting_container_standards,
+    which sets the root logger to ERROR (its LOG_LEVEL default), and every later test that expects
+    one of our WARNINGs would see none (docs/configuration.md, FLASHRL_LOGGING_LEVEL)."""
     yield
     import logging
 
+    if logging.getLogger().level != _ROOT_LEVEL:
+        logging.getLogger().setLevel(_ROOT_LEVEL)
     lg = logging.getLogger("npu_flashrl")
     if not lg.propagate or lg.handlers or lg.level != logging.NOTSET:
         for h in list(lg.handlers):
