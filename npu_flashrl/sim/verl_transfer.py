@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import types
 from typing import Optional
 
@@ -172,6 +173,10 @@ class SenderProcess:
             [sys.executable, "-m", "npu_flashrl.sim.verl_transfer", handle],
             env=sender_env() if env is None else env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.err, text=True, bufsize=1)
+        # A reader thread, not select() on the pipe: two lines written at once land in the
+        # text wrapper's buffer, where select() cannot see the second one (a wait until timeout).
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, name=f"sender-{handle}-stdout", daemon=True).start()
         try:
             self.expect("ready")
         except BaseException:
@@ -198,11 +203,20 @@ class SenderProcess:
         self.err.seek(0)
         return self.err.read().decode(errors="replace")[-n:]
 
+    def _read_lines(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # end of output: the process closed stdout or exited
+
     def expect(self, word: str) -> None:
         line = ""
         while not line.startswith(PREFIX):
-            ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
-            line = self.proc.stdout.readline() if ready else "<timeout>"
+            try:
+                line = self._lines.get(timeout=self.timeout_s)
+            except queue.Empty:
+                line = "<timeout>"
+            if line == "":
+                self._lines.put("")  # stays at the end for a later expect()
             if line in ("", "<timeout>"):
                 break
         line = line.strip()[len(PREFIX.strip()):].strip() if line.startswith(PREFIX) else line
