@@ -1,11 +1,11 @@
 """Output: the per-step table, the per-layer-type table, the plot and the printed summary."""
 from __future__ import annotations
 
-import io
 import sys
 from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS, VARIANT_BF16, VARIANT_ORDER
+from npu_flashrl.rehearsal.plotting import pyplot, save_png
 from npu_flashrl.rehearsal.state import by_type
 from npu_flashrl.sim.faults import FAULT_ENV
 
@@ -53,12 +53,8 @@ def format_layer_table(layer_results: Dict[str, List[Dict[str, Any]]]) -> str:
 
 def write_plot(rows, path: str) -> Optional[str]:
     """mismatch.png: token_mult_prob_error and KL (k3) per step and variant. None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for variant in sorted({r["variant"] for r in rows}, key=lambda v: VARIANT_ORDER.get(v, 9)):
@@ -69,18 +65,7 @@ def write_plot(rows, path: str) -> Optional[str]:
     axes[0].set_title("token_mult_prob_error (1.0 = exact)")
     axes[1].set_title("KL(rollout || trainer), k3")
     axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("training step (weight sync)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    from npu_flashrl.config import atomic_write
-
-    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
-    return path
+    return save_png(plt, fig, axes, "training step (weight sync)", path)
 
 
 def print_summary(rows, summary, checks, applied_names, report, report_path, layer_results) -> None:

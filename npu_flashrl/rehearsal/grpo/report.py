@@ -2,12 +2,12 @@
 `grpo.png` and the printed summary."""
 from __future__ import annotations
 
-import io
 import math
 import sys
 from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal.grpo.settings import VARIANT_BF16, VARIANTS, GrpoSettings
+from npu_flashrl.rehearsal.plotting import pyplot, save_png
 
 # The rise bf16 must show at least, whatever the noise estimate says (reward is a 0/1 rate).
 MIN_RISE = 0.05
@@ -123,12 +123,8 @@ def format_table(summary: Dict[str, Any]) -> str:
 
 def write_plot(summary: Dict[str, Any], s: GrpoSettings, path: str) -> Optional[str]:
     """grpo.png: reward vs step per variant (mean over seeds, band +-1 std), mismatch vs step."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, v in summary["variants"].items():
@@ -141,18 +137,7 @@ def write_plot(summary: Dict[str, Any], s: GrpoSettings, path: str) -> Optional[
     axes[0].set_title(f"GRPO reward (mean over {s.seeds} seeds, band +-1 std)")
     axes[0].set_ylabel("reward (batch mean)")
     axes[1].set_title("token_mult_prob_error, rollout vs trainer (1.0 = exact)")
-    for ax in axes:
-        ax.set_xlabel("GRPO step")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    from npu_flashrl.config import atomic_write
-
-    atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
-    return path
+    return save_png(plt, fig, axes, "GRPO step", path)
 
 
 def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, report_path: str) -> None:
