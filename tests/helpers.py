@@ -1,6 +1,8 @@
 """Helpers shared by the reload / sync tests (imported as `helpers`: tests/ is on sys.path, as for
 `modelslim_writer` and `verl_server_engine`). Weight-sync delivery and state comparison helpers
 are in `npu_flashrl.sim.sync` (the benchmarks use them too)."""
+import os
+
 import torch
 
 from npu_flashrl.sim import cpu_vllm
@@ -25,3 +27,17 @@ def hf_weights(model, dtype=None):
     """(name, tensor) of a transformers model's parameters, cloned (cast to `dtype` when given)."""
     return [(n, p.detach().clone().to(dtype) if dtype is not None else p.detach().clone())
             for n, p in model.named_parameters()]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"  # the rehearsal's fault seam (npu_flashrl.sim.faults)
+
+
+def rehearsal_env() -> dict:
+    """Environment of a `npu-flashrl rehearse` subprocess: this checkout first on the path, no
+    torch_npu autoload, no vLLM plugins, offline, and none of a user's FlashRL settings or faults."""
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", FAULT_ENV):
+        env.pop(k, None)
+    return env

@@ -18,9 +18,10 @@ import sys
 
 import pytest
 
+from helpers import ROOT, rehearsal_env
+
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # bf16 vLLM vs bf16 transformers on the same bf16 weights: they differ only by kernel rounding (vLLM's
 # attention here computes in fp32, RMSNorm/rotary/bias-add round to bf16 at different points), i.e. a
@@ -30,17 +31,9 @@ BASELINE_TOL = 0.01
 MAX_ERROR = 1.05
 
 
-def _env():
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("FLASHRL_CONFIG", None)
-    env.pop("FLASHRL_LMHEAD_FP32", None)
-    return env
-
-
 def _rehearse(*argv, timeout=300):
     cmd = [sys.executable, "-m", "npu_flashrl.cli", "rehearse", "--no-progress", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rehearsal_env(), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,15 @@ is process-global: patches, emulation, vLLM's process group), 2 syncs, 4 evaluat
 fp32-head variant, the session's cached tiny model; about 20 s on 2 cores.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from helpers import FAULT_ENV, ROOT, rehearsal_env
+
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
 
 INT8 = "int8 state: int8 values equal the reference quantization"
 SCALE = "int8 state: weight scales match the reference"
@@ -68,20 +67,12 @@ print("CODES " + json.dumps(codes), flush=True)
 """
 
 
-def _env():
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", FAULT_ENV):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory, rehearsal_cache):
     root = tmp_path_factory.mktemp("rehearsal-faults")
     names = ["healthy", *EXPECTED]
     p = subprocess.run([sys.executable, "-c", _DRIVER, str(root), str(rehearsal_cache), *names],
-                       capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, env=rehearsal_env(), cwd=ROOT)
     codes_line = [ln for ln in p.stdout.splitlines() if ln.startswith("CODES ")]
     assert codes_line, f"driver failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     codes = json.loads(codes_line[-1][len("CODES "):])

@@ -27,10 +27,10 @@ import sys
 import pytest
 import torch
 
+from helpers import ROOT, rehearsal_env
+
 from npu_flashrl import compat
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
 VARIANTS = ("bf16", "int8", "int8+tis", "int8+tis+fp32head")
 QUICK = dict(steps=6, seeds=2, mini_batches=2)  # settings.PRESETS["quick"], checked below
 SCALE = "int8+tis state: weight scales match the reference"
@@ -101,19 +101,11 @@ print("CODES " + json.dumps(codes), flush=True)
 """
 
 
-def _env():
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", FAULT_ENV):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def grpo_runs(tmp_path_factory, rehearsal_cache):
     root = tmp_path_factory.mktemp("rehearsal-grpo")
     p = subprocess.run([sys.executable, "-c", _DRIVER, str(root), str(rehearsal_cache), *FAULTS],
-                       capture_output=True, text=True, timeout=1800, env=_env(), cwd=ROOT)
+                       capture_output=True, text=True, timeout=1800, env=rehearsal_env(), cwd=ROOT)
     lines = {tag: [ln for ln in p.stdout.splitlines() if ln.startswith(tag + " ")] for tag in ("CODES", "SPIED")}
     assert lines["CODES"], f"driver failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     stdout = {}
