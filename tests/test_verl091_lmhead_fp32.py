@@ -33,6 +33,7 @@ import sys
 import pytest
 
 from npu_flashrl import compat
+from npu_flashrl.sim.megatron_engine import cpu_platform, stub_absent_modules
 
 pytestmark = [
     pytest.mark.every_line,
@@ -46,62 +47,6 @@ ROOT = os.path.dirname(HERE)
 
 # ------------------------------------------------------------------------ the child process
 
-def _stub_absent(names):
-    import importlib.util
-    import types
-
-    def missing(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return type(attr, (), {})
-
-    added = []
-    for name in names:
-        root = name.split(".")[0]
-        if name in sys.modules or (root not in sys.modules and importlib.util.find_spec(root)):
-            continue
-        mod = types.ModuleType(name)
-        mod.__getattr__ = missing
-        mod.__path__ = []
-        sys.modules[name] = mod
-        added.append(name)
-    return added
-
-
-def _cpu_platform():
-    import contextlib
-
-    import torch
-    from verl.plugin.platform.platform_base import PlatformBase
-
-    class CPUPlatform(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = torch.cpu
-
-        def is_available(self): return True
-        def current_device(self): return "cpu"
-        def device_count(self): return 1
-        def set_device(self, index): pass
-        def synchronize(self, index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def communication_backend_name(self): return "gloo"
-        def cudart(self): return None
-        def empty_cache(self): pass
-        def get_device_capability(self, index=0): return (None, None)
-        def is_ipc_supported(self): return False
-        def nvtx_range(self, msg): return contextlib.nullcontext()
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_noset_envvars(self): return []
-        def ray_resource_name(self): return "CPU"
-        def set_allocator_settings(self, settings): pass
-        def visible_devices_envvar(self): return "CPU_VISIBLE_DEVICES"
-
-    return CPUPlatform()
-
-
 def child(model_dir: str, role: str, port: int) -> dict:
     """Build verl's FSDP engine for `role` ("actor" | "ref") with npu_flashrl's patch applied and
     run its log-prob forward twice: fp32 lm-head on, then off (verl's own bf16 path)."""
@@ -112,10 +57,10 @@ def child(model_dir: str, role: str, port: int) -> dict:
     from npu_flashrl.adapters import transformers as hf
 
     lora = ("peft", "peft.utils", "peft.utils.save_and_load")
-    added = _stub_absent(lora + ("datasets",))
+    added = stub_absent_modules(lora + ("datasets",))
     from verl.plugin.platform import platform_manager
 
-    platform_manager.set_platform(_cpu_platform())  # before the engine module reads the device
+    platform_manager.set_platform(cpu_platform())  # before the engine module reads the device
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     for name in lora:

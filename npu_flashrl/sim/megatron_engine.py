@@ -117,7 +117,9 @@ def cpu_platform():
     return CPUPlatform()
 
 
-def _stub_absent(names):
+def stub_absent_modules(names):
+    """Empty modules for `names` that are not installed (verl imports peft / datasets at module
+    level); returns the names added, for the caller to remove after the import."""
     def missing(attr):
         if attr.startswith("__"):
             raise AttributeError(attr)
@@ -177,7 +179,7 @@ def install() -> None:
     import torch
 
     lora = ("peft", "peft.utils", "peft.utils.save_and_load")
-    added = _stub_absent(lora + ("datasets",))
+    added = stub_absent_modules(lora + ("datasets",))
     from verl.plugin.platform import platform_manager
 
     platform_manager.set_platform(cpu_platform())
