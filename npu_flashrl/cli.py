@@ -143,7 +143,7 @@ def _add_verify(sub) -> None:
                    help="also check verl Hydra overrides: a file (one per line, or a recipe's --dry-run "
                         "output) or '-' for stdin, e.g. `bash RECIPE --dry-run | npu-flashrl verify "
                         "--verl-overrides -`; refuses rollout modes and TIS settings that silently do "
-                        "nothing at verl 51d2104")
+                        "nothing on the sync-mode verl line")
     p.set_defaults(func=_run_verify)
 
 

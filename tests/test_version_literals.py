@@ -28,20 +28,12 @@ ROOT = Path(__file__).resolve().parents[1] / "npu_flashrl"
 EXEMPT = ("lines/",)
 
 PENDING = {
-    # helper "engine": adapters/verl (server_091 / sync_51d2104 / tis_091 renamed and merged),
-    # the engine choice, config_check's verl lines
-    "adapters/__init__.py": "engine", "adapters/verl/__init__.py": "engine",
+    # verl's adapter: prose and messages about the verl lines (config_check's messages should
+    # take their release names from npu_flashrl.lines.verl)
+    "adapters/verl/__init__.py": "engine",
     "adapters/verl/config_check.py": "engine", "adapters/verl/moe_names.py": "engine",
-    "adapters/vllm_engine.py": "engine",
-    "adapters/vllm_ascend/hooks.py": "engine",
-    # helper "sync": the reload rewritten as a sync-lifecycle object
-    "adapters/vllm_ascend/reload.py": "sync", "adapters/vllm_ascend/experts.py": "sync",
-    # moves to tests/ (test-only, issue 21 item 3)
-    "sim/sync.py": "sim move",
-    # the rehearsal and the command line (other helpers; only import paths changed here)
-    "rehearsal/__init__.py": "rehearsal", "rehearsal/arguments.py": "rehearsal",
-    "rehearsal/common.py": "rehearsal", "rehearsal/state_moe.py": "rehearsal",
-    "rehearsal/transport.py": "rehearsal", "cli.py": "cli",
+    "sim/sync.py": "sim move",  # its test-only helpers move to tests/ (issue 21 item 3)
+    "rehearsal/transport.py": "rehearsal",
 }
 
 

@@ -11,6 +11,7 @@ import os
 from typing import Any, List, Optional, Protocol
 
 from npu_flashrl import config as flashrl_config
+from npu_flashrl import lines
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters.engine_choice import (  # noqa: F401  (engine_choice, CHOICE_KEY: re-exported)
@@ -104,7 +105,7 @@ def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
                     getattr(engine_args, "model", None))
         return None
     if server is not None:
-        # e.g. verl 0.7+ server mode: one engine per verl replica, entry `replica_rank % n`
+        # e.g. verl's server mode: one engine per verl replica, entry `replica_rank % n`
         server.check_engine_quantization(engine_args)
         dp_rank = server.replica_rank() if len(cfg.entries) > 1 else 0
     else:
@@ -165,7 +166,7 @@ def _wrap(original):
     return create_engine_config
 
 
-@patches.register(PATCH_NAME, TARGET, "vllm 0.10.1, 0.11.0, 0.23.0",
+@patches.register(PATCH_NAME, TARGET, "vllm " + ", ".join(ln.vllm for ln in lines.LINES),
                   "FlashRL config applied per DP group / verl replica to every vLLM engine it can reach; "
                   "other engines refused")
 def _apply() -> None:

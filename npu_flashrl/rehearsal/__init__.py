@@ -23,9 +23,9 @@ What one run does (each phase with a progress bar):
 4. **K simulated training steps** (`--steps`): a few real AdamW iterations on the fp32 master weights
    per step; the bf16 weights (what an FSDP trainer with param_dtype bf16 holds and syncs) are pushed
    into each rollout model in a shuffled order, in about `--buckets` buckets, timed, through the
-   transport of the installed line (`--transport`, `transport.py`): on the current line verl 0.9.1's
+   transport of the installed line (`--transport`, `transport.py`): on the current line, that verl's
    real `BucketedWeightSender` (own process) and `update_weights_from_ipc` over shared memory, with
-   npu_flashrl's server-mode patches (which end every INT8 sync); on the pinned / 0.11 lines
+   npu_flashrl's server-mode patches (which end every INT8 sync); on the sync-mode verl lines (pinned, lines.v0_11_0)
    `load_weights` per bucket, then `end_weight_sync` for INT8 (verl sync mode).
 5. **Metrics** after each step on a fixed set of task sequences, teacher-forced: rollout log-probs =
    log-softmax of the vLLM model's logits at the target tokens; trainer log-probs = the transformers

@@ -59,9 +59,9 @@ def add_arguments(p) -> None:
                         "default 4")
     p.add_argument("--transport", choices=("auto", "verl", "direct"), default="auto",
                    help="how the syncs reach the rollout model: verl = verl's real bucketed sender (own "
-                        "process) and receiver update_weights_from_ipc over shared memory (verl 0.7-0.9 "
-                        "server mode); direct = load_weights per bucket in process (verl sync mode, the "
-                        "pinned/0.11 lines); auto (default): verl on a line whose verl runs in server "
+                        "process) and receiver update_weights_from_ipc over shared memory (verl's "
+                        "server mode); direct = load_weights per bucket in process (verl's "
+                        "sync mode); auto (default): verl on a line whose verl runs in server "
                         "mode (current), else direct")
     p.add_argument("--inner-iters", type=_number(int, 1), default=2,
                    help="AdamW iterations on the synthetic task per simulated step; default 2")

@@ -29,7 +29,7 @@ DEFAULT_MAX_LAYER_ERROR = 0.05
 # --baseline-tol: bf16 vLLM vs bf16 transformers. A MoE's floor is higher: a token whose router
 # logits nearly tie can take another expert in one of them (bf16 rounding of the router logits in
 # different kernels). Measured on the random tiny Qwen3-MoE (16 x 48 tokens, 4 syncs): max 1.0105
-# (current line) / 1.0146 (0.11), with one such token in 256 carrying most of a block's 2% bf16
+# (current line) / 1.0146 (lines.v0_11_0), with one such token in 256 carrying most of a block's 2% bf16
 # difference; INT8 was 1.029 / 1.034.
 DEFAULT_BASELINE_TOL = 0.01
 MOE_BASELINE_TOL = 0.02

@@ -4,7 +4,7 @@ for the linear layers and the rules; this module applies the same five categorie
 One fused-MoE layer holds every expert of a decoder layer: `w13_weight` [E, H, 2I] and
 `w2_weight` [E, I, H] int8 in the processed layout ([in, out] per expert; NZ on the NPU), the
 per-channel scales `w13_weight_scale` [E, 2I] / `w2_weight_scale` [E, H] in the model dtype, the
-fp32 copy `w13_weight_scale_fp32`, zero offsets, and with vllm-ascend 0.23's `enable_fused_mc2` the
+fp32 copy `w13_weight_scale_fp32`, zero offsets, and with the newest vllm-ascend line's `enable_fused_mc2` the
 int64 bit patterns `fused_w1_scale` / `fused_w2_scale`. Checked against the pushed bf16 experts
 (`mlp.experts.E.{gate,up,down}_proj.weight`, the names verl's trainer sends):
 

@@ -1,7 +1,7 @@
 """In-place INT8 reload of vllm-ascend's W8A8_DYNAMIC fused-MoE experts (Qwen3-MoE and alike).
 
 The trainer pushes unfused HF names, `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`
-(verl 0.9 unfuses transformers 5's packed experts before sending). vllm-ascend's
+(server-mode verl unfuses transformers 5's packed experts before sending). vllm-ascend's
 `AscendW8A8DynamicFusedMoEMethod` holds one layer's experts as `w13_weight` [E, H, 2I] and
 `w2_weight` [E, I, H] int8 (transposed by its post-processing, NZ on the NPU) with per-channel
 scales `w13_weight_scale` [E, 2I] / `w2_weight_scale` [E, H] and the fp32 copy
@@ -122,7 +122,7 @@ def resolve_float_expert(mapping, name: str) -> Optional[str]:
 def checkpoint_layout_loader(layer):
     """The FusedMoE layer's own `weight_loader`, without verl's NPU transpose wrapper.
 
-    verl >= 0.8 on an NPU (`verl.utils.vllm.npu_vllm_patch`, applied when `verl.utils.vllm` is
+    Server-mode verl on an NPU (`verl.utils.vllm.npu_vllm_patch`, applied when `verl.utils.vllm` is
     imported) wraps `FusedMoE.weight_loader` to transpose a parameter whose dim 1 (w1/w3) or dim 2
     (w2) equals hidden_size, for bf16 reloads into vllm-ascend's post-processed [E, H, 2I] experts.
     npu_flashrl stages in the checkpoint layout [E, 2I, H] / [E, H, I], which that test misreads

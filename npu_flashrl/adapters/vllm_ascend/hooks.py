@@ -45,7 +45,7 @@ def redirect(original, quant_config_class: Callable[[], type]):
 
 def override(original):
     def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs):
-        # extra arguments: vLLM 0.23 also passes hf_config=
+        # extra arguments: the newest vLLM line (lines.v0_23_0) also passes hf_config=
         chosen = original(hf_quant_cfg, user_quant, *args, **kwargs)
         # Only the policy engine, whose args npu_flashrl set to "ascend" (vllm_engine.apply_entry):
         # any other engine keeps vllm-ascend's own compressed-tensors method (issue 26).
@@ -64,7 +64,7 @@ def override(original):
 def online_choice(vllm_config) -> Tuple[Optional[str], Optional[dict]]:
     """(fn, profile) of the INT8 policy model built under `vllm_config`, from the engine's own
     `EngineChoice` (written where the engine args were built and pickled by vLLM to every process
-    it starts, e.g. verl 0.9's mp workers); (None, None) for any other engine."""
+    it starts, e.g. the mp workers of server-mode verl); (None, None) for any other engine."""
     choice = engine_choice.engine_choice(vllm_config)
     if choice is None or not choice.quantized:
         return None, None

@@ -171,7 +171,7 @@ class Int8WeightLoader:
         """Before post-processing: quantize float projections in the stream for vLLM's loaders;
         a w8a8 checkpoint's int8 weights pass through and get the zero weight_offset vllm-ascend
         expects (compressed-tensors has none). That offset is yielded at the end, and only when
-        the stream brought none: vLLM 0.23's layerwise reload counts the elements loaded into
+        the stream brought none: the layerwise reload of vLLM lines that have one (lines.v0_23_0) counts the elements loaded into
         a layer, and a second offset would make it process the layer before its scales came.
         The other tensors of a W8A8 checkpoint are already what the INT8 model wants (the
         profile's smoothing is in them)."""
