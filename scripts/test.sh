@@ -14,9 +14,11 @@
 #   NPU_FLASHRL_LINES         lines to run, in order      (default: current 0.11 pinned, those present)
 #   NPU_FLASHRL_PRIMARY_LINE  the line that runs all tests (default: current)
 #   NPU_FLASHRL_VENVS         where the venvs live         (default: .venvs)
-#   NPU_FLASHRL_TEST_JOBS     1: lines one after another; 2: the primary line beside the others,
-#                             which run one after another, each into its own log printed after it
-#                             (default: 2 with two or more CPUs, else 1). Each suite is mostly one
+#   NPU_FLASHRL_TEST_JOBS     pytest processes at a time, 1 or 2 (default: 2 with two or more CPUs).
+#                             With 2, the primary line's suite is split in two shards (the files in
+#                             PRIMARY_SHARD_A, and the rest) and two workers take the jobs (the shards,
+#                             the other lines' suites, the own-process modules) longest first; each
+#                             job's output is printed when all are done. Each job is mostly one
 #                             single-threaded Python process, so two cores halve the wall time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,10 +31,16 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 export VLLM_PLUGINS="${VLLM_PLUGINS:-none}"
 
 log() { printf '[test] %s\n' "$*" >&2; }
+shopt -s nullglob  # a test-file pattern that matches nothing is no file
 failed=()
 ran=()
 ready=()
 OWN_PROCESS=(tests/test_verl_51d2104_*.py)
+# The primary line's first shard (JOBS=2): the tests that run whole rehearsals or benchmarks (they
+# share the session's pre-trained tiny model, so they stay in one process). New files go to the
+# second shard.
+PRIMARY_SHARD_A=(tests/test_rehearsal*.py tests/test_benchmark*.py tests/test_checkpoint_engine.py
+                 tests/test_verl091_megatron_engine.py tests/test_int8_wire.py)
 
 # 1. every line's venv, one after another (pip and the vLLM build want both cores)
 for line in $LINES; do
@@ -52,74 +60,90 @@ for line in $LINES; do
   fi
 done
 
-# 2. one line's suite; its exit status 0 = passed. Prints "<seconds>" on fd 3.
-run_line() {
-  local line="$1"; shift
-  local marker=() rc=0 one start=$SECONDS
-  [[ "$line" == "$PRIMARY" ]] || marker=(-m every_line)
-  local py="${NPU_FLASHRL_VENVS:-$ROOT/.venvs}/$line/bin/python"
+# 2. the jobs: one pytest process each (line, name, must-collect, arguments)
+JOB_LINE=(); JOB_NAME=(); JOB_MUST=(); JOB_ARGS=()
+add_job() { JOB_LINE+=("$1"); JOB_NAME+=("$2"); JOB_MUST+=("$3"); shift 3; JOB_ARGS+=("$*"); }
+ignore=()
+for f in "${OWN_PROCESS[@]}"; do ignore+=(--ignore "$f"); done
+for line in "${ready[@]}"; do
   if [[ $# -gt 0 ]]; then
-    log "line $line: pytest ${marker[*]} $*"
-    NPU_FLASHRL_STACK_LINE="$line" "$py" -m pytest -q -p no:cacheprovider "${marker[@]}" "$@" || rc=$?
-  else
-    local ignore=() f
-    for f in "${OWN_PROCESS[@]}"; do ignore+=(--ignore "$f"); done
-    log "line $line: pytest ${marker[*]} tests (${#OWN_PROCESS[@]} modules in processes of their own)"
-    NPU_FLASHRL_STACK_LINE="$line" "$py" -m pytest -q -p no:cacheprovider "${marker[@]}" "${ignore[@]}" tests || rc=$?
-    for f in "${OWN_PROCESS[@]}"; do
-      one=0
-      NPU_FLASHRL_STACK_LINE="$line" "$py" -m pytest -q -p no:cacheprovider "${marker[@]}" "$f" || one=$?
-      # 5 = nothing collected (not every_line): not a failure
-      [[ "$one" == 0 || "$one" == 5 ]] || rc=$one
+    if [[ "$line" == "$PRIMARY" ]]; then add_job "$line" "args" 1 USER_ARGS
+    else add_job "$line" "args" 0 -m every_line USER_ARGS; fi
+  elif [[ "$line" == "$PRIMARY" && "$JOBS" == 2 ]]; then
+    shard_b=()
+    for f in tests/test_*.py; do
+      [[ " ${PRIMARY_SHARD_A[*]} ${OWN_PROCESS[*]} " == *" $f "* ]] || shard_b+=("$f")
     done
+    add_job "$line" "shard a" 1 "${PRIMARY_SHARD_A[@]}"
+    add_job "$line" "shard b" 1 "${shard_b[@]}"
+  elif [[ "$line" == "$PRIMARY" ]]; then
+    add_job "$line" "suite" 1 "${ignore[@]}" tests
+  else
+    add_job "$line" "suite" 0 -m every_line "${ignore[@]}" tests
   fi
-  echo "$((SECONDS - start))" >&3
-  # 5 = nothing collected: a selection without every_line tests is not a failure of that line
-  [[ "$rc" == 0 || ( "$rc" == 5 && "$line" != "$PRIMARY" ) ]]
-}
+done
+if [[ $# -eq 0 ]]; then
+  for line in "${ready[@]}"; do
+    for f in "${OWN_PROCESS[@]}"; do
+      if [[ "$line" == "$PRIMARY" ]]; then add_job "$line" "$(basename "$f")" 0 "$f"
+      else add_job "$line" "$(basename "$f")" 0 -m every_line "$f"; fi
+    done
+  done
+fi
 
-# 3. the suites: with two jobs, the primary line in the foreground and the others, one after
-# another, in the background (their output goes to a log each and is printed afterwards)
 LOGS="$(mktemp -d)"
 trap 'rm -rf "$LOGS"' EXIT
-others=()
-for line in "${ready[@]}"; do
-  [[ "$JOBS" == 2 && "$line" != "$PRIMARY" ]] && others+=("$line")
-done
-run_others() {
-  local line
-  for line in "${others[@]}"; do
-    if run_line "$line" "$@" 3>"$LOGS/$line.seconds" >"$LOGS/$line.log" 2>&1; then
-      : >"$LOGS/$line.ok"
+run_job() {
+  local i="$1" line="${JOB_LINE[$1]}" start=$SECONDS rc=0 args
+  local py="${NPU_FLASHRL_VENVS:-$ROOT/.venvs}/$line/bin/python"
+  read -r -a args <<<"${JOB_ARGS[$i]}"  # test paths and flags: no spaces in them
+  if [[ "${args[-1]}" == USER_ARGS ]]; then  # the command line's own arguments, kept as given
+    unset 'args[-1]'
+    args+=("${USER_ARGS[@]}")
+  fi
+  log "line $line, ${JOB_NAME[$i]}: pytest ${args[*]}"
+  NPU_FLASHRL_STACK_LINE="$line" "$py" -m pytest -q -p no:cacheprovider "${args[@]}" || rc=$?
+  echo "$((SECONDS - start))" >"$LOGS/$i.seconds"
+  # 5 = nothing collected: a failure only where the job must collect tests (the primary line)
+  if [[ "$rc" == 0 || ( "$rc" == 5 && "${JOB_MUST[$i]}" == 0 ) ]]; then : >"$LOGS/$i.ok"; fi
+}
+worker() {  # takes the next unclaimed job until none is left (mkdir: an atomic claim)
+  local i
+  for i in "${!JOB_LINE[@]}"; do
+    mkdir "$LOGS/claim.$i" 2>/dev/null || continue
+    if [[ "$JOBS" == 1 ]]; then
+      run_job "$i"
+    else
+      run_job "$i" >"$LOGS/$i.log" 2>&1
+      log "done: line ${JOB_LINE[$i]}, ${JOB_NAME[$i]} ($(cat "$LOGS/$i.seconds") s, $([[ -f "$LOGS/$i.ok" ]] && echo passed || echo FAILED))"
     fi
   done
 }
-bg=""
-if [[ ${#others[@]} -gt 0 ]]; then
-  log "lines ${others[*]} run beside line $PRIMARY (NPU_FLASHRL_TEST_JOBS=2); their output follows at the end"
-  run_others "$@" &
-  bg=$!
-fi
-for line in "${ready[@]}"; do
-  [[ " ${others[*]} " == *" $line "* ]] && continue
-  if run_line "$line" "$@" 3>"$LOGS/$line.seconds"; then
-    ran+=("$line ($(cat "$LOGS/$line.seconds") s)")
-  else
-    failed+=("$line")
-  fi
-done
-if [[ -n "$bg" ]]; then
-  wait "$bg" || true
-  for line in "${others[@]}"; do
-    log "----- line $line (ran beside line $PRIMARY) -----"
-    cat "$LOGS/$line.log" >&2 || true
-    if [[ -f "$LOGS/$line.ok" ]]; then
-      ran+=("$line ($(cat "$LOGS/$line.seconds" 2>/dev/null || echo ?) s)")
-    else
-      failed+=("$line")
-    fi
+USER_ARGS=("$@")
+if [[ "$JOBS" == 2 ]]; then
+  log "${#JOB_LINE[@]} pytest jobs on 2 workers; each job's output follows when all are done"
+  worker &
+  w1=$!
+  worker
+  wait "$w1" || true
+  for i in "${!JOB_LINE[@]}"; do
+    log "----- line ${JOB_LINE[$i]}, ${JOB_NAME[$i]} -----"
+    cat "$LOGS/$i.log" >&2 2>/dev/null || log "(no output)"
   done
+else
+  worker
 fi
+
+# 3. a line passed when every job of it did
+for line in "${ready[@]}"; do
+  ok=1 secs=0
+  for i in "${!JOB_LINE[@]}"; do
+    [[ "${JOB_LINE[$i]}" == "$line" ]] || continue
+    [[ -f "$LOGS/$i.ok" ]] || ok=0
+    secs=$((secs + $(cat "$LOGS/$i.seconds" 2>/dev/null || echo 0)))
+  done
+  if [[ "$ok" == 1 ]]; then ran+=("$line (${secs} s of pytest)"); else failed+=("$line"); fi
+done
 log "lines passed: ${ran[*]:-none}"
 if [[ ${#failed[@]} -gt 0 ]]; then
   log "lines FAILED: ${failed[*]}"
