@@ -68,6 +68,14 @@ def write_plot(rows, path: str) -> Optional[str]:
     return save_png(plt, fig, axes, "training step (weight sync)", path)
 
 
+def print_fault_and_checks(report: Dict[str, Any], checks, out) -> None:
+    """The injected fault (if any) and one [OK]/[FAIL] line per check: both rehearsals' summaries."""
+    if report.get("fault_injected"):
+        print(f"FAULT INJECTED (test seam {FAULT_ENV}): {report['fault_injected']}", file=out)
+    for c in checks:
+        print(f"[{'OK' if c['ok'] else 'FAIL'}] {c['check']}: {c['detail']}", file=out)
+
+
 def print_summary(rows, summary, checks, applied_names, report, report_path, layer_results) -> None:
     out = sys.stdout
     model = report["model"]
@@ -103,10 +111,7 @@ def print_summary(rows, summary, checks, applied_names, report, report_path, lay
               file=out)
     print("", file=out)
     print(f"patches applied ({len(applied_names)}): {', '.join(applied_names) or '(none)'}", file=out)
-    if report.get("fault_injected"):
-        print(f"FAULT INJECTED (test seam {FAULT_ENV}): {report['fault_injected']}", file=out)
-    for c in checks:
-        print(f"[{'OK' if c['ok'] else 'FAIL'}] {c['check']}: {c['detail']}", file=out)
+    print_fault_and_checks(report, checks, out)
     tm = report["timings"]
     proc = f"; process wall time {tm['process_s']:.1f}s" if tm.get("process_s") else ""
     print(f"time: total {tm['total_s']:.1f}s{proc} (model {tm['model_s']:.1f}s, trainer {tm['trainer_s']:.1f}s, "

@@ -7,6 +7,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal.grpo.settings import VARIANT_BF16, VARIANTS, GrpoSettings
+from npu_flashrl.rehearsal.output import print_fault_and_checks
 from npu_flashrl.rehearsal.plotting import pyplot, save_png
 
 # The rise bf16 must show at least, whatever the noise estimate says (reward is a 0/1 rate).
@@ -168,10 +169,7 @@ def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, repor
               f"(per seed {', '.join(f'{x:.3f}' for x in v['final_per_seed'])}); token_mult_prob_error mean "
               f"{v['mismatch_mean']:.5f}{extra}", file=out)
     print("", file=out)
-    if report.get("fault_injected"):
-        print(f"FAULT INJECTED (test seam NPU_FLASHRL_REHEARSAL_FAULT): {report['fault_injected']}", file=out)
-    for c in checks:
-        print(f"[{'OK' if c['ok'] else 'FAIL'}] {c['check']}: {c['detail']}", file=out)
+    print_fault_and_checks(report, checks, out)
     tm = report["timings"]
     proc = f"; process wall time {tm['process_s']:.1f}s" if tm.get("process_s") else ""
     print(f"time: total {tm['total_s']:.1f}s{proc} (model {tm['model_s']:.1f}s, setup {tm['setup_s']:.1f}s, "
