@@ -131,22 +131,12 @@ def test_actor_metrics_in_bypass_loss(warnings_log):
 
 
 V1_CHILD = r"""
-import importlib.util, json, sys, types
+import json, sys
 
-def missing(attr):
-    if attr.startswith("__"):
-        raise AttributeError(attr)
-    return type(attr, (), {})
+from npu_flashrl.sim.megatron_engine import stub_absent_modules
 
-for name in ("transfer_queue", "torchdata", "torchdata.stateful_dataloader", "datasets", "peft",
-             "peft.utils", "peft.utils.save_and_load"):
-    root = name.split(".")[0]
-    if name in sys.modules or (root not in sys.modules and importlib.util.find_spec(root)):
-        continue
-    mod = types.ModuleType(name)
-    mod.__getattr__ = missing
-    mod.__path__ = []
-    sys.modules[name] = mod
+stub_absent_modules(("transfer_queue", "torchdata", "torchdata.stateful_dataloader", "datasets", "peft",
+                     "peft.utils", "peft.utils.save_and_load"))
 
 import verl.trainer.ppo.rollout_corr_helper as helper
 order = sys.argv[1]
