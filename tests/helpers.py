@@ -41,3 +41,35 @@ def rehearsal_env() -> dict:
     for k in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", FAULT_ENV):
         env.pop(k, None)
     return env
+
+
+def forward_tensors(model) -> dict:
+    """Everything a forward reads: parameters, buffers, and the tensors vllm-ascend derives as
+    plain attributes (not parameters): `weight_scale_fp32` of its W8A8 linear layers,
+    `w13_weight_scale_fp32` of its fused-MoE layers (and `fused_w1_scale` / `fused_w2_scale`
+    with fused MC2)."""
+    out = dict(model.named_parameters())
+    out.update((f"buffer:{n}", b) for n, b in model.named_buffers())
+    for name, mod in model.named_modules():
+        for attr, t in vars(mod).items():
+            if (attr.endswith("scale_fp32") or attr.startswith("fused_w")) and \
+                    isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                out[f"{name}.{attr}"] = t
+    return out
+
+
+def set_verl_replica_env(tag: str) -> dict:
+    """What verl's rollout replica 0 has in its environment (the ZMQ handle of its weight
+    receiver is built from VERL_RAY_JOB_ID); returns the previous values for `restore_environ`."""
+    saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
+    os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-{tag}-{os.getpid()}"
+    os.environ["VERL_REPLICA_RANK"] = "0"
+    return saved
+
+
+def restore_environ(saved: dict) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

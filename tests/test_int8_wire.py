@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import forward_tensors, restore_environ, set_verl_replica_env
 
 from npu_flashrl import compat, patches
 
@@ -48,9 +49,7 @@ def rig():
         pytest.skip("npu_flashrl's INT8 W8A8_DYNAMIC patches do not apply on this vllm-ascend line")
     assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
     verl_transfer.use_cpu_device()
-    saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
-    os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-wire-{os.getpid()}"
-    os.environ["VERL_REPLICA_RANK"] = "0"
+    saved = set_verl_replica_env("wire")
     root = tempfile.mkdtemp(prefix="npu_flashrl_wire_")
     archs = {}
     setups = {"qwen2": (build_tiny_qwen2, SHAPE, lambda m: list(m.named_parameters())),
@@ -72,11 +71,7 @@ def rig():
     sender = verl_transfer.SenderProcess(handle, timeout_s=TIMEOUT_S)
     yield dict(root=root, archs=archs, sender=sender)
     sender.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_environ(saved)
 
 
 def _build(d, fn=FN):
@@ -88,19 +83,8 @@ def _build(d, fn=FN):
     return cpu_vllm.CpuVllm(d, vllm_config=vc)
 
 
-def _tensors(model):
-    out = dict(model.named_parameters())
-    out.update((f"buffer:{n}", b) for n, b in model.named_buffers())
-    for name, mod in model.named_modules():
-        for attr, t in vars(mod).items():
-            if (attr.endswith("scale_fp32") or attr.startswith("fused_w")) and \
-                    isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-                out[f"{name}.{attr}"] = t
-    return out
-
-
 def _snapshot(model):
-    return {n: t.detach().clone() for n, t in _tensors(model).items()}
+    return {n: t.detach().clone() for n, t in forward_tensors(model).items()}
 
 
 def _fresh(d):
@@ -112,7 +96,7 @@ def _fresh(d):
 
 
 def _assert_state(model, want, ptrs=None):
-    got = _tensors(model)
+    got = forward_tensors(model)
     assert got.keys() == want.keys()
     for n, t in got.items():
         if ptrs is not None:
@@ -143,7 +127,7 @@ def test_int8_wire_sync_equals_float_wire_sync(rig, arch):
         calls = []
         original = loader.quantizer.quantize
         loader.quantizer.quantize = lambda *x, **k: calls.append(x[0]) or original(*x, **k)
-        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         _sync(rig, worker, a["wires"][1], arch)
         assert calls == [], f"the receiver quantized again: {calls[:3]}"
         _assert_state(v.model, _fresh(a["dirs"][1]), ptrs)
@@ -217,6 +201,6 @@ def test_int8_wire_fault_refused_by_name(rig, arch, fault):
             assert "NaN" in str(err.value)
         for n in kept:
             assert torch.equal(getattr(layer, n), before[n]), f"{path}.{n} was written"
-        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         _sync(rig, worker, a["wires"][2], arch)
         _assert_state(v.model, _fresh(a["dirs"][2]), ptrs)

@@ -42,8 +42,9 @@ pytestmark = [
                        reason="needs verl 0.9 (verl/workers/engine/megatron), e.g. 0.9.1"),
 ]
 
+from helpers import forward_tensors, restore_environ, set_verl_replica_env  # noqa: E402
 from test_verl_server import (SHAPE, _assert_state, _build, _fresh_state, _need_int8,  # noqa: E402
-                              _split_layers, _tensors, _worker, int8_ready)  # noqa: F401
+                              _split_layers, _worker, int8_ready)  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -145,9 +146,7 @@ def megatron_rig(int8_ready):
                     "--line current installs it into <venv>/megatron-overlay)")
     from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
-    saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
-    os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-mcore-{os.getpid()}"
-    os.environ["VERL_REPLICA_RANK"] = "0"
+    saved = set_verl_replica_env("mcore")
     root = tempfile.mkdtemp(prefix="npu_flashrl_megatron_")
     dirs, hf = [], []
     for seed in range(4):  # bf16 checkpoints: Megatron's Float16Module holds bf16 parameters
@@ -164,11 +163,22 @@ def megatron_rig(int8_ready):
                         environ={"FLASHRL_LMHEAD_FP32": "1"})
     yield dict(root=root, dirs=dirs, hf=hf, ranks=ranks, handle=handle, int8_ready=int8_ready)
     ranks.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_environ(saved)
+
+
+def _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, model, fn, ptrs, bucket_bytes, arch):
+    """Checkpoints 1, 2, 3 in turn: the engine ranks export each through verl's bucketed sender
+    into `worker`; after each the rollout state equals a fresh load (same tensors in place) and
+    the sync came in several buckets that split decoder layers."""
+    for i in (1, 2, 3):
+        ranks.tell(load=rig["dirs"][i])
+        ranks.expect("loaded")
+        buckets.clear()
+        ranks.tell(send=True, bucket_bytes=bucket_bytes)
+        worker.update_weights_from_ipc(use_shm=True)
+        ranks.expect("sent")
+        _assert_state(model, _fresh_state(rig, i, fn), ptrs)
+        assert len(buckets) > 1 and _split_layers(arch, buckets), buckets
 
 
 def test_engine_exports_hf_names_full_shapes(megatron_rig):
@@ -201,16 +211,8 @@ def test_three_syncs_equal_fresh_load(megatron_rig, fn):
         assert worker._get_zmq_handle() == rig["handle"]
         if fn:
             assert getattr(v.model, "_npu_flashrl_loader", None) is not None
-        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
-        for i in (1, 2, 3):
-            ranks.tell(load=rig["dirs"][i])
-            ranks.expect("loaded")
-            buckets.clear()
-            ranks.tell(send=True, bucket_bytes=BUCKET_BYTES)
-            worker.update_weights_from_ipc(use_shm=True)
-            ranks.expect("sent")
-            _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
-            assert len(buckets) > 1 and _split_layers("qwen2", buckets), buckets
+        ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
+        _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, BUCKET_BYTES, "qwen2")
 
 
 def test_lmhead_fp32_on_the_engine_log_prob_path(megatron_rig):
@@ -367,17 +369,9 @@ def test_moe_three_syncs_equal_fresh_int8_load(moe_rig):
     with _build(rig, 0, fn) as v:
         worker, buckets = _worker(v)
         assert getattr(v.model, "_npu_flashrl_loader", None) is not None
-        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         assert "model.layers.0.mlp.experts.w13_weight_scale_fp32" in ptrs
-        for i in (1, 2, 3):
-            ranks.tell(load=rig["dirs"][i])
-            ranks.expect("loaded")
-            buckets.clear()
-            ranks.tell(send=True, bucket_bytes=MOE_BUCKET_BYTES)
-            worker.update_weights_from_ipc(use_shm=True)
-            ranks.expect("sent")
-            _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
-            assert len(buckets) > 1 and _split_layers("qwen3_moe", buckets), buckets
+        _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, MOE_BUCKET_BYTES, "qwen3_moe")
 
 
 def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
@@ -395,7 +389,7 @@ def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
             assert len(exported) == len(want) and {n: sh for n, sh, _ in exported} == want
         with _build(rig, 0, fn) as v:
             worker, buckets = _worker(v)
-            ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+            ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
             for i in (2, 1):
                 ranks.tell(load=rig["dirs"][i])
                 ranks.expect("loaded")

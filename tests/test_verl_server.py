@@ -31,6 +31,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import forward_tensors, restore_environ, set_verl_replica_env
 
 from npu_flashrl import compat, patches
 from npu_flashrl.sim import verl_transfer
@@ -104,9 +105,7 @@ def rig(int8_ready):
     from npu_flashrl.sim.tiny_models import (build_tiny_qwen2, build_tiny_qwen3,
                                                  build_tiny_qwen3_moe)
 
-    saved = {k: os.environ.get(k) for k in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK")}
-    os.environ["VERL_RAY_JOB_ID"] = f"npu-flashrl-test-{os.getpid()}"
-    os.environ["VERL_REPLICA_RANK"] = "0"
+    saved = set_verl_replica_env("test")
     root = tempfile.mkdtemp(prefix="npu_flashrl_verl_server_")
     archs = {}
     # (builder, checkpoints, config overrides, what the trainer sends)
@@ -130,11 +129,7 @@ def rig(int8_ready):
                int8_ready=int8_ready, archs=archs)
     yield rig
     sender.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_environ(saved)
 
 
 def _choice(fn, rank=0):
@@ -155,24 +150,9 @@ def _build(rig, i, fn=None, choice=True):
     return cpu_vllm.CpuVllm(rig["dirs"][i], vllm_config=vc)
 
 
-def _tensors(model):
-    """Everything a forward reads: parameters, buffers, and the tensors vllm-ascend derives as
-    plain attributes (not parameters): `weight_scale_fp32` of its W8A8 linear layers,
-    `w13_weight_scale_fp32` of its fused-MoE layers (and `fused_w1_scale` / `fused_w2_scale`
-    with fused MC2)."""
-    out = dict(model.named_parameters())
-    out.update((f"buffer:{n}", b) for n, b in model.named_buffers())
-    for name, mod in model.named_modules():
-        for attr, t in vars(mod).items():
-            if (attr.endswith("scale_fp32") or attr.startswith("fused_w")) and \
-                    isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-                out[f"{name}.{attr}"] = t
-    return out
-
-
 def _fresh_state(rig, i, fn=None):
     with _build(rig, i, fn) as v:
-        return {n: t.detach().clone() for n, t in _tensors(v.model).items()}
+        return {n: t.detach().clone() for n, t in forward_tensors(v.model).items()}
 
 
 def _worker(v):
@@ -215,7 +195,7 @@ def _split_layers(arch, buckets):
 
 
 def _assert_state(model, want, ptrs):
-    got = _tensors(model)
+    got = forward_tensors(model)
     assert got.keys() == want.keys()
     for n, p in got.items():
         assert p.data_ptr() == ptrs[n], f"{n}: storage replaced"
@@ -241,7 +221,7 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
         assert worker._get_zmq_handle() == rig["handle"]
         if fn:
             assert getattr(v.model, "_npu_flashrl_loader", None) is not None
-        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         if fn:
             assert any(n.endswith("weight_scale_fp32") for n in ptrs)
         if arch == "qwen3_moe":
@@ -299,7 +279,7 @@ def test_sync_missing_tensor_named(rig, arch):
             assert torch.equal(getattr(layer, n), before[n]), f"{path}.{n} was written"
         with pytest.raises(vllm_ascend.WeightSyncError, match="complete sync"):
             v.logits(torch.tensor([[1, 2, 3]]))
-        ptrs = {n: t.data_ptr() for n, t in _tensors(v.model).items()}
+        ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         _sync(rig, worker, 2, **opts)
         rig["sender"].expect("sent")
         _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
