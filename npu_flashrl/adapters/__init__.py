@@ -5,8 +5,10 @@ the INT8 wire), transformers (trainer lm-head),
 megatron (MindSpeed / Megatron trainer side)."""
 import importlib
 
-ADAPTERS = ("vllm_ascend", "vllm_engine", "vllm", "flashrl", "verl", "transformers", "megatron",
-            "verl.server_mode", "verl.checkpoint_engine")
+from npu_flashrl.adapters.registry import registered
+
+# every adapter module, each declaring when it applies in `registry`
+ADAPTERS = tuple(spec.name for spec in registered())
 
 
 def load_all():
