@@ -114,13 +114,16 @@ class Int8WeightLoader:
         return self.sync
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        if not self.processed():
+        # Until vLLM's layerwise reload is finalized every tensor is its (the float ones arriving
+        # after the last quantized layer was processed again too): none of it begins a sync.
+        layerwise = _layout.current().layerwise_reload_active(self.model)
+        if layerwise or not self.processed():
             # A layer that was processed before and is not now was put back into its checkpoint
             # layout by vLLM's layerwise reload, which holds the tensors it is given until the
             # layer is complete, possibly past this call: give it copies, not the caller's
             # (bucket) tensors. A cold load from disk needs no copy.
-            reloading = any(getattr(t.layer, "_npu_flashrl_processed", False)
-                            for t in self.targets.values())
+            reloading = layerwise or any(getattr(t.layer, "_npu_flashrl_processed", False)
+                                         for t in self.targets.values())
             return self._original(self._cold_stream(weights, copy=reloading))
         return self.begin_sync().load(weights)
 
