@@ -214,6 +214,7 @@ def test_fp32_masters_quantize_like_their_bf16_cast(va, ckpts):
         va.end_weight_sync(v.model)
         want = state(v.model)
         v.model.load_weights(hf_weights(models[2]))
+        va.end_weight_sync(v.model)  # one sync each: a sync sends each tensor once
         v.model.load_weights(fp32)
         va.end_weight_sync(v.model)
         assert_same_state(state(v.model), want)

@@ -96,6 +96,8 @@ class WeightSync:
         self.layers: Set[str] = set()       # quantized layers committed
         self.floats: Set[str] = set()       # float parameters written (resolved names)
         self.items = 0                      # (name, tensor) items pushed
+        self.calls = 0                      # load calls of this sync
+        self.names: dict = {}               # name -> the load call (0-based) that brought it
 
     # ------------------------------------------------------------------ load
     def load(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
@@ -113,28 +115,35 @@ class WeightSync:
             if checked:
                 # refuse a bad call before writing anything of it
                 weights = [validator.item(i, w) for i, w in enumerate(weights)]
-                scales: set = set()  # wire weights whose scale came earlier in this call
+                halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
                 for i, (name, tensor) in enumerate(weights):
                     validator.once(name, i, seen)
-                    wired = self.wire.weight_of(name, tensor, scales)
+                    self._once_per_sync(name)
+                    wired = self.wire.weight_of(name, tensor)
                     if wired is None:
                         validator.check(name, tensor, loader.quantizer)
                     else:
                         self.wire.validate(name, wired, tensor)
-                        scales.add(wired)
+                        if name == wired or name.endswith(".weight_scale"):
+                            half = halves.setdefault(wired, self.wire.held(wired))
+                            half[0 if name == wired else 1] = tensor
+                for wired, (q, scale) in halves.items():  # pairs this call completes
+                    if q is not None and scale is not None:
+                        self.wire.check_pair(wired, q, scale)
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
                 self.items += 1
+                if not checked:
+                    validator.once(name, i, seen)
+                self._once_per_sync(name, record=True)
                 wired = self.wire.weight_of(name, tensor)
                 if wired is not None:  # INT8 wire: pre-quantized on the trainer (wire.py)
                     if not checked:
-                        validator.once(name, i, seen)
                         self.wire.validate(name, wired, tensor)
                     loaded |= self._take_wire(name, wired, tensor, borrowed=checked)
                     continue
                 target = validator.target(name)
                 if not checked:
-                    validator.once(name, i, seen)
                     # streamed: the quantizer finds NaN/Inf in projections during its own pass
                     validator.check(name, tensor, loader.quantizer, values=target is None)
                 if target is not None:
@@ -157,7 +166,20 @@ class WeightSync:
         except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
             self.fail(exc)
             raise
+        finally:
+            self.calls += 1
         return loaded
+
+    def _once_per_sync(self, name: str, record: bool = False) -> None:
+        """Refuse a name an earlier call of this sync brought (two buckets with one tensor: the
+        last copy would otherwise win without a word)."""
+        first = self.names.get(name)
+        if first is not None and first != self.calls:
+            raise WeightSyncError(
+                f"{name}: arrived twice in one weight sync (load_weights calls {first + 1} and "
+                f"{self.calls + 1} of this sync, e.g. two buckets); a sync sends each tensor once")
+        if record:
+            self.names[name] = self.calls
 
     def _stage(self, target, name: str, tensor: torch.Tensor) -> bool:
         """Quantize and stage one shard; commit its layer once every shard this rank holds
@@ -222,6 +244,7 @@ class WeightSync:
         previous weights; anything already written makes the model inconsistent."""
         self.staged.drop()
         self.wire.drop()
+        self.names.clear()  # what was staged is dropped: a retry of this sync sends it again
         if self.failure is None:
             self.failure = _reason(exc)
         if self.wrote:
@@ -234,14 +257,15 @@ class WeightSync:
         loader, c = self.loader, self.loader.consistency
         layers = loader.required_layers - c.layers - self.layers
         floats = loader.required_floats - c.floats - self.floats
-        return loader.names_of(layers, floats)
+        return list(dict.fromkeys(loader.names_of(layers, floats)))
 
     def end(self, partial: bool = False) -> List[str]:
         """End this sync: [] when it is complete (or declared `partial` and clean); otherwise a
         WeightSyncError naming what failed or never arrived, saying whether the model holds
         weights of two syncs (then it refuses to generate until a complete sync)."""
         consistency = self.loader.consistency
-        missing = self.staged.missing() + self.wire.missing()
+        # a wire half missing is also its layer's missing shard: each name once
+        missing = list(dict.fromkeys(self.staged.missing() + self.wire.missing()))
         self.staged.drop()
         self.wire.drop()
         failure, empty = self.failure, self.items == 0 and self.failure is None
