@@ -17,10 +17,11 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.adapters.vllm_ascend import experts as _experts
 from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl.adapters.vllm_ascend import schemes
+from npu_flashrl.adapters.vllm_ascend.schemes import LinearTarget  # noqa: F401
+from npu_flashrl.adapters.vllm_ascend.schemes.linear import find_linear_targets as find_targets
 from npu_flashrl.adapters.vllm_ascend.sync import Consistency, WeightSync
-from npu_flashrl.adapters.vllm_ascend.targets import LinearTarget, find_targets  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.validate import Validator
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
@@ -49,7 +50,7 @@ class Int8WeightLoader:
         self.prequantized_checkpoint = prequantized_checkpoint
         self.targets = find_targets(model)
         # fused-MoE experts (W8A8_DYNAMIC): HF expert name -> its layer
-        self.experts = _experts.find_expert_targets(model)
+        self.experts = schemes.find_targets(model, schemes.MOE)
         self.validator = Validator(model, self.targets, self.experts)
         layers = self._layers()
         # What a complete sync writes: every target layer and every float parameter outside

@@ -20,8 +20,6 @@ from typing import Iterable, List, Optional, Set, Tuple
 import torch
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
-from npu_flashrl.adapters.vllm_ascend.experts import ExpertTarget
 from npu_flashrl.adapters.vllm_ascend.staging import StagingArea
 from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
 from npu_flashrl.quant import WeightSyncError
@@ -196,7 +194,7 @@ class WeightSync:
         every shard this rank holds arrived. False for an expert this rank does not hold."""
         if not target.holds(name):
             return False
-        if scale is None and isinstance(target, ExpertTarget):
+        if scale is None and target.scheme.needs_scales:
             # the profile quantizer keeps scales: refused at attach for MoE
             raise WeightSyncError(f"{name}: {self.loader.quantizer.name} gives no expert scales")
         done = self.staged.stage(target, name, q, scale)
@@ -232,12 +230,12 @@ class WeightSync:
         return set(loaded) if loaded is not None else set(names)
 
     def _refresh_static_biases(self, names) -> None:
-        """A static W8A8 layer computes with quant_bias, not bias: re-fold after a bias update."""
+        """What a layer's scheme derives from its float bias (static W8A8: quant_bias)."""
         for name in names:
             if name.endswith(".bias"):
                 target = self.loader.targets.get(name[: -len("bias")] + "weight")
-                if target is not None and target.static:
-                    _layout.current().refresh_static(target.layer)
+                if target is not None:
+                    target.scheme.after_bias_update(target.layer)
 
     def fail(self, exc: BaseException) -> None:
         """A load of this sync raised: its staged (uncommitted) layers are dropped and keep their

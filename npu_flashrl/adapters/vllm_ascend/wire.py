@@ -107,7 +107,12 @@ class WireReceiver:
                 f"{getattr(quantizer, 'name', '?')!r}; the INT8 wire carries fresh per-channel "
                 f"scales and needs fn '{WIRE_FN}' (FlashRL's `int8` profile scales live on the rollout "
                 "only). Drop `wire: int8` from the FlashRL config entry or use fn int8_profile_free")
-        out = tuple(self._layer(weight_name).full_shape(weight_name))
+        layer = self._layer(weight_name)
+        if layer.scheme.wire is None:
+            raise WeightSyncError(
+                f"{name}: {layer.path} runs vllm-ascend {layer.scheme.quant_type}, which has no "
+                "INT8 wire format; send its float weights (drop `wire: int8`)")
+        out = tuple(layer.full_shape(weight_name))
         if name == weight_name:
             if tuple(tensor.shape) != out:
                 raise WeightSyncError(f"{name}: expected int8 shape {out}, got {tuple(tensor.shape)}")
