@@ -89,6 +89,7 @@ def test_bf16_cold_load_gives_per_channel_int8_experts(va, moe):
     with build(va, dirs[0]) as v:
         loader = v.model._npu_flashrl_loader
         assert len(loader.experts) == LAYERS * EXPERTS * 3
+        assert {t.scheme.key for t in loader.experts.values()} == {("W8A8_DYNAMIC", "moe")}
         check_experts(v.model, models[0])
         # the attention projections are W8A8_DYNAMIC too
         assert v.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
