@@ -2,7 +2,7 @@
 
 The trainer (`npu_flashrl.quant.wire`) sends a projection as `<p>.weight` int8 [out, in] and
 `<p>.weight_scale` fp32 [out, 1], quantized by the rollout's own kernel and compute dtype. Every
-sync (`sync.WeightSync`) holds one `WireReceiver`, which it asks about every tensor:
+sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tensor:
 
 - `weight_of(name, tensor)`: the projection weight a tensor belongs to when it is a wire tensor
   (an int8 projection weight, or a projection's `weight_scale` / `weight_offset`), else None;
@@ -14,7 +14,7 @@ sync (`sync.WeightSync`) holds one `WireReceiver`, which it asks about every ten
 - `take(...)`: hold a weight until its scale arrived or a scale until its weight (either order:
   another sender or checkpoint engine may reorder, and they may come in different buckets) and
   return the complete pair, which the sync hands to its staging as a float sync's quantized shard
-  (`WeightSync.stage_quantized`): the same staging buffers, the same per-layer commit, the same
+  (`Int8WeightLoader.stage_quantized`): the same staging buffers, the same per-layer commit, the same
   derived tensors, only without quantizing again.
 
 A pair still incomplete at the end of the sync is a missing shard (`missing`): the end of the
