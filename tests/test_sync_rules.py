@@ -385,4 +385,5 @@ def test_never_arrived_names_each_tensor_once(va, models):
         with pytest.raises(va.WeightSyncError) as info:
             va.end_weight_sync(m)
         msg = str(info.value)
-        assert msg.count(K) == 1 and "1 shard(s)" in msg, msg
+        assert msg.count(f"'{K}'") == 1 and "1 shard(s)" in msg, msg
+        assert f"INT8 wire: ['{K_SCALE}'] came without the other half" in msg, msg

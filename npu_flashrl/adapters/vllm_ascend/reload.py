@@ -349,6 +349,7 @@ class Int8WeightLoader:
         weights of two syncs (then it refuses to generate until a complete sync)."""
         consistency = self.consistency
         # a wire half missing is also its layer's missing shard: each name once
+        half = self.state.wire.arrived_halves()
         missing = list(dict.fromkeys(self.state.staged.missing() + self.state.wire.missing()))
         self.state.staged.drop()
         self.state.wire.drop()
@@ -356,6 +357,10 @@ class Int8WeightLoader:
         if failure is None and missing:
             failure = (f"{len(missing)} shard(s) {'never arrived' if self.state.wrote else 'missing'}: "
                        f"{short_list(missing)}")
+            if half:
+                failure += (f" (INT8 wire: {short_list(half, 4)} came without the other half of "
+                            "its pair; the INT8 wire sends each projection's int8 weight and its "
+                            "weight_scale, a float sync floating-point tensors to quantize online)")
         elif failure is None and empty:
             if partial:
                 logger.warning("npu_flashrl: a partial weight sync ended with nothing arrived "

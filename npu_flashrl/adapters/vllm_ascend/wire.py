@@ -191,6 +191,10 @@ class WireReceiver:
     def missing(self) -> List[str]:
         return [n for pair in self._pairs.values() for n in pair.missing()]
 
+    def arrived_halves(self) -> List[str]:
+        """The halves that came of the pairs still incomplete."""
+        return [n for w, p in self._pairs.items() for n in sorted({w, scale_name(w)} - set(p.missing()))]
+
     def received(self) -> Dict[str, List[str]]:
         return {w: sorted({w, scale_name(w)} - set(p.missing())) for w, p in self._pairs.items()}
 
