@@ -293,7 +293,8 @@ class Int8WeightLoader:
     def _take_wire(self, name: str, weight_name: str, tensor: torch.Tensor,
                    borrowed: bool) -> Set[str]:
         """One INT8-wire tensor: its projection is staged once its int8 and scale both arrived."""
-        loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed)
+        # a list call (borrowed) checked every pair it completes before writing anything
+        loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed, pair_checked=borrowed)
         if pair is not None:
             target = self.validator.target(weight_name)
             if not self.stage_quantized(target, weight_name, *pair):

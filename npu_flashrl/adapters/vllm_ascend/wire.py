@@ -162,11 +162,13 @@ class WireReceiver:
                 f"{float(deq[row]):g}, not finite in {_short(dtype)} (the rollout's dtype): the "
                 "rollout would compute Inf / NaN with it; refusing the sync")
 
-    def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool
+    def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool,
+             pair_checked: bool = False
              ) -> Tuple[Set[str], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
         """Take one wire tensor: (the names loaded, the projection's (int8, fp32 scale [out]) once
         both are here, else None). `borrowed`: the tensor is a view the caller reuses after this
-        call (kept past the call only through `keep`)."""
+        call (kept past the call only through `keep`). `pair_checked`: a pair it completes was
+        checked already (`check_pair`, by a list call before anything of it was written)."""
         if name.endswith("." + OFFSET_SUFFIX):
             return {name}, None  # validated zero; the commit zeroes the live offset
         pair = self._pairs.get(weight_name)
@@ -179,7 +181,8 @@ class WireReceiver:
             pair.borrowed = pair.borrowed or borrowed
         if pair.q is None or pair.scale is None:
             return {name}, None
-        self.check_pair(weight_name, pair.q, pair.scale)
+        if not pair_checked:
+            self.check_pair(weight_name, pair.q, pair.scale)
         del self._pairs[weight_name]
         return {weight_name, scale_name(weight_name)}, (pair.q, pair.scale.reshape(-1).float())
 
