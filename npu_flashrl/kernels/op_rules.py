@@ -15,6 +15,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from npu_flashrl.errors import NpuFlashrlError
+
 _OP_PLUGIN = "https://gitcode.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-{}.md"
 _CANN = "https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/{}/API/aolapi/context/{}.md"
 
@@ -41,7 +43,7 @@ DOC = {
 }
 
 
-class OpRuleError(ValueError):
+class OpRuleError(NpuFlashrlError, ValueError):
     """An input the documented NPU op rejects."""
 
 
