@@ -51,11 +51,12 @@ _TORCH_NPU_OPS = {
 }
 
 
-def _no_hash(x, k, bias, input_ids, tid2eid, **kw):
+def _no_hash(x, k, bias, input_ids, tid2eid, norm_type=1, **kw):
+    # torch_npu's signature defaults norm_type to 1 (sigmoid), unlike vllm-ascend's own op
     if input_ids is not None or tid2eid is not None:
         raise NotImplementedError("torch_npu.npu_moe_gating_top_k: the hash mode (input_ids / "
                                   "tid2eid) is not emulated")
-    return moe_reference.moe_gating_top_k(x, k, bias=bias, **kw)
+    return moe_reference.moe_gating_top_k(x, k, bias=bias, norm_type=norm_type, **kw)
 
 
 def _vllm_quantize(in_tensor, input_scale, input_scale_reciprocal, input_offset):

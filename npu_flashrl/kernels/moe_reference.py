@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from npu_flashrl.kernels import op_rules
-from npu_flashrl.kernels.reference import ACL_FORMAT_FRACTAL_NZ, INT8_MAX, _require, get_npu_format, require_same_device
+from npu_flashrl.kernels.reference import INT8_MAX, _require, get_npu_format, require_same_device
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
