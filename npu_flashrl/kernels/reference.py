@@ -1,9 +1,10 @@
 """Pure-torch reference INT8 kernels. These DEFINE the semantics npu_flashrl relies on.
 
-The torch_npu ops emulated here follow the torch_npu documentation (see
-../shared/docs/upstream-facts.md section 3): computation in fp32, round half to even
-(`torch.round`), saturation to the int8 range. Inputs the NPU op rejects are rejected here too,
-with an error naming the argument, so CPU CI catches what would fail on hardware.
+The torch_npu ops emulated here follow the torch_npu API reference: computation in fp32, round
+half to even (`torch.round`; each op's docstring says what its page says about rounding),
+saturation to the int8 range. Inputs the NPU op's page rejects are rejected here too
+(`op_rules.py`, the page cited beside each rule), with an error naming the op, the argument and
+the rule, so CPU CI catches what would fail on hardware.
 """
 from __future__ import annotations
 
