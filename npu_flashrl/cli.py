@@ -5,7 +5,7 @@ Subcommands (flags as `flashrl` 1.0.3 where it has them):
 * ``profile -m BF16_DIR -q W8A8_DIR -o OUT.pt [--fn int8]``
 * ``setup -m MODEL -p PROFILE --fn FN -o CONFIG [-a] [key=value ...]``
 * ``cleanup [-p CONFIG] [--site-dir DIR]``
-* ``verify [--config F] [--json] [--strict] [--apply-patches]``
+* ``verify [--config F] [--json] [--strict] [--apply-patches] [--kernels]``
 * ``rehearse ...`` (added by `npu_flashrl.rehearsal` when present; see `_add_rehearse`)
 
 Exit codes: 0 success, 1 a check/operation failed (message says what and the fix), 2 bad usage.
@@ -144,12 +144,20 @@ def _add_verify(sub) -> None:
                         "output) or '-' for stdin, e.g. `bash RECIPE --dry-run | npu-flashrl verify "
                         "--verl-overrides -`; refuses rollout modes and TIS settings that silently do "
                         "nothing on the sync-mode verl line")
+    p.add_argument("--kernels", action="store_true",
+                   help="run the op-level conformance cases of the torch_npu ops npu_flashrl uses: on "
+                        "an NPU host against the device, elsewhere against the emulation; one row per "
+                        "op, exit 1 on a difference")
     p.set_defaults(func=_run_verify)
 
 
 def _run_verify(args) -> int:
     from npu_flashrl import verify
 
+    if getattr(args, "kernels", False):
+        text, ok = verify.kernel_conformance(as_json=args.json)
+        _out(text)
+        return 0 if ok else 1
     rows = verify.verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
     failing = verify.failing_rows(rows, strict=args.strict)
     if args.json:

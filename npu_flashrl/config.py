@@ -266,6 +266,20 @@ def needs_profile(entry: RolloutConfig) -> bool:
     return entry.fn == FN_INT8
 
 
+def int8_rollout_dtype_problem(dtype: Any) -> Optional[str]:
+    """Why an INT8 rollout cannot run in `dtype` (None: it can). float16 is refused: vllm-ascend's
+    W8A8_DYNAMIC linear passes its weight scale in the model dtype to torch_npu.npu_quant_matmul
+    with a per-token scale, and the op documents only a float32 scale for a float16 output with
+    a per-token scale (and no float16 bias); see docs/compatibility.md, "Emulated torch_npu ops"."""
+    name = str(dtype).replace("torch.", "").lower() if dtype is not None else ""
+    if name in ("float16", "fp16", "half"):
+        return ("an INT8 rollout cannot run in float16: vllm-ascend's W8A8_DYNAMIC layers call "
+                "torch_npu.npu_quant_matmul with a float16 weight scale and a per-token scale, which "
+                "the op does not accept (a float16 output with a per-token scale needs a float32 "
+                "scale). Use dtype bfloat16 for the rollout")
+    return None
+
+
 def parse_config(data: Any, source: str = "<config>") -> FlashRLConfig:
     """Validate a loaded YAML document (FlashRL schema)."""
     if not isinstance(data, Mapping):

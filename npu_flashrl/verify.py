@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -487,6 +488,18 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
         rows += verl_rows(verl_overrides, config_path=config_path)
     rows += patch_rows(apply_patches)
     return rows
+
+
+def kernel_conformance(as_json: bool = False) -> Tuple[str, bool]:
+    """`verify --kernels`: (the report, passed) of `kernels.conformance` (its cases run on the
+    NPU with a real torch_npu, else on the emulation)."""
+    from npu_flashrl.kernels import conformance
+
+    rows = conformance.run()
+    ok = not conformance.failed(rows)
+    if as_json:
+        return json.dumps({"ok": ok, "rows": rows}, indent=2), ok
+    return conformance.format_rows(rows), ok
 
 
 def failing_rows(rows: List[Dict[str, str]], strict: bool = False) -> List[Dict[str, str]]:

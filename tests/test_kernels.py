@@ -120,8 +120,9 @@ def test_quantize_zero_points():
     # x/2 + 3 = [4.5, 0, 128, -147] -> [4 (even), 0, 127 (sat), -128 (sat)]
     assert ref.npu_quantize(x, s, zp, torch.qint8, -1, True).tolist() == [4, 0, 127, -128]
     # Zero point added after rounding would give 1.5->2, +3 = 5: this checks it is added before.
-    # x*2 + 3 = [9, -9, 503, -597]
-    assert ref.npu_quantize(x, s, zp, torch.qint8, -1, False).tolist() == [9, -9, 127, -128]
+    # x*2 + 3 = [9, -9, 503, -597] (div_mode False: zero_points of scales' dtype and shape)
+    zpf = _t([3.0], torch.float32)
+    assert ref.npu_quantize(x, s, zpf, torch.qint8, -1, False).tolist() == [9, -9, 127, -128]
 
 
 def test_quantize_per_axis_scales_and_zero_points():
@@ -147,7 +148,7 @@ def test_quantize_rejects_mismatched_scales():
         ref.npu_quantize(x, torch.ones(2), None, torch.qint8, axis=1)
     with pytest.raises(ValueError, match="zero_points"):
         ref.npu_quantize(x, torch.ones(3), torch.zeros(4, dtype=torch.int8), torch.qint8, axis=1)
-    with pytest.raises(ValueError, match="x dtype"):
+    with pytest.raises(ValueError, match="input: dtype"):
         ref.npu_quantize(torch.zeros(2, 3, dtype=torch.int32), torch.ones(1), None, torch.qint8)
 
 
@@ -331,7 +332,7 @@ def test_with_scales_matches_flashrl_linear_quantize(flashrl_linear_quantize, dt
 
 # --------------------------------------------------------------------------- npu_quant_matmul
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_quant_matmul_int32_accumulation_is_exact(out_dtype):
     # K = 4096; all 127s except one product of 127*1:
     # acc = 127*127*4095 + 127 = 66_048_255 + 127 = 66_048_382.
@@ -355,8 +356,8 @@ def test_quant_matmul_large_k_all_127():
     # result is 16129 exactly.
     x1 = torch.full((2, 4096), 127, dtype=torch.int8)
     x2 = torch.full((4096, 3), 127, dtype=torch.int8)
-    out = ref.npu_quant_matmul(x1, x2, torch.tensor([2.0 ** -12]), output_dtype=torch.float32)
-    assert out.tolist() == [[16129.0] * 3] * 2
+    out = ref.npu_quant_matmul(x1, x2, torch.tensor([2.0 ** -12]), output_dtype=torch.bfloat16)
+    assert out.float().tolist() == [[16128.0] * 3] * 2  # 16129 in bf16 (8 significant bits): 16128
 
 
 def test_quant_matmul_per_channel_and_pertoken_scale():
@@ -364,14 +365,14 @@ def test_quant_matmul_per_channel_and_pertoken_scale():
     x2 = _t([[1, 0, 2], [0, 1, -1]], torch.int8)
     # acc = [[1, 2, 0], [3, -1, 7]]
     scale = _t([1.0, 0.5, 0.25], torch.float32)
-    out = ref.npu_quant_matmul(x1, x2, scale, output_dtype=torch.float32)
-    assert out.tolist() == [[1.0, 1.0, 0.0], [3.0, -0.5, 1.75]]
+    out = ref.npu_quant_matmul(x1, x2, scale, output_dtype=torch.bfloat16)
+    assert out.float().tolist() == [[1.0, 1.0, 0.0], [3.0, -0.5, 1.75]]
     pt = _t([2.0, 4.0], torch.float32)
-    out = ref.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt, output_dtype=torch.float32)
-    assert out.tolist() == [[2.0, 2.0, 0.0], [12.0, -2.0, 7.0]]
+    out = ref.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt, output_dtype=torch.float16)
+    assert out.float().tolist() == [[2.0, 2.0, 0.0], [12.0, -2.0, 7.0]]
     # per-tensor scale (1 element)
-    out = ref.npu_quant_matmul(x1, x2, _t([0.5], torch.float32), output_dtype=torch.float32)
-    assert out.tolist() == [[0.5, 1.0, 0.0], [1.5, -0.5, 3.5]]
+    out = ref.npu_quant_matmul(x1, x2, _t([0.5], torch.float32), output_dtype=torch.bfloat16)
+    assert out.float().tolist() == [[0.5, 1.0, 0.0], [1.5, -0.5, 3.5]]
 
 
 def test_quant_matmul_int32_bias_before_scale_float_bias_after():
@@ -381,16 +382,18 @@ def test_quant_matmul_int32_bias_before_scale_float_bias_after():
     pt = _t([3.0], torch.float32)
     # int32 bias 4 joins the accumulator: (11 + 4) * 0.5 * 3 = 22.5
     out_i = ref.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt,
-                                 bias=_t([4], torch.int32), output_dtype=torch.float32)
+                                 bias=_t([4], torch.int32), output_dtype=torch.bfloat16)
     assert out_i.item() == 22.5
-    # float bias 4.0 is added after both scales: 11 * 0.5 * 3 + 4 = 20.5
-    for bdt in (torch.float32, torch.bfloat16, torch.float16):
+    # float bias 4.0 is added after both scales: 11 * 0.5 * 3 + 4 = 20.5 (the documented float
+    # biases: bfloat16 / float32)
+    for bdt, out_dt in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                        (torch.float32, torch.float16)):
         out_f = ref.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt,
-                                     bias=_t([4.0], bdt), output_dtype=torch.float32)
+                                     bias=_t([4.0], bdt), output_dtype=out_dt)
         assert out_f.item() == 20.5
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_quant_matmul_output_dtype(out_dtype):
     x1 = _t([[1, 0], [0, 1]], torch.int8)
     x2 = _t([[1], [3]], torch.int8)  # acc = [[1], [3]]
@@ -404,11 +407,9 @@ def test_quant_matmul_output_dtype(out_dtype):
 def test_quant_matmul_batched_x1():
     x1 = _t([[[1, 2]], [[-1, 1]]], torch.int8)  # [2, 1, 2]
     x2 = _t([[2], [1]], torch.int8)
-    pt = _t([[1.0], [2.0]], torch.float32)
-    out = ref.npu_quant_matmul(x1, x2, _t([1.0], torch.float32), pertoken_scale=pt,
-                               output_dtype=torch.float32)
+    out = ref.npu_quant_matmul(x1, x2, _t([2.0], torch.float32), output_dtype=torch.bfloat16)
     assert out.shape == (2, 1, 1)
-    assert out.flatten().tolist() == [4.0, -2.0]  # [1*2+2*1, (-2+1)*2]
+    assert out.flatten().tolist() == [8.0, -2.0]  # [(1*2+2*1)*2, (-2+1)*2]
 
 
 def _fp32_bits(v: float) -> int:
@@ -433,15 +434,15 @@ def test_int64_deq_scale_decoding():
 def test_quant_matmul_rejects_bad_inputs():
     x2 = torch.zeros(4, 3, dtype=torch.int8)
     s = torch.ones(1)
-    with pytest.raises(ValueError, match="x1 must be int8"):
+    with pytest.raises(ValueError, match="x1: dtype must be one of int8"):
         ref.npu_quant_matmul(torch.zeros(2, 4, dtype=torch.float16), x2, s, output_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="x1 must be int8"):
+    with pytest.raises(ValueError, match="x1: dtype must be one of int8"):
         ref.npu_quant_matmul(torch.zeros(2, 4, dtype=torch.int32), x2, s, output_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="x2 must be int8"):
+    with pytest.raises(ValueError, match="x2: dtype must equal x1's"):
         ref.npu_quant_matmul(torch.zeros(2, 4, dtype=torch.int8), x2.float(), s, output_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="x1 must have 2-6 dims"):
+    with pytest.raises(ValueError, match="x1: must have 2-6 dims"):
         ref.npu_quant_matmul(torch.zeros(4, dtype=torch.int8), x2, s, output_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="x1 last dim"):
+    with pytest.raises(ValueError, match="x1: last dim"):
         ref.npu_quant_matmul(torch.zeros(2, 5, dtype=torch.int8), x2, s, output_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="scale"):
         ref.npu_quant_matmul(torch.zeros(2, 4, dtype=torch.int8), x2, torch.ones(2),
@@ -456,25 +457,25 @@ def test_quant_matmul_rejects_bad_inputs():
 
 def test_quant_matmul_dim_limit():
     # K = 65536 (x1 [1, 65536], x2 [65536, 1]: 128 KiB of int8) is rejected; K = 65535 is not.
-    with pytest.raises(ValueError, match=r"K=65536"):
+    with pytest.raises(ValueError, match=r"k=65536"):
         ref.npu_quant_matmul(torch.ones(1, 65536, dtype=torch.int8),
                              torch.ones(65536, 1, dtype=torch.int8), torch.ones(1),
-                             output_dtype=torch.float32)
+                             output_dtype=torch.bfloat16)
     # N = 65536 (a vocab-sized lm_head) is rejected too.
-    with pytest.raises(ValueError, match=r"N=65536"):
+    with pytest.raises(ValueError, match=r"n=65536"):
         ref.npu_quant_matmul(torch.ones(1, 1, dtype=torch.int8),
                              torch.ones(1, 65536, dtype=torch.int8), torch.ones(1),
-                             output_dtype=torch.float32)
+                             output_dtype=torch.bfloat16)
     out = ref.npu_quant_matmul(torch.ones(1, 65535, dtype=torch.int8),
-                               torch.ones(65535, 1, dtype=torch.int8), torch.ones(1),
-                               output_dtype=torch.float32)
-    assert out.item() == 65535.0
+                               torch.ones(65535, 1, dtype=torch.int8), torch.ones(1) / 4096,
+                               output_dtype=torch.float16)
+    assert out.item() == torch.tensor(65535.0 / 4096, dtype=torch.float16).item()  # exact acc, one rounding
 
 
 def test_dynamic_quant_rejects_bad_inputs():
-    with pytest.raises(ValueError, match="x dtype"):
+    with pytest.raises(ValueError, match="x: dtype must be one of float16, bfloat16"):
         ref.npu_dynamic_quant(torch.zeros(2, 3, dtype=torch.float32))
-    with pytest.raises(ValueError, match="ndim"):
+    with pytest.raises(ValueError, match="more than 1 dim"):
         ref.npu_dynamic_quant(torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="smooth_scales"):
         ref.npu_dynamic_quant(torch.zeros(2, 3, dtype=torch.bfloat16),

@@ -96,6 +96,12 @@ def _refuse_dummy_int8(engine_args, entry) -> None:
         f"(npu-flashrl setup --fn int8 -m W8A8 ... writes it), model {engine_args.model}")
 
 
+def _refuse_fp16_int8(dtype, entry) -> None:
+    problem = flashrl_config.int8_rollout_dtype_problem(dtype)
+    if problem:
+        raise flashrl_config.ConfigError(f"npu_flashrl: FLASHRL_CONFIG entry fn={entry.fn}: {problem}")
+
+
 def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
     """Pick this DP group's entry and rewrite the engine args the way FlashRL's config says.
     None (engine untouched) for a verl reward/teacher model server."""
@@ -133,6 +139,7 @@ def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
         engine_args.load_format = entry.load_format
     _refuse_dummy_int8(engine_args, entry)
     if flashrl_config.is_quantized(entry):
+        _refuse_fp16_int8(getattr(engine_args, "dtype", None), entry)
         # explicit: the compressed-tensors override answers "ascend" only for this engine's build
         engine_args.quantization = "ascend"
         if flashrl_config.needs_profile(entry):
@@ -162,6 +169,8 @@ def _wrap(original):
                     f"vLLM resolved the engine's quantization to {built!r}, not 'ascend': the model "
                     "would run unquantized. Check that vllm-ascend is installed and its platform "
                     "is active in this process, or use a bf16 entry")
+            # dtype "auto" resolves to the checkpoint's dtype only here
+            _refuse_fp16_int8(getattr(vllm_config.model_config, "dtype", None), entry)
         return vllm_config
     return create_engine_config
 

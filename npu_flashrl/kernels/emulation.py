@@ -45,19 +45,18 @@ _TORCH_NPU_OPS = {
     "npu_moe_init_routing_v2": moe_reference.npu_moe_init_routing_v2,
     "npu_moe_token_unpermute": moe_reference.npu_moe_token_unpermute,
     "npu_grouped_matmul": moe_reference.npu_grouped_matmul,
-    "npu_grouped_matmul_swiglu_quant": lambda x, weight, group_list, weight_scale, x_scale, *,
-        bias=None, offset=None: moe_reference.grouped_matmul_swiglu_quant(
-            x, weight, weight_scale, x_scale, group_list, bias=bias, offset=offset),
+    "npu_grouped_matmul_swiglu_quant": moe_reference.npu_grouped_matmul_swiglu_quant,
     "npu_dequant_swiglu_quant": moe_reference.npu_dequant_swiglu_quant,
     "npu_swiglu": moe_reference.npu_swiglu,
 }
 
 
-def _no_hash(x, k, bias, input_ids, tid2eid, **kw):
+def _no_hash(x, k, bias, input_ids, tid2eid, norm_type=1, **kw):
+    # torch_npu's signature defaults norm_type to 1 (sigmoid), unlike vllm-ascend's own op
     if input_ids is not None or tid2eid is not None:
         raise NotImplementedError("torch_npu.npu_moe_gating_top_k: the hash mode (input_ids / "
                                   "tid2eid) is not emulated")
-    return moe_reference.moe_gating_top_k(x, k, bias=bias, **kw)
+    return moe_reference.moe_gating_top_k(x, k, bias=bias, norm_type=norm_type, **kw)
 
 
 def _vllm_quantize(in_tensor, input_scale, input_scale_reciprocal, input_offset):
@@ -76,7 +75,7 @@ def _init_routing_custom(x, expert_idx, *, scale=None, offset=None, active_num=-
                          expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
                          expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=0,
                          active_expert_range=(), row_idx_type=0):
-    return moe_reference.npu_moe_init_routing_v2(
+    return moe_reference.moe_init_routing(
         x, expert_idx, scale=scale, offset=offset, active_num=active_num,
         expert_capacity=expert_capacity, expert_num=expert_num, drop_pad_mode=drop_pad_mode,
         expert_tokens_num_type=expert_tokens_num_type,
@@ -89,7 +88,8 @@ def _gating_top_k(x, k, k_group, group_count, group_select_mode, renorm, norm_ty
     return moe_reference.moe_gating_top_k(
         x, k, bias=bias_opt, k_group=k_group, group_count=group_count,
         group_select_mode=group_select_mode, renorm=renorm, norm_type=norm_type,
-        out_flag=out_flag, routed_scaling_factor=routed_scaling_factor, eps=eps)
+        out_flag=out_flag, routed_scaling_factor=routed_scaling_factor, eps=eps,
+        op="moe_gating_top_k")
 
 
 def _dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=None,
@@ -124,9 +124,10 @@ _ASCEND_C_OPS = {
         _init_routing_custom),
     "grouped_matmul_swiglu_quant": (_GMM_SWIGLU_QUANT_SCHEMA,
                                     moe_reference.grouped_matmul_swiglu_quant),
-    # the NZ-weight variant: same values; the emulated NZ cast never changes a tensor's bytes
+    # the NZ-weight variant: same values (the emulated NZ cast never changes a tensor's bytes);
+    # its weight must be FRACTAL_NZ
     "grouped_matmul_swiglu_quant_weight_nz": (_GMM_SWIGLU_QUANT_SCHEMA,
-                                              moe_reference.grouped_matmul_swiglu_quant),
+                                              moe_reference.grouped_matmul_swiglu_quant_weight_nz),
     "npu_dequant_swiglu_quant": (
         "(Tensor x, *, Tensor? weight_scale=None, Tensor? activation_scale=None, "
         "Tensor? bias=None, Tensor? quant_scale=None, Tensor? quant_offset=None, "

@@ -24,7 +24,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from npu_flashrl.kernels.reference import INT8_MAX, _require, require_same_device
+from npu_flashrl.kernels import op_rules
+from npu_flashrl.kernels.reference import INT8_MAX, _require, get_npu_format, require_same_device
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -52,7 +53,8 @@ def _dynamic_quant_rows(y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: Optional[torch.Tensor] = None,
                      k_group: int = 1, group_count: int = 1, group_select_mode: int = 0,
                      renorm: int = 0, norm_type: int = 0, out_flag: bool = False,
-                     routed_scaling_factor: float = 1.0, eps: float = 1e-20
+                     routed_scaling_factor: float = 1.0, eps: float = 1e-20,
+                     op: str = "npu_moe_gating_top_k"
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[torch_npu] npu_moe_gating_top_k / [vllm-ascend] _C_ascend::moe_gating_top_k.
 
@@ -63,23 +65,13 @@ def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: Optional[torch.Tensor] = 
     y = norm[expert_idx] (the unbiased values), divided by (sum + eps) when norm_type == 1 or
     renorm == 1, times routed_scaling_factor, cast to x's dtype. torch_npu documents renorm 0
     only; vllm-ascend's op also takes renorm 1 (its golden renormalises, as for sigmoid).
-    Returns (y, expert_idx, norm_out): norm_out is the fp32 norm when out_flag, else empty."""
-    op = "moe_gating_top_k"
+    Returns (y, expert_idx, norm_out): norm_out is the fp32 norm when out_flag, else empty.
+    Documented constraints: `op_rules.check_moe_gating_top_k` (for both ops: vllm-ascend's op
+    wraps the same aclnnMoeGatingTopK kernel)."""
     require_same_device(op, x=x, bias=bias)
-    _require(x.dim() == 2, op, f"x must be 2-D [tokens, experts], got shape {tuple(x.shape)}")
-    _require(x.dtype in _FLOATS, op, f"x dtype must be float16/bfloat16/float32, got {x.dtype}")
+    op_rules.check_moe_gating_top_k(x, k, bias, k_group, group_count, group_select_mode, renorm,
+                                    norm_type, op=op)
     n_exp = x.shape[1]
-    _require(group_count >= 1 and n_exp % group_count == 0, op,
-             f"group_count={group_count} must divide the expert count {n_exp}")
-    _require(1 <= k_group <= group_count, op, f"k_group={k_group} must be in [1, {group_count}]")
-    _require(1 <= k <= n_exp // group_count * k_group, op,
-             f"k={k} must be in [1, experts / group_count * k_group = {n_exp // group_count * k_group}]")
-    if norm_type not in (0, 1):
-        raise _not_emulated(op, f"norm_type={norm_type} (0 softmax, 1 sigmoid are)")
-    if renorm not in (0, 1):
-        raise _not_emulated(op, f"renorm={renorm}")
-    if group_select_mode not in (0, 1):
-        raise _not_emulated(op, f"group_select_mode={group_select_mode}")
     xf = x.float()
     norm = torch.softmax(xf, dim=-1) if norm_type == 0 else torch.sigmoid(xf)
     score = norm
@@ -111,11 +103,9 @@ def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: Optional[torch.Tenso
     `finished` rows (True = do not compute) are not emulated."""
     op = "npu_moe_gating_top_k_softmax"
     require_same_device(op, x=x, finished=finished)
-    _require(x.dim() == 2, op, f"x must be 2-D [tokens, experts], got shape {tuple(x.shape)}")
-    _require(x.dtype in _FLOATS, op, f"x dtype must be float16/bfloat16/float32, got {x.dtype}")
-    _require(0 < k <= min(x.shape[-1], 1024), op, f"k={k} must be in (0, min(experts, 1024)]")
-    if finished is not None:
-        raise _not_emulated(op, "finished")
+    op_rules.check_moe_gating_top_k_softmax(x, finished, k)
+    if finished is not None or x.dim() != 2:
+        raise _not_emulated(op, "finished / a 3-D x")
     soft = torch.softmax(x.float(), dim=-1)
     y, idx = torch.sort(soft, dim=-1, descending=True, stable=True)
     n = x.shape[0]
@@ -127,11 +117,33 @@ def npu_moe_init_routing_v2(x: torch.Tensor, expert_idx: torch.Tensor, *,
                             scale: Optional[torch.Tensor] = None, offset: Optional[torch.Tensor] = None,
                             active_num: int = -1, expert_capacity: int = -1, expert_num: int = -1,
                             drop_pad_mode: int = 0, expert_tokens_num_type: int = 0,
-                            expert_tokens_num_flag: bool = False, quant_mode: int = -1,
+                            expert_tokens_num_flag: bool = False, quant_mode: int = 0,
                             active_expert_range: Sequence[int] = (), row_idx_type: int = 0
                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[torch_npu] npu_moe_init_routing_v2 / [vllm-ascend] _C_ascend::npu_moe_init_routing_custom
-    (same schema and golden), dropless mode.
+    """[torch_npu] npu_moe_init_routing_v2 with the page's signature and defaults (quant_mode 0,
+    static, is the default and is not supported) and its documented constraints
+    (`op_rules.check_moe_init_routing_v2`), computed by `moe_init_routing`."""
+    require_same_device("npu_moe_init_routing_v2", x=x, expert_idx=expert_idx, scale=scale, offset=offset)
+    op_rules.check_moe_init_routing_v2(x, expert_idx, scale, offset, active_num, expert_capacity,
+                                       expert_num, drop_pad_mode, expert_tokens_num_type,
+                                       expert_tokens_num_flag, quant_mode, active_expert_range,
+                                       row_idx_type)
+    return moe_init_routing(x, expert_idx, scale=scale, offset=offset, active_num=active_num,
+                            expert_capacity=expert_capacity, expert_num=expert_num,
+                            drop_pad_mode=drop_pad_mode, expert_tokens_num_type=expert_tokens_num_type,
+                            expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
+                            active_expert_range=active_expert_range, row_idx_type=row_idx_type)
+
+
+def moe_init_routing(x: torch.Tensor, expert_idx: torch.Tensor, *,
+                     scale: Optional[torch.Tensor] = None, offset: Optional[torch.Tensor] = None,
+                     active_num: int = -1, expert_capacity: int = -1, expert_num: int = -1,
+                     drop_pad_mode: int = 0, expert_tokens_num_type: int = 0,
+                     expert_tokens_num_flag: bool = False, quant_mode: int = -1,
+                     active_expert_range: Sequence[int] = (), row_idx_type: int = 0
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing kernel of [torch_npu] npu_moe_init_routing_v2 and [vllm-ascend]
+    _C_ascend::npu_moe_init_routing_custom (same schema and golden), dropless mode.
 
     The N*K (token, slot) entries of expert_idx [N, K] are sorted by expert, stably (entries of
     equal expert keep their flat order n*K + j); entries outside active_expert_range
@@ -147,7 +159,7 @@ def npu_moe_init_routing_v2(x: torch.Tensor, expert_idx: torch.Tensor, *,
       along (quant_mode -1 with a scale), else zeros (documented as meaningless).
     Not emulated: drop/pad mode, static quant (quant_mode 0), smooth scales with quant_mode 1,
     the key-value histogram (type 2) and the MX/FP8/HIF8/INT4 modes."""
-    op = "npu_moe_init_routing_v2"
+    op = "moe_init_routing"
     require_same_device(op, x=x, expert_idx=expert_idx, scale=scale, offset=offset)
     _require(x.dim() == 2, op, f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     _require(expert_idx.dim() == 2 and expert_idx.shape[0] == x.shape[0], op,
@@ -214,6 +226,7 @@ def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch
     Padded mode is not emulated."""
     op = "npu_moe_token_unpermute"
     require_same_device(op, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices, probs=probs)
+    op_rules.check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
     if padded_mode:
         raise _not_emulated(op, "padded_mode=True")
     _require(permuted_tokens.dim() == 2, op,
@@ -300,7 +313,8 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
     """[torch_npu] npu_grouped_matmul, the m-axis grouped form MoE uses: one x [M, K] split into
     row groups by group_list (a Tensor; group_list_type 0 cumsum, 1 counts), group i times
     weight_i [K, N] (one 3-D [E, K, N] tensor or E 2-D tensors), one output [M, N] (split_item
-    2/3). Rows past the last group are zero (the NPU leaves them unwritten).
+    2/3). group_list must cover every row of x (`op_rules.check_grouped_matmul`: its last value /
+    sum equals M), as must the data type combination of the page's table 2.
     - float x and weight (formula 1): y = x @ w (+ bias), fp32, in output_dtype (default x's);
     - int8 x and weight, no scale, output_dtype int32: the exact int32 accumulator;
     - int8 x and weight with scale [E, N] and per_token_scale [M] (formula 3, per-token):
@@ -330,7 +344,6 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
         raise _not_emulated(op, f"split_item={split_item} (2/3, one output tensor, are)")
     if group_type != 0:
         raise _not_emulated(op, f"group_type={group_type} (0, m-axis groups, is)")
-    _require(isinstance(group_list, torch.Tensor), op, "group_list must be a Tensor")
     _require(xs.dim() == 2, op, f"x[0] must be 2-D [M, K], got shape {tuple(xs.shape)}")
     ws = _expert_weights(weight, op)
     groups = len(ws)
@@ -338,14 +351,12 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
     n = ws[0].shape[1]
     _require(all(tuple(w.shape) == (kdim, n) for w in ws), op,
              f"every weight must be [K={kdim}, N={n}], got {[tuple(w.shape) for w in ws]}")
+    op_rules.check_grouped_matmul(xs, ws, len(weight) == 1 and weight[0].dim() == 3, bias, scale,
+                                  per_token_scale, group_list, group_list_type, output_dtype)
+    if scale is not None and scale[0].dtype == torch.int64:
+        raise _not_emulated(op, "an int64 scale (the int8 output)")
     bounds = _group_bounds(group_list, group_list_type, groups, m, op)
     quant = xs.dtype == torch.int8
-    if quant:
-        _require(all(w.dtype == torch.int8 for w in ws), op, "int8 x needs int8 weights")
-    else:
-        _require(xs.dtype in _FLOATS and all(w.dtype == xs.dtype for w in ws), op,
-                 f"float x needs weights of its dtype {xs.dtype}, got {[w.dtype for w in ws][:1]}")
-        _require(scale is None and per_token_scale is None, op, "scale/per_token_scale need int8 x")
     scales = _per_group(scale, groups, n, op, "scale")
     biases = _per_group(bias, groups, n, op, "bias")
     pts = None
@@ -353,19 +364,8 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
         _require(len(per_token_scale) == 1 and per_token_scale[0].dim() == 1 and
                  per_token_scale[0].numel() == m, op,
                  f"per_token_scale must be one 1-D tensor of M={m} values")
-        _require(per_token_scale[0].dtype == torch.float32, op,
-                 f"per_token_scale must be float32, got {per_token_scale[0].dtype}")
         _require(scales is not None, op, "per_token_scale needs scale")
         pts = per_token_scale[0]
-    if quant and scales is None:
-        _require(output_dtype == torch.int32, op,
-                 f"int8 x without scale gives the int32 accumulator: output_dtype must be torch.int32, "
-                 f"got {output_dtype}")
-    if quant and scales is not None:
-        _require(output_dtype in (torch.bfloat16, torch.float16), op,
-                 f"quantized matmul with scale: output_dtype must be bfloat16/float16, got {output_dtype}")
-        _require(scales.dtype in (torch.float32, torch.bfloat16), op,
-                 f"scale must be float32/bfloat16, got {scales.dtype} (int64-encoded scales are not emulated)")
     out_dtype = output_dtype or xs.dtype
     out = torch.zeros((m, n), dtype=out_dtype, device=xs.device)
     for g, (s, e) in enumerate(bounds):
@@ -392,11 +392,29 @@ def npu_grouped_matmul(x: List[torch.Tensor], weight: List[torch.Tensor], *,
     return [out]
 
 
+def grouped_matmul_swiglu_quant_weight_nz(x, weight, weight_scale, x_scale, group_list, *, bias=None,
+                                          offset=None, swiglu_limit: float = 0.0):
+    """[vllm-ascend] _C_ascend::grouped_matmul_swiglu_quant_weight_nz (aclnnGroupedMatmulSwiglu
+    QuantWeightNZ): `grouped_matmul_swiglu_quant` on a FRACTAL_NZ int8 weight."""
+    return grouped_matmul_swiglu_quant(x, weight, weight_scale, x_scale, group_list, bias=bias,
+                                       offset=offset, swiglu_limit=swiglu_limit, nz_weight=True,
+                                       op="grouped_matmul_swiglu_quant_weight_nz")
+
+
+def npu_grouped_matmul_swiglu_quant(x, weight, group_list, weight_scale, x_scale, *, bias=None,
+                                    offset=None):
+    """[torch_npu] npu_grouped_matmul_swiglu_quant (its kernel is the WeightNZ one: the int8
+    weight must be FRACTAL_NZ)."""
+    return grouped_matmul_swiglu_quant(x, weight, weight_scale, x_scale, group_list, bias=bias,
+                                       offset=offset, nz_weight=True, op="npu_grouped_matmul_swiglu_quant")
+
+
 def grouped_matmul_swiglu_quant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                 x_scale: torch.Tensor, group_list: torch.Tensor, *,
                                 bias: Optional[torch.Tensor] = None,
                                 offset: Optional[torch.Tensor] = None,
-                                swiglu_limit: float = 0.0
+                                swiglu_limit: float = 0.0, nz_weight: bool = False,
+                                op: str = "grouped_matmul_swiglu_quant"
                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[vllm-ascend] _C_ascend::grouped_matmul_swiglu_quant(_weight_nz) (README
     csrc/gmm/grouped_matmul_swiglu_quant), also [torch_npu] npu_grouped_matmul_swiglu_quant
@@ -407,10 +425,13 @@ def grouped_matmul_swiglu_quant(x: torch.Tensor, weight: torch.Tensor, weight_sc
     Q_scale = rowmax|S| / 127, Q = round(S / Q_scale) (symmetric). Returns (Q int8 [M, N/2],
     Q_scale fp32 [M], Q_offset fp32 [M] = 0); rows past groupList[-1] are zero (the NPU leaves
     them unwritten). The NZ variant differs in the weight's storage format only. bias/offset and
-    a swiglu clamp limit are not emulated (the README: "not supported in this version")."""
-    op = "grouped_matmul_swiglu_quant"
+    a swiglu clamp limit are not emulated (the README: "not supported in this version").
+    Rounding: the aclnn page's formula rounds to nearest; the emulation rounds half to even.
+    Documented constraints: `op_rules.check_grouped_matmul_swiglu_quant`."""
     require_same_device(op, x=x, weight=weight, weight_scale=weight_scale, x_scale=x_scale,
                         group_list=group_list, bias=bias, offset=offset)
+    op_rules.check_grouped_matmul_swiglu_quant(x, weight, get_npu_format(weight), weight_scale, x_scale,
+                                               group_list, nz_weight, op)
     if bias is not None or offset is not None:
         raise _not_emulated(op, "bias / offset")
     if swiglu_limit:
@@ -458,6 +479,8 @@ def npu_dequant_swiglu_quant(x: torch.Tensor, *, weight_scale: Optional[torch.Te
     require_same_device(op, x=x, weight_scale=weight_scale, activation_scale=activation_scale,
                         bias=bias, quant_scale=quant_scale, quant_offset=quant_offset,
                         group_index=group_index)
+    op_rules.check_dequant_swiglu_quant(x, weight_scale, activation_scale, bias, quant_scale,
+                                        quant_offset, group_index, quant_mode)
     if bias is not None or quant_scale is not None or quant_offset is not None:
         raise _not_emulated(op, "bias / quant_scale / quant_offset")
     if quant_mode != 1:
@@ -496,13 +519,13 @@ def npu_dequant_swiglu_quant(x: torch.Tensor, *, weight_scale: Optional[torch.Te
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """[torch_npu] (beta) npu_swiglu: A, B = halves of x along dim; swish(A) * B, fp32, in x's
     dtype."""
-    op = "npu_swiglu"
-    _require(x.dtype in _FLOATS, op, f"x dtype must be float16/bfloat16/float32, got {x.dtype}")
-    _require(x.shape[dim] % 2 == 0, op, f"x.shape[{dim}]={x.shape[dim]} must be even")
+    op_rules.check_swiglu(x, dim)
     a, b = x.float().chunk(2, dim=dim)
     return (_swish(a) * b).to(x.dtype)
 
 
 __all__ = ["moe_gating_top_k", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2",
-           "npu_moe_token_unpermute", "npu_grouped_matmul", "grouped_matmul_swiglu_quant",
+           "moe_init_routing", "npu_moe_token_unpermute", "npu_grouped_matmul",
+           "grouped_matmul_swiglu_quant", "grouped_matmul_swiglu_quant_weight_nz",
+           "npu_grouped_matmul_swiglu_quant",
            "npu_dequant_swiglu_quant", "npu_swiglu"]

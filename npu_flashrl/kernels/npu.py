@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from npu_flashrl.kernels import reference
+from npu_flashrl.kernels import op_rules, reference
 
 
 def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None,
@@ -24,6 +24,12 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
     # non-finite scale (or, on hardware, a saturated int8 row) and poison the rollout silently.
     if not reference.all_finite(weight):
         raise ValueError("quantize_weight_per_channel: weight contains NaN or Inf")
+    if weight.shape[-1] > op_rules.DYNAMIC_QUANT_MAX_ROW_A2_6_0_RC3:
+        # npu_dynamic_quant's page limits a row to 11264 values on Atlas A2 up to Ascend
+        # Extension for PyTorch 6.0.RC3 (Qwen2.5-7B's down_proj rows have 18944); the release
+        # cannot be told reliably from torch_npu.__version__, so longer rows always take the
+        # other documented way: the same scales in plain torch, then npu_quantize.
+        return _per_channel_by_quantize(weight, transposed)
     # Per-row symmetric int8 with scale = rowmax/127 is exactly npu_dynamic_quant on the rows.
     q, scale = torch_npu.npu_dynamic_quant(weight)
     # An all-zero row: the reference defines scale 1.0 (q is 0 either way).
@@ -31,6 +37,20 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
     if transposed:  # same values, [in, out] memory (the processed W8A8 layout)
         q = q.t().contiguous().t()
     return q, scale
+
+
+def _per_channel_by_quantize(weight: torch.Tensor, transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """scale = rowmax|w| / 127 in fp32 (1.0 for an all-zero row), q = npu_quantize(w / scale):
+    div_mode True takes a float32 scales tensor along the LAST axis (the only elementwise axis
+    older releases document), so it quantizes w^T [in, out] with one scale per column; the
+    result is already the processed [in, out] layout."""
+    import torch_npu  # noqa: F401
+
+    absmax = torch.maximum(weight.amax(dim=1), weight.amin(dim=1).neg()).float()
+    scale = torch.where(absmax > 0, absmax / reference.INT8_MAX, torch.ones_like(absmax))
+    q_t = torch_npu.npu_quantize(weight.t(), scale, None, torch.qint8, -1, True).contiguous()  # [in, out]
+    q = q_t.t()
+    return (q if transposed else q.contiguous()), scale
 
 
 def storage_format(t: torch.Tensor) -> int:

@@ -1,9 +1,10 @@
 """Pure-torch reference INT8 kernels. These DEFINE the semantics npu_flashrl relies on.
 
-The torch_npu ops emulated here follow the torch_npu documentation (see
-../shared/docs/upstream-facts.md section 3): computation in fp32, round half to even
-(`torch.round`), saturation to the int8 range. Inputs the NPU op rejects are rejected here too,
-with an error naming the argument, so CPU CI catches what would fail on hardware.
+The torch_npu ops emulated here follow the torch_npu API reference: computation in fp32, round
+half to even (`torch.round`; each op's docstring says what its page says about rounding),
+saturation to the int8 range. Inputs the NPU op's page rejects are rejected here too
+(`op_rules.py`, the page cited beside each rule), with an error naming the op, the argument and
+the rule, so CPU CI catches what would fail on hardware.
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from npu_flashrl.kernels import op_rules
+
 INT8_MIN, INT8_MAX = -128, 127
 # torch_npu / CANN storage formats (acl format ids).
 ACL_FORMAT_ND = 2
 ACL_FORMAT_FRACTAL_NZ = 29
-# npu_quant_matmul: the last dims of x1 and x2 must not exceed this (CANN limit).
-MAX_MATMUL_DIM = 65535
+# npu_quant_matmul: the last dims of x1 and x2 must not exceed this (documented limit).
+MAX_MATMUL_DIM = op_rules.QUANT_MATMUL_MAX_LAST_DIM
 # A row whose absmax is below this gets scale 1.0: all its values quantize to 0 either way,
 # and 1.0 keeps dequantization finite (no 0/0).
 _ZERO_ROW_EPS = 1e-30
@@ -209,17 +212,16 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- torch_npu ops
 
-_QDTYPES = {torch.qint8: (torch.int8, -128, 127), torch.int8: (torch.int8, -128, 127),
-            torch.quint8: (torch.uint8, 0, 255), torch.uint8: (torch.uint8, 0, 255),
-            torch.qint32: (torch.int32, -2**31, 2**31 - 1), torch.int32: (torch.int32, -2**31, 2**31 - 1)}
+# npu_quantize's documented output types (div_mode True: qint8 / quint8 / int32; False: qint8)
+_QDTYPES = {torch.qint8: (torch.int8, -128, 127), torch.quint8: (torch.uint8, 0, 255),
+            torch.int32: (torch.int32, -2**31, 2**31 - 1)}
 
 
-def _broadcast_along(t: torch.Tensor, x: torch.Tensor, axis: int, op: str, name: str) -> torch.Tensor:
+def _broadcast_along(t: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    """`t` (1 or x.shape[axis] values, 1-D or of x's rank; shapes checked by op_rules) shaped
+    to broadcast against x along `axis`."""
     if t.numel() == 1:
         return t.reshape(())
-    axis = axis % x.dim()
-    _require(t.dim() == 1 and t.numel() == x.shape[axis], op,
-             f"{name} must have 1 or {x.shape[axis]} elements (x.shape[{axis}]), got shape {tuple(t.shape)}")
     shape = [1] * x.dim()
     shape[axis] = -1
     return t.reshape(shape)
@@ -227,17 +229,18 @@ def _broadcast_along(t: torch.Tensor, x: torch.Tensor, axis: int, op: str, name:
 
 def npu_quantize(x: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor],
                  dtype: torch.dtype, axis: int = 1, div_mode: bool = True) -> torch.Tensor:
-    """torch_npu.npu_quantize: x / scales + zp (div_mode) or x * scales + zp, fp32, round half
-    to even, saturate to the output type's range. Output has the shape of x."""
-    op = "npu_quantize"
-    _require(x.dtype in (torch.float16, torch.bfloat16, torch.float32), op,
-             f"x dtype must be float16/bfloat16/float32, got {x.dtype}")
-    _require(dtype in _QDTYPES, op, f"dtype must be one of torch.qint8/quint8/qint32, got {dtype}")
+    """torch_npu.npu_quantize: x / scales + zero_points (div_mode) or x * scales + zero_points,
+    in fp32, then the output type with saturation to its range. Output has the shape of x.
+    Rounding: the page's formula does not name a rounding mode; the emulation rounds half to
+    even (`torch.round`). Documented constraints: `op_rules.check_quantize`."""
+    require_same_device("npu_quantize", x=x, scales=scales, zero_points=zero_points)
+    op_rules.check_quantize(x, scales, zero_points, dtype, axis, div_mode)
     out_dtype, lo, hi = _QDTYPES[dtype]
-    s = _broadcast_along(scales.float(), x, axis, op, "scales")
+    ax = axis % x.dim()
+    s = _broadcast_along(scales.float(), x, ax)
     y = x.float() / s if div_mode else x.float() * s
     if zero_points is not None:
-        y = y + _broadcast_along(zero_points.float(), x, axis, op, "zero_points")
+        y = y + _broadcast_along(zero_points.float(), x, ax)
     return torch.round(y).clamp_(lo, hi).to(out_dtype)
 
 
@@ -246,23 +249,23 @@ def npu_dynamic_quant(x: torch.Tensor, smooth_scales: Optional[torch.Tensor] = N
                       dst_type: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """torch_npu.npu_dynamic_quant: per-token symmetric int8.
 
-    x (fp16/bf16, ndim >= 2) is optionally multiplied by smooth_scales [x.shape[-1]]; then
-    scale = rowmax|x| / 127 (fp32, shape x.shape[:-1]) and y = round(x / scale) as int8.
-    Documented example: [0.7261, 0.3726, 0.9126] -> [101, 52, 127].
-    `dst_type` (the scheme-registry layout passes `dst_type=torch.int8`): only int8 (the default) is
-    emulated; the int4 / fp8 outputs and MoE `group_index` are refused.
-    """
+    x (fp16/bf16, ndim >= 2) is optionally multiplied by smooth_scales [x.shape[-1]] (x's dtype);
+    then scale = rowmax|x| / 127 (fp32, shape x.shape[:-1]) and y = round(x / scale) as int8.
+    Rounding: the page's formula says round(); Huawei's own op test
+    (op-plugin test/test_custom_ops/test_npu_dynamic_quant.py) builds its golden with
+    `torch.round` (half to even) and accepts a difference of 1, which the emulation's half-even
+    rounding is within. Documented example: [0.7261, 0.3726, 0.9126] -> [101, 52, 127].
+    Not emulated: the int4 output (dst_type quint4x2) and MoE `group_index`.
+    Documented constraints: `op_rules.check_dynamic_quant`."""
     op = "npu_dynamic_quant"
+    require_same_device(op, x=x, smooth_scales=smooth_scales, group_index=group_index)
+    op_rules.check_dynamic_quant(x, smooth_scales, group_index, dst_type)
     if dst_type not in (None, torch.int8):
         raise NotImplementedError(f"{op}: dst_type={dst_type} is not emulated (only torch.int8)")
     if group_index is not None:
         raise NotImplementedError(f"{op}: group_index (MoE groups) is not emulated")
-    _require(x.dtype in _FLOAT_IN, op, f"x dtype must be float16 or bfloat16, got {x.dtype}")
-    _require(x.dim() >= 2, op, f"x must have ndim >= 2, got shape {tuple(x.shape)}")
     xf = x.float()
     if smooth_scales is not None:
-        _require(smooth_scales.shape == (x.shape[-1],), op,
-                 f"smooth_scales must have shape ({x.shape[-1]},), got {tuple(smooth_scales.shape)}")
         xf = xf * smooth_scales.float()
     absmax = xf.abs().amax(dim=-1)
     scale = absmax / INT8_MAX
@@ -284,46 +287,31 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
                      pertoken_scale: Optional[torch.Tensor] = None,
                      bias: Optional[torch.Tensor] = None,
                      output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """torch_npu.npu_quant_matmul: int8 x1 [..., K] @ int8 x2 [K, N] with int32 accumulation.
+    """torch_npu.npu_quant_matmul: int8 x1 [..., M, K] @ int8 x2 [K, N] with int32 accumulation.
 
-    An int32 bias is added to the accumulator before scaling; then out = acc * scale[N]
-    (* pertoken_scale[M] per row); a float bias is added after scaling; cast to output_dtype.
-    The accumulation is exact (float64 holds every int32 sum of K <= 65535 int8 products).
-    """
+    The page's formulas: an int32 bias is added to the accumulator before scaling; then
+    out = acc * scale[N] (* pertoken_scale[M] per row); a bfloat16 / float32 bias is added after
+    scaling; cast to output_dtype (the float cast rounds to nearest even, as torch's). The
+    accumulation is exact (float64 holds every int32 sum of K <= 65535 int8 products).
+    Documented constraints (the dtype combination table included): `op_rules.check_quant_matmul`.
+    Not emulated: the int8 / int32 outputs (the page does not say how the int8 output rounds or
+    what a scale does to an int32 output) and batched x2; vllm-ascend always passes a float
+    output_dtype and a 2-D weight."""
     op = "npu_quant_matmul"
-    _require(x1.dtype == torch.int8, op, f"x1 must be int8, got {x1.dtype}")
-    _require(x2.dtype == torch.int8, op, f"x2 must be int8, got {x2.dtype}")
-    _require(2 <= x1.dim() <= 6, op, f"x1 must have 2-6 dims, got shape {tuple(x1.shape)}")
-    _require(x2.dim() == 2, op, f"x2 must be 2-D [K, N], got shape {tuple(x2.shape)}")
-    k, n = x2.shape
-    _require(x1.shape[-1] == k, op, f"x1 last dim {x1.shape[-1]} != x2 first dim {k}")
-    _require(k <= MAX_MATMUL_DIM and n <= MAX_MATMUL_DIM, op,
-             f"last dims must be <= {MAX_MATMUL_DIM} (got K={k}, N={n}); "
-             "do not quantize vocab-sized layers such as lm_head")
-    if output_dtype is None or output_dtype == torch.int8:
-        raise NotImplementedError("npu_quant_matmul: int8 output (output_dtype None/int8 with offset) "
-                                  "is not emulated; vllm-ascend always passes a float output_dtype")
-    _require(output_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int32), op,
-             f"output_dtype must be float16/bfloat16/int32, got {output_dtype}")
-    _require(offset is None, op, "offset is only valid with int8 output")
-    _require(scale.dim() == 1 and scale.numel() in (1, n), op,
-             f"scale must be 1-D with 1 or N={n} elements, got shape {tuple(scale.shape)}")
-    if output_dtype == torch.bfloat16:
-        _require(scale.dtype in (torch.float32, torch.bfloat16), op,
-                 f"bfloat16 output needs a float32/bfloat16 scale, got {scale.dtype}")
+    require_same_device(op, x1=x1, x2=x2, scale=scale, offset=offset, pertoken_scale=pertoken_scale,
+                        bias=bias)
+    op_rules.check_quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype)
+    if output_dtype in (None, torch.int8, torch.int32):
+        raise NotImplementedError(f"{op}: the {output_dtype or torch.int8} output is not emulated; "
+                                  "vllm-ascend always passes a float output_dtype")
+    if x2.dim() != 2 or (bias is not None and bias.dim() != 1):
+        raise NotImplementedError(f"{op}: a batched x2 / 3-D bias is not emulated")
     acc = torch.matmul(x1.double(), x2.double())
-    if bias is not None:
-        _require(bias.dim() == 1 and bias.numel() == n, op,
-                 f"bias must have shape ({n},), got {tuple(bias.shape)}")
-        if bias.dtype == torch.int32:
-            acc = acc + bias.double()
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.double()
     out = acc * decode_deq_scale(scale).double()
     if pertoken_scale is not None:
-        _require(pertoken_scale.dtype == torch.float32, op,
-                 f"pertoken_scale must be float32, got {pertoken_scale.dtype}")
-        _require(tuple(pertoken_scale.shape) == tuple(x1.shape[:-1]), op,
-                 f"pertoken_scale shape {tuple(pertoken_scale.shape)} != x1 rows {tuple(x1.shape[:-1])}")
-        out = out * pertoken_scale.double().unsqueeze(-1)
+        out = out * pertoken_scale.double().reshape(pertoken_scale.shape[0], 1)
     if bias is not None and bias.dtype != torch.int32:
         out = out + bias.double()
     return out.to(output_dtype)
@@ -342,17 +330,39 @@ def _key(t: torch.Tensor):
 
 
 def npu_format_cast(t: torch.Tensor, acl_format: int) -> torch.Tensor:
-    _require(isinstance(acl_format, int), "npu_format_cast", f"acl_format must be int, got {acl_format!r}")
-    if acl_format == ACL_FORMAT_ND:
-        _formats.pop(_key(t), None)
-    else:
-        _formats[_key(t)] = acl_format
-    return t
+    """torch_npu.npu_format_cast: returns the tensor converted to `acl_format`; the input is left
+    as it was (the page's example: x keeps its format, x1 = npu_format_cast(x, 29) has 29). A
+    conversion gives a new tensor (same values here: the emulated layouts do not change
+    bytes); a cast to the format the tensor already has returns it unchanged (the page is silent
+    on that case: there is nothing to convert)."""
+    op_rules.check_format_cast(acl_format)
+    if get_npu_format(t) == acl_format:
+        return t
+    out = t.detach().clone() if not t.requires_grad else t.clone()
+    _set_format(out, acl_format)
+    return out
 
 
 def npu_format_cast_(t: torch.Tensor, acl_format: int) -> torch.Tensor:
-    return npu_format_cast(t, acl_format)
+    """The in-place form (Tensor.npu_format_cast_): `t` itself changes format."""
+    op_rules.check_format_cast(acl_format)
+    _set_format(t, acl_format)
+    return t
+
+
+def _base_format(t: torch.Tensor) -> int:
+    # get_npu_format of a fresh tensor: 0 (NCHW) for the 4-D tensor of the page's example, ND
+    # otherwise
+    return op_rules.ACL_FORMAT_NCHW if t.dim() == 4 else ACL_FORMAT_ND
+
+
+def _set_format(t: torch.Tensor, acl_format: int) -> None:
+    if acl_format == _base_format(t):
+        _formats.pop(_key(t), None)
+    else:
+        _formats[_key(t)] = acl_format
 
 
 def get_npu_format(t: torch.Tensor) -> int:
-    return _formats.get(_key(t), ACL_FORMAT_ND)
+    """torch_npu.get_npu_format: the acl format id of `t`'s storage."""
+    return _formats.get(_key(t), _base_format(t))

@@ -10,11 +10,12 @@ So after each sync, for every vllm-ascend W8A8 layer the INT8 loader targets:
   `quantize_weight_per_channel`; profile mode: `quantize_weight_with_scales` with the profile's
   scales), shard by shard of a fused layer. On the CPU the loader runs the same reference math, so
   the values must be EQUAL. On the NPU the loader uses `npu_dynamic_quant`, whose fp32 division
-  (or reciprocal multiply) and rounding mode may differ from `torch.round` (half to even) exactly
-  at .5 ties of w / scale: there an element may be one step off. Allowed there: one step off, only
-  where the reference quotient is within `TIE_BAND` of k + 0.5, on at most `NPU_MAX_TIE_FRACTION`
-  of a layer's elements. Anything else (a wrong scale, a transposed or stale shard, truncation
-  instead of rounding) changes far more elements, most of them far from a tie.
+  (or reciprocal multiply) and rounding mode may differ from `torch.round` (half to even) near
+  .5 ties of w / scale: there an element may be one step off. Allowed there: a difference of at
+  most `INT8_ABS_TOL` (1, the tolerance Huawei's own op test of npu_dynamic_quant uses for its
+  int8 output; `kernels.conformance`), on at most `NPU_MAX_TIE_FRACTION` of a layer's elements
+  (npu_flashrl's bound: a device that rounds ties differently flips few elements, while a wrong
+  scale, a transposed or stale shard or truncation instead of rounding changes far more).
 * **scales**: `weight_scale` (held in the model dtype, bf16) within one ulp of that dtype of the
   reference scale (the NPU's fp32 scale may differ by an fp32 ulp before the cast); profile mode:
   unchanged since the cold load (a profile keeps the checkpoint's scales).
@@ -39,9 +40,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from npu_flashrl.kernels.conformance import INT8_ABS_TOL
 from npu_flashrl.rehearsal.common import DEFAULT_MAX_LAYER_ERROR, LAYER_ERROR_TOKENS  # noqa: F401
 
-TIE_BAND = 1e-4  # |w/scale - (k + 0.5)| counted as a tie: ~13 fp32 ulps at |w/scale| = 127
+TIE_BAND = 1e-4  # |w/scale - (k + 0.5)| reported as a tie: ~13 fp32 ulps at |w/scale| = 127
 NPU_MAX_TIE_FRACTION = 1e-3
 _DERIVED = ("weight", "weight_scale", "weight_offset", "weight_scale_fp32", "deq_scale", "quant_bias",
             "input_scale", "input_offset")
@@ -183,7 +185,7 @@ class Int8StateCheck:
                 tie = (quot - quot.floor() - 0.5).abs() <= TIE_BAND
                 mism += n_bad
                 off_tie += int((bad & ~tie).sum())
-                far += int((d.abs() > 1).sum())
+                far += int((d.abs() > INT8_ABS_TOL).sum())
                 worst = max(worst, int(d.abs().max()))
                 bad_shards.append(name.rsplit(".", 2)[-2])
             s_exp = s_ref.to(layer.weight_scale.dtype).float()
@@ -195,7 +197,7 @@ class Int8StateCheck:
             problems["int8"] = (f"weight {tuple(live.shape)} {live.dtype}, scale {scale_live.numel()} values; "
                                 f"expected int8 [in, out] = {(in_features, out_total)} (the processed layout)")
         elif mism:
-            allowed = self.tie_tolerant and off_tie == 0 and far == 0 and mism <= NPU_MAX_TIE_FRACTION * n_el
+            allowed = self.tie_tolerant and far == 0 and mism <= NPU_MAX_TIE_FRACTION * n_el
             if not allowed:
                 problems["int8"] = (f"{mism}/{n_el} int8 values differ from the reference quantization "
                                     f"(max {worst} steps, {off_tie} not at a .5 tie; in {', '.join(bad_shards)})")

@@ -137,6 +137,11 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
         problem = line.rollout_mode_problem(lambda key: _select(config, key, None), env)
         if problem is not None:
             raise RolloutModeError(problem)
+        from npu_flashrl.config import int8_rollout_dtype_problem
+
+        problem = int8_rollout_dtype_problem(_select(config, "actor_rollout_ref.rollout.dtype", None))
+        if problem is not None and quantized:
+            raise RolloutModeError(problem + ". Fix: actor_rollout_ref.rollout.dtype=bfloat16")
         if is_server_line(line.name):
             from npu_flashrl.adapters.verl import checkpoint_engine
 
