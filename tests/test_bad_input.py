@@ -723,3 +723,51 @@ def test_install_pinned_refuses_unwritable(d, name):
     else:
         args, needles = ["--workdir", d / "wd", "--log", d / "ro" / "x.log"], ["LOG_FILE", str(d / "ro")]
     check(Case([INSTALL, *args], 1, needles, [d, d / "wd"], env=_install_env(d), no_dac=True), bash_runner)
+
+
+# ================================================================================== 9. Ray
+
+def test_serves_the_policy_never_starts_ray():
+    """`serves_the_policy()` runs in every vLLM engine built with verl's worker extension, also one
+    built outside Ray. Ray's API auto-initialises (`ray.init()`) a process that is not connected, so
+    asking it there would start a local Ray instance. In a fresh process where ray is importable:
+    (1) ray not imported: the check must not import it; (2) ray imported, not initialised: the check
+    must not call `ray.init`. Spies, by name: a meta-path finder that refuses `import ray` and
+    records it, and `ray.init` replaced by a recorder that refuses (so a failing run starts no real
+    Ray instance on the test machine)."""
+    code = textwrap.dedent("""
+        import importlib.util
+        import sys
+
+        assert importlib.util.find_spec("ray") is not None, "ray is not importable here"
+        from npu_flashrl.adapters.verl import server_mode
+
+        imported = []
+
+        class RefuseRay:
+            def find_spec(self, name, path=None, target=None):
+                if name == "ray" or name.startswith("ray."):
+                    imported.append(name)
+                    raise ImportError("spy: the check imported ray")
+                return None
+
+        sys.meta_path.insert(0, RefuseRay())
+        assert "ray" not in sys.modules
+        first = server_mode.serves_the_policy()
+        sys.meta_path.pop(0)
+
+        import ray
+        started = []
+
+        def init(*args, **kwargs):
+            started.append(1)
+            raise RuntimeError("spy: ray.init refused")
+
+        ray.init = init
+        second = server_mode.serves_the_policy()
+        print("RESULT", first, second, "imports", len(imported), "inits", len(started),
+              "initialized", ray.is_initialized())
+    """)
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT True True imports 0 inits 0 initialized False" in proc.stdout, proc.stdout + proc.stderr
