@@ -133,6 +133,18 @@ def cli_runner(case: Case):
     return npu_flashrl(*case.argv, env=case.env, no_dac=case.no_dac, cwd=case.cwd)
 
 
+def inproc(case: Case):
+    """cli.main in this process (the checks need no fresh interpreter; subprocess cases use cli_runner)."""
+    import contextlib
+    import io
+    import types
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in case.argv])
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def bash_runner(case: Case):
     return run(["bash", *map(str, case.argv)], env=case.env, no_dac=case.no_dac, cwd=case.cwd)
 
@@ -625,6 +637,18 @@ def test_rehearse_usage_errors_exit_2_before_running(d, name):
     args, flag = REHEARSE_CASES[name]
     check(Case(["rehearse", *args, "--cache-dir", d / "cache"], 2, [f"argument {flag}"],
                [d, d / "cache", d / "rehearsal_out"], cwd=str(d)), cli_runner)
+
+
+@pytest.mark.parametrize("args", [["--max-error", "1.0"], ["--baseline-tol", "0.5"], ["--num-seqs", "4"],
+                                  ["--seq-len", "16"], ["--inner-iters", "3"]], ids=lambda a: a[0])
+def test_rehearse_grpo_refuses_options_it_would_ignore(d, args, monkeypatch):
+    """--grpo has its own checks: a weight-path option given with it was ignored without a word, so
+    `--max-error 1.0` read as a limit that held while the run's error was 1.0157. In process: the
+    refusal comes before anything is built."""
+    monkeypatch.chdir(d)
+    text = check(Case(["rehearse", "--grpo", *args, "--cache-dir", d / "cache", "--output-dir", d / "out"], 2,
+                      [f"{args[0]} {args[1]}", "not a --grpo option", f"Drop {args[0]}"], [d]), inproc)
+    assert text.count("error:") == 1
 
 
 # ================================================================================== 6. recipes

@@ -21,19 +21,7 @@ import yaml
 
 from npu_flashrl import cli
 from npu_flashrl import config as C
-from test_bad_input import Case, check, cli_runner, d, snapshot, w  # noqa: F401 (fixtures)
-
-
-def inproc(case: Case):
-    """cli.main in this process (the checks need no fresh interpreter; subprocess cases use cli_runner)."""
-    import contextlib
-    import io
-    import types
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main([str(a) for a in case.argv])
-    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+from test_bad_input import Case, check, cli_runner, d, inproc, snapshot, w  # noqa: F401 (fixtures)
 
 
 # ------------------------------------------------------------------------------------------ corrupt shards
