@@ -8,8 +8,9 @@ users' scripts call them directly. (`npu-flashrl verify`'s checks are in `npu_fl
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import yaml
 
@@ -229,8 +230,7 @@ def setup(fn: Optional[str] = None, model: Optional[str] = None, profile: Option
     int8; `columns`: extra `key=value` entry keys (refused when they contradict a flag). Everything about `output` is checked before the model is read. Returns the
     written `FlashRLConfig` (its `path` is where)."""
     from npu_flashrl.checkpoint import architecture_mismatch
-    from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
-                                    output_path_problem, write_config)
+    from npu_flashrl.config import ConfigError, FlashRLConfig, load_config, output_path_problem, write_config
 
     output = os.path.expanduser(output or DEFAULT_CONFIG_OUTPUT)
     # everything about -o first: the profile check below reads the whole model
@@ -253,7 +253,8 @@ def setup(fn: Optional[str] = None, model: Optional[str] = None, profile: Option
     entry = build_entry(fn, model, profile, parse_columns(list(columns)), check=check, allow_unknown_keys=force)
     try:
         if append:
-            with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
+            with _locked_config(output, "-a", "nothing appended (drop -a to create it)"):
+                # read-modify-write under the lock: concurrent -a keep every entry, cleanup -p waits
                 try:
                     cfg = load_config(output)
                 except ConfigError as exc:
@@ -271,6 +272,21 @@ def setup(fn: Optional[str] = None, model: Optional[str] = None, profile: Option
         raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
     cfg.path = output
     return cfg
+
+
+@contextlib.contextmanager
+def _locked_config(path: str, flag: str, outcome: str) -> Iterator[None]:
+    """config.locked_file on an existing config, for setup -a and cleanup -p (the one lock both
+    take, so a removal never races an append); its removal meanwhile is a CliError naming it."""
+    from npu_flashrl.config import locked_file
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(locked_file(path))
+        except FileNotFoundError:
+            raise CliError(f"{flag} {path}: no longer exists (removed while waiting for its lock, e.g. by "
+                           f"`npu-flashrl cleanup -p`); {outcome}") from None
+        yield
 
 
 # ============================================================================ cleanup
@@ -342,14 +358,21 @@ def cleanup(config: Optional[str] = None, site_dirs: Optional[Sequence[str]] = N
             notes.append(f"{config}: no such config (nothing to remove)")
         else:
             try:
-                load_config(config)
+                load_config(config)  # first without the lock: a FIFO or a foreign file is refused unopened
             except ConfigError as exc:
                 raise CliError(f"-p {config}: not removed, it is not a FlashRL config ({exc})") from None
             if not dry_run:
-                try:
-                    os.remove(config)
-                except OSError as exc:
-                    raise CliError(f"-p {config}: cannot remove: {exc.strerror or exc}") from None
+                # setup -a's lock: an append in progress finishes first, and none starts until the
+                # file is gone (else its write would bring the file back after "removed")
+                with _locked_config(config, "-p", "nothing removed"):
+                    try:
+                        load_config(config)
+                    except ConfigError as exc:
+                        raise CliError(f"-p {config}: not removed, it is not a FlashRL config ({exc})") from None
+                    try:
+                        os.remove(config)
+                    except OSError as exc:
+                        raise CliError(f"-p {config}: cannot remove: {exc.strerror or exc}") from None
             notes.append(f"{'would remove' if dry_run else 'removed'} config {config}")
     if os.environ.get("FLASHRL_CONFIG"):
         notes.append(f"FLASHRL_CONFIG={os.environ['FLASHRL_CONFIG']} is still set in this shell: "
