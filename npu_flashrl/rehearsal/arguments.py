@@ -98,7 +98,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write mismatch.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="keep npu_flashrl/vLLM INFO logging")
-    g = p.add_argument_group("GRPO (issue 25)")
+    g = p.add_argument_group("GRPO (--grpo)")
     g.add_argument("--grpo", action="store_true",
                    help="instead of the weight-path rehearsal: GRPO on a task with a verifiable reward, rollouts "
                         "sampled from the bf16 / INT8 / INT8+fp32-head rollout models, verl's own GRPO advantage, "
