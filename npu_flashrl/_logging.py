@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 
+from npu_flashrl import _files
+
 ROOT_NAME = "npu_flashrl"
 LEVEL_ENV = "FLASHRL_LOGGING_LEVEL"
 FILE_ENV = "FLASHRL_LOGGING_FILE"
@@ -48,7 +50,12 @@ def _configure() -> None:
         problems.append(f"{LEVEL_ENV}={level_name!r} is not a logging level; using INFO")
     logger.setLevel(level)
     handler: logging.Handler
-    if log_file:
+    kind = _files.file_kind(log_file) if log_file else None
+    if kind and kind != "a character device":  # /dev/null or a terminal are fine; a FIFO blocks the open
+        problems.append(f"{FILE_ENV}={log_file!r}: is {kind}, not a regular file (opening it would wait for a "
+                        f"reader forever); logging to stderr")
+        handler = logging.StreamHandler()
+    elif log_file:
         try:
             handler = logging.FileHandler(log_file)
         except OSError as exc:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from npu_flashrl._files import special_file_problem
 from npu_flashrl.errors import ProfileError
 
 
@@ -27,6 +28,9 @@ class SafetensorsCheckpoint:
     def _index(self) -> Dict[str, str]:
         index_path = os.path.join(self.dir, "model.safetensors.index.json")
         if os.path.exists(index_path):
+            special = special_file_problem(index_path)
+            if special:
+                raise ProfileError(f"{index_path}: {special} (the safetensors index)")
             try:
                 with open(index_path) as f:
                     weight_map = json.load(f)["weight_map"]
@@ -133,7 +137,11 @@ def shard_name_problem(shard: str) -> Optional[str]:
 
 
 def _check_readable(path: str) -> None:
-    """An OSError opening `path` as itself (permissions, a dangling symlink), not as 'corrupt'."""
+    """An OSError opening `path` as itself (permissions, a dangling symlink), not as 'corrupt'; a
+    FIFO or device named before any open (it would block)."""
+    special = special_file_problem(path)
+    if special:
+        raise ProfileError(f"{path}: {special} (a safetensors shard of the checkpoint)")
     try:
         with open(path, "rb"):
             pass
@@ -182,8 +190,11 @@ ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermed
 def architecture(model_dir: str) -> Optional[Dict[str, Any]]:
     """ARCHITECTURE_KEYS of `model_dir`/config.json (text_config for multimodal wrappers); None when
     there is no readable config.json (nothing to compare)."""
+    path = os.path.join(model_dir, "config.json")
+    if special_file_problem(path):
+        return None  # not opened (a FIFO would block): nothing to compare
     try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError):
         return None

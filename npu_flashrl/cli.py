@@ -72,7 +72,7 @@ def _add_setup(sub) -> None:
                     "FLASHRL_CONFIG is set.")
     p.add_argument("-m", "--model", help="the rollout model (for int8: the W8A8 checkpoint dir)")
     p.add_argument("-p", "--profile", help="int8 profile (default at run time: <model>/profile.pt)")
-    p.add_argument("--fn", default="int8", metavar="FN",
+    p.add_argument("--fn", default=None, metavar="FN",
                    help=f"one of {', '.join(SUPPORTED_FNS)} (FlashRL names: "
                         f"{', '.join(f for f in ALL_FLASHRL_FNS if f not in SUPPORTED_FNS)}); default int8")
     p.add_argument("-o", "--config-output", default=None,
@@ -99,7 +99,7 @@ def _run_setup(args) -> int:
     through = f" (through the symlink, to {write_target(cfg.path)})" if os.path.islink(cfg.path) else ""
     _out(f"FlashRL config with {len(cfg.entries)} entr{'y' if len(cfg.entries) == 1 else 'ies'} "
          f"written to {cfg.path}{through}")
-    _out(f"Enable it with: export FLASHRL_CONFIG={cfg.path}")
+    _out(f"Enable it with: export FLASHRL_CONFIG={os.path.abspath(cfg.path)}")  # read in other dirs too
     return 0
 
 

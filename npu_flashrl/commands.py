@@ -8,8 +8,9 @@ users' scripts call them directly. (`npu-flashrl verify`'s checks are in `npu_fl
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import yaml
 
@@ -78,7 +79,10 @@ def _short(text: str, limit: int = 80) -> str:
 
 
 def parse_columns(columns: Sequence[str]) -> Dict[str, Any]:
+    """The `key=value` words as {key: value}; a key given twice with different values is refused
+    naming both words (the last one would win without a word)."""
     out: Dict[str, Any] = {}
+    words: Dict[str, str] = {}
     for column in columns:
         if column == "--":
             continue
@@ -87,8 +91,41 @@ def parse_columns(columns: Sequence[str]) -> Dict[str, Any]:
         if not sep or not key or not key.replace("_", "a").isalnum():
             raise CliError(f"bad argument {column!r}: expected key=value "
                            f"(e.g. module_attribute_to_preserve='[\"workspace\"]')", code=2)
-        out[key] = parse_value(value)
+        parsed = parse_value(value)
+        if key in out and out[key] != parsed:
+            raise CliError(f"{words[key]!r} and {column!r}: two values for the entry's `{key}`; give it once",
+                           code=2)
+        out[key] = parsed
+        words.setdefault(key, column)
     return out
+
+
+# The entry keys that have a flag of their own: a key=value word must not contradict the flag.
+_FLAG_OF_KEY = {"fn": "--fn", "model": "-m", "profile": "-p"}
+
+
+def _same_value(key: str, flag_value: str, word_value: Any) -> bool:
+    from npu_flashrl.config import FN_ALIASES
+
+    if not isinstance(word_value, str):
+        return False
+    if key == "fn":
+        a, b = flag_value.strip(), word_value.strip()
+        return FN_ALIASES.get(a, a) == FN_ALIASES.get(b, b)
+    return _local_path(flag_value) == _local_path(word_value)
+
+
+def _local_path(path: str) -> str:
+    """`path` absolute when it names something on this machine (it exists, or is written as a local
+    path: absolute, ./, ../ or ~); else as given (a hub id, or a path only the cluster has, with
+    --no-check). The config is read by processes in other working directories (vLLM workers, Ray
+    actors, `verify` run elsewhere), so a relative path would name another file there."""
+    text = path.strip()
+    expanded = os.path.expanduser(text)
+    if os.path.isabs(expanded) or os.path.exists(expanded) or text.startswith(("./", "../", "~")) \
+            or text in (".", ".."):
+        return os.path.abspath(expanded)
+    return path
 
 
 def _check_model_dir(model: str, what: str = "model") -> None:
@@ -123,12 +160,21 @@ def _check_w8a8(model: str) -> None:
         raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems))
 
 
-def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
+def build_entry(fn: Optional[str], model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
                 check: bool = True, allow_unknown_keys: bool = False):
-    """The config entry `setup` writes, validated (profile vs model when check)."""
-    from npu_flashrl.config import ConfigError, RolloutConfig, needs_profile, unknown_key_problems
+    """The config entry `setup` writes, validated (profile vs model when check). `fn` None: not
+    given (a `fn=` word, else int8). `model` and `profile` are written absolute when they are
+    local paths (`_local_path`)."""
+    from npu_flashrl.config import FN_INT8, ConfigError, RolloutConfig, needs_profile, unknown_key_problems
     from npu_flashrl.profile import ProfileError, check_profile_against_model, load_profile
 
+    given = {"fn": fn, "model": model, "profile": profile}
+    for key, flag in _FLAG_OF_KEY.items():
+        if given[key] is not None and key in columns and not _same_value(key, given[key], columns[key]):
+            raise CliError(f"{flag} {given[key]} and {key}={columns[key]}: two values for the entry's `{key}`; "
+                           f"give it once (drop {key}=... or {flag})", code=2)
+    if fn is None:
+        fn = columns["fn"] if isinstance(columns.get("fn"), str) else FN_INT8
     try:
         data = RolloutConfig.default(fn).to_dict()
     except ConfigError as exc:
@@ -145,8 +191,12 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
     unknown = unknown_key_problems(entry, "key=value")
     if unknown and not allow_unknown_keys:
         raise CliError("\n  ".join(unknown) + "\n(--force keeps such keys)", code=2)
-    if profile is not None and not needs_profile(entry):
-        raise CliError(f"-p {profile}: only --fn int8 uses a profile (--fn {entry.fn} would ignore it)", code=2)
+    if entry.profile is not None and not needs_profile(entry):
+        shown = f"-p {profile}" if profile is not None else f"profile={entry.profile}"
+        raise CliError(f"{shown}: only --fn int8 uses a profile (fn {entry.fn} would ignore it); drop it", code=2)
+    for key in ("model", "profile"):
+        if getattr(entry, key):
+            setattr(entry, key, _local_path(getattr(entry, key)))
     if needs_profile(entry) and not entry.model:
         raise CliError(f"--fn {entry.fn} needs -m MODEL (the W8A8 checkpoint dir)", code=2)
     if needs_profile(entry) and str(entry.load_format).lower() == "dummy":
@@ -172,16 +222,15 @@ def build_entry(fn: str, model: Optional[str], profile: Optional[str], columns: 
     return entry
 
 
-def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] = None,
+def setup(fn: Optional[str] = None, model: Optional[str] = None, profile: Optional[str] = None,
           output: Optional[str] = None, append: bool = False, check: bool = True, force: bool = False,
           columns: Iterable[str] = ()):
     """Write (or with `append`, extend) the FlashRL config at `output` (default
-    `DEFAULT_CONFIG_OUTPUT`) with one entry (`npu-flashrl setup`); `columns`: extra `key=value`
-    entry keys. Everything about `output` is checked before the model is read. Returns the
+    `DEFAULT_CONFIG_OUTPUT`) with one entry (`npu-flashrl setup`); `fn` None: a `fn=` column, else
+    int8; `columns`: extra `key=value` entry keys (refused when they contradict a flag). Everything about `output` is checked before the model is read. Returns the
     written `FlashRLConfig` (its `path` is where)."""
     from npu_flashrl.checkpoint import architecture_mismatch
-    from npu_flashrl.config import (ConfigError, FlashRLConfig, load_config, locked_file,
-                                    output_path_problem, write_config)
+    from npu_flashrl.config import ConfigError, FlashRLConfig, load_config, output_path_problem, write_config
 
     output = os.path.expanduser(output or DEFAULT_CONFIG_OUTPUT)
     # everything about -o first: the profile check below reads the whole model
@@ -204,7 +253,8 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
     entry = build_entry(fn, model, profile, parse_columns(list(columns)), check=check, allow_unknown_keys=force)
     try:
         if append:
-            with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
+            with _locked_config(output, "-a", "nothing appended (drop -a to create it)"):
+                # read-modify-write under the lock: concurrent -a keep every entry, cleanup -p waits
                 try:
                     cfg = load_config(output)
                 except ConfigError as exc:
@@ -222,6 +272,21 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
         raise CliError(f"-o {output}: cannot write: {exc.strerror or exc} (nothing changed)") from None
     cfg.path = output
     return cfg
+
+
+@contextlib.contextmanager
+def _locked_config(path: str, flag: str, outcome: str) -> Iterator[None]:
+    """config.locked_file on an existing config, for setup -a and cleanup -p (the one lock both
+    take, so a removal never races an append); its removal meanwhile is a CliError naming it."""
+    from npu_flashrl.config import locked_file
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(locked_file(path))
+        except FileNotFoundError:
+            raise CliError(f"{flag} {path}: no longer exists (removed while waiting for its lock, e.g. by "
+                           f"`npu-flashrl cleanup -p`); {outcome}") from None
+        yield
 
 
 # ============================================================================ cleanup
@@ -293,14 +358,21 @@ def cleanup(config: Optional[str] = None, site_dirs: Optional[Sequence[str]] = N
             notes.append(f"{config}: no such config (nothing to remove)")
         else:
             try:
-                load_config(config)
+                load_config(config)  # first without the lock: a FIFO or a foreign file is refused unopened
             except ConfigError as exc:
                 raise CliError(f"-p {config}: not removed, it is not a FlashRL config ({exc})") from None
             if not dry_run:
-                try:
-                    os.remove(config)
-                except OSError as exc:
-                    raise CliError(f"-p {config}: cannot remove: {exc.strerror or exc}") from None
+                # setup -a's lock: an append in progress finishes first, and none starts until the
+                # file is gone (else its write would bring the file back after "removed")
+                with _locked_config(config, "-p", "nothing removed"):
+                    try:
+                        load_config(config)
+                    except ConfigError as exc:
+                        raise CliError(f"-p {config}: not removed, it is not a FlashRL config ({exc})") from None
+                    try:
+                        os.remove(config)
+                    except OSError as exc:
+                        raise CliError(f"-p {config}: cannot remove: {exc.strerror or exc}") from None
             notes.append(f"{'would remove' if dry_run else 'removed'} config {config}")
     if os.environ.get("FLASHRL_CONFIG"):
         notes.append(f"FLASHRL_CONFIG={os.environ['FLASHRL_CONFIG']} is still set in this shell: "

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 import yaml
 
+from npu_flashrl._files import special_file_problem
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.quant.registry import names as _quantizer_names
@@ -125,15 +126,21 @@ class ConfigError(NpuFlashrlError, ValueError):
     """A FlashRL config that cannot be used; the message names the file/key and what was expected."""
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
     silently: `fn: int8` then `fn: bf16` would run bf16). Raises yaml.constructor.ConstructorError
-    with both lines."""
+    with both lines. Merge keys (`<<: *base`) work as in yaml.safe_load (FlashRL's reader): a key of
+    the mapping itself overrides a merged one, which is what a merge is for, not a duplicate."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             seen: Dict[Any, Any] = {}
             for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue  # merged by SafeLoader (flatten_mapping) below
                 try:
                     key = self.construct_object(key_node, deep=True)
                     hash(key)
@@ -339,6 +346,9 @@ def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> Flash
         raise ConfigError(f"{origin}: no such file, and not a shortcut name ({', '.join(SHORTCUTS)}){hint}")
     if os.path.isdir(value):
         raise ConfigError(f"{origin}: is a directory; expected a FlashRL config YAML file")
+    special = special_file_problem(value)
+    if special:  # before opening: every vLLM worker and Ray hook reading it would hang
+        raise ConfigError(f"{origin}: {special} (a FlashRL config YAML)")
     try:
         with open(value, "r") as f:
             data = load_yaml_unique(f)
@@ -424,16 +434,18 @@ def output_path_problem(path: Union[str, os.PathLike]) -> Optional[str]:
 @contextlib.contextmanager
 def locked_file(path: Union[str, os.PathLike]) -> Iterator[None]:
     """Exclusive fcntl lock on the existing file `path` for a read-modify-write that ends in
-    atomic_write (concurrent `setup -a` must not lose entries). The lock sits on the inode that
-    atomic_write replaces, so once it is held, check that `path` still names that inode; else
-    retry on the new file."""
+    atomic_write (concurrent `setup -a` must not lose entries) or in its removal (`cleanup -p`).
+    The lock sits on the inode that atomic_write replaces, so once it is held, check that `path`
+    still names that inode; else retry on the new file. FileNotFoundError when `path` was removed
+    meanwhile."""
     import fcntl
 
     path = os.fspath(path)
     while True:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # no effect on a file; a FIFO does not block
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            # FileNotFoundError here: the holder removed the file (`cleanup -p` under this lock)
             now, held = os.stat(path), os.fstat(fd)
             if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
                 break

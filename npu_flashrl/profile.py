@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from npu_flashrl._files import special_file_problem
 from npu_flashrl._logging import get_logger
 from npu_flashrl.checkpoint import SafetensorsCheckpoint, _first_line  # noqa: F401  (re-exported)
 from npu_flashrl.errors import ProfileError  # noqa: F401  (re-exported: npu_flashrl.profile.ProfileError)
@@ -352,6 +353,9 @@ def load_profile(path: str) -> Dict[str, dict]:
         raise ProfileError(f"{path}: profile not found (make one with `npu-flashrl profile -m BF16 -q W8A8 -o {path}`)")
     if os.path.isdir(path):
         raise ProfileError(f"{path}: is a directory; expected a profile file (.pt)")
+    special = special_file_problem(path)
+    if special:  # before opening: a FIFO would block here
+        raise ProfileError(f"{path}: {special} (a profile .pt)")
     try:
         with open(path, "rb"):
             pass

@@ -284,6 +284,10 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                                  "re-download or re-convert the checkpoint"))
                 continue
         if not needs_profile(entry):
+            if entry.profile and not os.path.isfile(entry.profile.strip()):  # a missing file named here
+                rows.append(_row(check, FAIL, f"profile {entry.profile}: no such file (and fn {entry.fn} "
+                                 "uses no profile)", "remove `profile` from the entry"))
+                continue
             rows.append(_row(check, OK, f"model {entry.model or '(the rollout model)'}"))
             continue
         fmt = str(entry.load_format).lower() if entry.load_format else None

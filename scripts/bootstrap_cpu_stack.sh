@@ -89,12 +89,13 @@ fi
 PY="$VENV/bin/python"
 # shellcheck disable=SC2206  # PIP_FLAGS is a list of flags on purpose
 PIP=("$PY" -m pip $PIP_FLAGS)
-mkdir -p "$CACHE"
+[[ "$DRY_RUN" == 1 ]] || mkdir -p "$CACHE"  # a dry run writes nothing
 
 # torch first and pinned for every later step: a second torch would be a CUDA build of several GB.
 mapfile -t torch_pin < <(section torch)
 constraints="$CACHE/constraints-$LINE.txt"
-printf '%s\n' "${torch_pin[@]}" > "$constraints"
+if [[ "$DRY_RUN" == 0 ]]; then printf '%s\n' "${torch_pin[@]}" > "$constraints"
+else log "would write $constraints: ${torch_pin[*]}"; fi
 run "${PIP[@]}" install -c "$constraints" "${torch_pin[@]}"
 
 mapfile -t build_pkgs < <(section build)
@@ -143,4 +144,5 @@ if [[ "$DRY_RUN" == 0 ]]; then
   "$PY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   echo "$stamp_want" > "$stamp_file"
 fi
-log "CPU stack ready in $VENV"
+if [[ "$DRY_RUN" == 0 ]]; then log "CPU stack ready in $VENV"
+else log "dry run: nothing was changed; a real run installs the CPU stack above into $VENV"; fi

@@ -134,12 +134,32 @@ done
 
 # A real run logs to a file; a dry run only when --log/LOG_FILE is given (it must not create WORKDIR).
 if [[ -z "$LOG_FILE" && "$DRY_RUN" == 0 ]]; then LOG_FILE="$WORKDIR/install_pinned.log"; fi
+# A real write, not only an open: /dev/full or a full disk open fine and then lose every line.
+# tee keeps the terminal going when the file fails, so its status is checked at exit (log_status);
+# a coprocess, not >(tee): bash can wait only for its last process substitution.
 if [[ -n "$LOG_FILE" ]]; then
-  if ! { mkdir -p "$(dirname "$LOG_FILE")" && : >> "$LOG_FILE"; } 2>/dev/null; then
-    echo "install_pinned.sh: ERROR: LOG_FILE=$LOG_FILE cannot be written (set --log elsewhere)" >&2
+  if ! why="$( { mkdir -p "$(dirname "$LOG_FILE")" &&
+                 printf '[install_pinned] log of the run started %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$LOG_FILE"; } 2>&1)"; then
+    echo "install_pinned.sh: ERROR: LOG_FILE=$LOG_FILE cannot be written (${why##*: }; set --log elsewhere)" >&2
     exit 1
   fi
-  exec > >(tee -a "$LOG_FILE") 2>&1
+  exec 3>&1 4>&2  # the terminal: tee's output, and a failure of the log itself
+  coproc TEE { tee -a "$LOG_FILE" >&3 2>&4; }
+  # shellcheck disable=SC2153  # TEE_PID is set by `coproc TEE`
+  tee_pid="$TEE_PID" tee_fd="${TEE[1]}"
+  exec >&"$tee_fd" 2>&1 {tee_fd}>&-
+  log_status() {
+    local rc=$? tee_rc=0
+    exec >&3 2>&4  # closes the last writer of the pipe: tee finishes
+    wait "$tee_pid" || tee_rc=$?
+    if [[ "$tee_rc" != 0 ]]; then
+      echo "install_pinned.sh: ERROR: LOG_FILE=$LOG_FILE: writing the log failed (tee exit status $tee_rc);" \
+           "the record of this run is incomplete (set --log elsewhere)" >&2
+      [[ "$rc" != 0 ]] || rc=1
+    fi
+    exit "$rc"
+  }
+  trap log_status EXIT
 fi
 
 log() { printf '[install_pinned] %s\n' "$*"; }

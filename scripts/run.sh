@@ -7,7 +7,7 @@
 #   --line NAME  stack line (default $NPU_FLASHRL_LINE or current): current = vLLM / vllm-ascend 0.23
 #                + verl 0.9.1, the syncs through verl's real bucketed sender and receiver; pinned /
 #                0.11 = verl sync mode, the in-process load_weights push (rehearse --transport auto)
-#   --dry-run    print the bootstrap's plan and the rehearse command, run nothing
+#   --dry-run    print the bootstrap's plan and the rehearse command, run and write nothing
 # Other arguments go to `npu-flashrl rehearse` (it refuses unknown ones; `--transport` overrides the
 # line's default). Env: NPU_FLASHRL_VENVS (default <repo>/.venvs), NPU_FLASHRL_MAIN_JOB (default
 # rehearse), VLLM_PLUGINS (default none).
@@ -28,12 +28,14 @@ while [[ $# -gt 0 ]]; do
 done
 BOOT=(bash "$ROOT/scripts/bootstrap_cpu_stack.sh" --line "$LINE")
 CMD=("${NPU_FLASHRL_VENVS:-$ROOT/.venvs}/$LINE/bin/npu-flashrl" "${NPU_FLASHRL_MAIN_JOB:-rehearse}" "${PASS[@]}")
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
+export VLLM_PLUGINS="${VLLM_PLUGINS:-none}"
 if [[ "$DRY_RUN" == 1 ]]; then
-  "${BOOT[@]}" --dry-run
-  echo "would run: ${CMD[*]}"
+  "${BOOT[@]}" --dry-run  # its plan; it writes nothing either
+  printf -v shown ' %q' "${CMD[@]}"
+  echo "would run: TORCH_DEVICE_BACKEND_AUTOLOAD=$TORCH_DEVICE_BACKEND_AUTOLOAD VLLM_PLUGINS=$VLLM_PLUGINS${shown}"
+  echo "dry run: nothing was run or written"
   exit 0
 fi
 "${BOOT[@]}"
-export TORCH_DEVICE_BACKEND_AUTOLOAD=0
-export VLLM_PLUGINS="${VLLM_PLUGINS:-none}"
 exec "${CMD[@]}"

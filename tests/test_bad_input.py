@@ -133,6 +133,18 @@ def cli_runner(case: Case):
     return npu_flashrl(*case.argv, env=case.env, no_dac=case.no_dac, cwd=case.cwd)
 
 
+def inproc(case: Case):
+    """cli.main in this process (the checks need no fresh interpreter; subprocess cases use cli_runner)."""
+    import contextlib
+    import io
+    import types
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in case.argv])
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def bash_runner(case: Case):
     return run(["bash", *map(str, case.argv)], env=case.env, no_dac=case.no_dac, cwd=case.cwd)
 
@@ -627,6 +639,18 @@ def test_rehearse_usage_errors_exit_2_before_running(d, name):
                [d, d / "cache", d / "rehearsal_out"], cwd=str(d)), cli_runner)
 
 
+@pytest.mark.parametrize("args", [["--max-error", "1.0"], ["--baseline-tol", "0.5"], ["--num-seqs", "4"],
+                                  ["--seq-len", "16"], ["--inner-iters", "3"]], ids=lambda a: a[0])
+def test_rehearse_grpo_refuses_options_it_would_ignore(d, args, monkeypatch):
+    """--grpo has its own checks: a weight-path option given with it was ignored without a word, so
+    `--max-error 1.0` read as a limit that held while the run's error was 1.0157. In process: the
+    refusal comes before anything is built."""
+    monkeypatch.chdir(d)
+    text = check(Case(["rehearse", "--grpo", *args, "--cache-dir", d / "cache", "--output-dir", d / "out"], 2,
+                      [f"{args[0]} {args[1]}", "not a --grpo option", f"Drop {args[0]}"], [d]), inproc)
+    assert text.count("error:") == 1
+
+
 # ================================================================================== 6. recipes
 
 @pytest.fixture()
@@ -723,3 +747,51 @@ def test_install_pinned_refuses_unwritable(d, name):
     else:
         args, needles = ["--workdir", d / "wd", "--log", d / "ro" / "x.log"], ["LOG_FILE", str(d / "ro")]
     check(Case([INSTALL, *args], 1, needles, [d, d / "wd"], env=_install_env(d), no_dac=True), bash_runner)
+
+
+# ================================================================================== 9. Ray
+
+def test_serves_the_policy_never_starts_ray():
+    """`serves_the_policy()` runs in every vLLM engine built with verl's worker extension, also one
+    built outside Ray. Ray's API auto-initialises (`ray.init()`) a process that is not connected, so
+    asking it there would start a local Ray instance. In a fresh process where ray is importable:
+    (1) ray not imported: the check must not import it; (2) ray imported, not initialised: the check
+    must not call `ray.init`. Spies, by name: a meta-path finder that refuses `import ray` and
+    records it, and `ray.init` replaced by a recorder that refuses (so a failing run starts no real
+    Ray instance on the test machine)."""
+    code = textwrap.dedent("""
+        import importlib.util
+        import sys
+
+        assert importlib.util.find_spec("ray") is not None, "ray is not importable here"
+        from npu_flashrl.adapters.verl import server_mode
+
+        imported = []
+
+        class RefuseRay:
+            def find_spec(self, name, path=None, target=None):
+                if name == "ray" or name.startswith("ray."):
+                    imported.append(name)
+                    raise ImportError("spy: the check imported ray")
+                return None
+
+        sys.meta_path.insert(0, RefuseRay())
+        assert "ray" not in sys.modules
+        first = server_mode.serves_the_policy()
+        sys.meta_path.pop(0)
+
+        import ray
+        started = []
+
+        def init(*args, **kwargs):
+            started.append(1)
+            raise RuntimeError("spy: ray.init refused")
+
+        ray.init = init
+        second = server_mode.serves_the_policy()
+        print("RESULT", first, second, "imports", len(imported), "inits", len(started),
+              "initialized", ray.is_initialized())
+    """)
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT True True imports 0 inits 0 initialized False" in proc.stdout, proc.stdout + proc.stderr

@@ -21,19 +21,7 @@ import yaml
 
 from npu_flashrl import cli
 from npu_flashrl import config as C
-from test_bad_input import Case, check, cli_runner, d, snapshot, w  # noqa: F401 (fixtures)
-
-
-def inproc(case: Case):
-    """cli.main in this process (the checks need no fresh interpreter; subprocess cases use cli_runner)."""
-    import contextlib
-    import io
-    import types
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main([str(a) for a in case.argv])
-    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+from test_bad_input import Case, check, cli_runner, d, inproc, snapshot, w  # noqa: F401 (fixtures)
 
 
 # ------------------------------------------------------------------------------------------ corrupt shards
@@ -201,6 +189,147 @@ def test_duplicate_yaml_keys_are_refused(d, capsys, text, key, line):
     assert cli.main(["verify", "--config", str(cfg)]) == 1
     assert "duplicate key" in capsys.readouterr().out
     check(Case(["setup", "-a", "--fn", "bf16", "-o", cfg], 1, ["duplicate key", key], [d]), inproc)
+
+
+def test_yaml_merge_keys_are_read_as_flashrl_reads_them(d, capsys):
+    """`<<: *base` (YAML merge keys; FlashRL's yaml.safe_load reads them) was refused as "malformed
+    YAML" by the duplicate-key check; the mapping's own keys override merged ones (what a merge is
+    for), and a key given twice in one mapping is still refused."""
+    text = ("base: &base\n  fn: int8_profile_free\n  load_format: auto\n"
+            "configs:\n- <<: *base\n  module_attribute_to_preserve: [workspace]\n- <<: [*base]\n  fn: bf16\n  load_format: dummy\n")
+    cfg = d / "merge.yaml"
+    cfg.write_text(text)
+    assert C.load_yaml_unique(text) == yaml.safe_load(text)
+    entries = C.load_config(str(cfg)).entries
+    assert [(e.fn, e.load_format, e.extra) for e in entries] == [
+        ("int8_profile_free", "auto", {"module_attribute_to_preserve": ["workspace"]}), ("bf16", "dummy", {})]
+    assert cli.main(["verify", "--config", str(cfg)]) == 0, capsys.readouterr().out
+    (d / "dup.yaml").write_text(text + "  fn: int8\n")
+    with pytest.raises(C.ConfigError, match=r"line 10.*duplicate key 'fn' \(first at line 8"):
+        C.load_config(str(d / "dup.yaml"))
+
+
+_FIFO_CHILD = """
+import contextlib, io, json, os, signal, sys
+
+args = json.loads(sys.argv[1])
+from npu_flashrl import cli, config as C
+
+
+def on_alarm(*_):
+    raise TimeoutError("hung")
+
+
+signal.signal(signal.SIGALRM, on_alarm)
+out = {}
+for name, argv, env in args["cases"]:
+    os.environ.pop("FLASHRL_CONFIG", None)
+    os.environ.update(env)
+    o, e = io.StringIO(), io.StringIO()
+    signal.alarm(20)
+    try:
+        with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+            if argv == ["load_config"]:
+                try:
+                    C.load_config()
+                    code = 0
+                except C.ConfigError as exc:
+                    print(exc, file=sys.stderr)
+                    code = 1
+            else:
+                code = cli.main(argv)
+    except TimeoutError:
+        code = "HUNG"
+    signal.alarm(0)
+    out[name] = [code, o.getvalue() + e.getvalue()]
+print("RESULTS" + json.dumps(out))
+"""
+
+
+def test_fifos_are_refused_by_name_without_opening(w, d):
+    """A FIFO as FLASHRL_CONFIG, `verify --config`, `setup -p`, `cleanup -p` or a model shard: opening
+    it waits for a writer forever (every vLLM worker and Ray hook reading it would hang with it).
+    Each is refused naming the path, unopened. One child process for the group; each case has an
+    alarm, so a regression reports HUNG instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    from test_bad_input import _env
+
+    fifo = d / "pipe.yaml"
+    os.mkfifo(fifo)
+    model = d / "model"
+    shutil.copytree(w.w8a8, model)
+    shard = sorted(p for p in os.listdir(model) if p.endswith(".safetensors"))[-1]
+    os.remove(model / shard)
+    os.mkfifo(model / shard)
+    cases = [
+        ("FLASHRL_CONFIG", ["load_config"], {"FLASHRL_CONFIG": str(fifo)}),
+        ("verify --config", ["verify", "--config", str(fifo)], {}),
+        ("setup -p", ["setup", "-m", w.w8a8, "-p", str(fifo), "--fn", "int8", "-o", str(d / "c.yaml")], {}),
+        ("cleanup -p", ["cleanup", "-p", str(fifo), "--site-dir", str(d / "outdir")], {}),
+        ("setup shard", ["setup", "-m", str(model), "--fn", "int8_profile_free", "-o", str(d / "c.yaml")], {}),
+        ("verify shard", ["verify", "--config", str(d / "shard.yaml")], {}),
+    ]
+    (d / "shard.yaml").write_text(yaml.safe_dump({"configs": [{"fn": "bf16", "model": str(model)}]}))
+    before = snapshot(d)
+    proc = subprocess.run([sys.executable, "-c", _FIFO_CHILD, json.dumps({"cases": cases})], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "RESULTS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(proc.stdout.split("RESULTS", 1)[1])
+    named = {"FLASHRL_CONFIG": f"FLASHRL_CONFIG='{fifo}'", "setup -p": f"-p: {fifo}", "cleanup -p": f"-p {fifo}",
+             "setup shard": str(model / shard), "verify shard": str(model / shard)}
+    for name, (code, text) in results.items():
+        assert code == 1, (name, code, text[-2000:])
+        assert "is a FIFO (named pipe), not a regular file" in text, (name, text[-2000:])
+        assert named.get(name, str(fifo)) in text, (name, text[-2000:])
+    assert "not removed" in results["cleanup -p"][1]
+    assert snapshot(d) == before, "a file was written, or the FIFO removed"
+
+
+def test_cleanup_takes_setups_lock(d):
+    """`cleanup -p` racing `setup -a` on one config reported "removed" and then the append's write
+    brought the file back. Now cleanup takes the lock setup -a holds for its read-modify-write
+    (config.locked_file): it waits for the append, then removes what the append wrote; and an
+    append that waited for cleanup's lock says the file is gone instead of writing it back."""
+    import threading
+
+    from npu_flashrl import commands
+    from npu_flashrl.errors import CliError
+
+    cfg = d / "flashrl.yaml"
+    site = d / "outdir"
+    done = []
+    with C.locked_file(str(cfg)):  # setup -a's read-modify-write is in progress
+        cleaner = threading.Thread(target=lambda: done.append(commands.cleanup(str(cfg), [str(site)])))
+        cleaner.start()
+        cleaner.join(1.5)
+        assert cleaner.is_alive() and not done and cfg.exists(), "cleanup did not wait for setup -a's lock"
+        two = C.load_config(str(cfg))
+        two.entries.append(C.RolloutConfig.default("int8_profile_free"))
+        C.write_config(two, str(cfg))  # the append's write, under its lock
+    cleaner.join(30)
+    assert done and any(f"removed config {cfg}" in n for n in done[0]), done
+    assert not cfg.exists(), "the config came back after cleanup said removed"
+
+    cfg.write_text("configs:\n- fn: bf16\n")
+    failed = []
+
+    def append():
+        try:
+            commands.setup("bf16", output=str(cfg), append=True)
+        except CliError as exc:
+            failed.append(str(exc))
+
+    with C.locked_file(str(cfg)):  # cleanup holds the lock and removes the file
+        appender = threading.Thread(target=append)
+        appender.start()
+        appender.join(1.5)
+        assert appender.is_alive(), "setup -a did not wait for the lock"
+        os.remove(cfg)
+    appender.join(30)
+    assert failed and "no longer exists" in failed[0] and "nothing appended" in failed[0], failed
+    assert not cfg.exists()
 
 
 @pytest.mark.parametrize("around", [("", " "), (" ", ""), ("", "\t")])

@@ -135,6 +135,58 @@ def test_setup_bad_args_write_nothing(tmp_path, argv, code, needle, capsys):
     assert _files(tmp_path) == []
 
 
+def _contradictions(w8a8, profile_pt, tmp_path):
+    return {
+        "fn": (["--fn", "int8_profile_free", "-m", w8a8, "fn=bf16"], ["--fn int8_profile_free", "fn=bf16"]),
+        "alias": (["--fn", "int8_fast", "-m", w8a8, "-p", profile_pt, "fn=bf16"], ["--fn int8_fast", "fn=bf16"]),
+        "wire twice": (["--fn", "int8_profile_free", "-m", w8a8, "wire=int8", "wire=float"],
+                       ["'wire=int8'", "'wire=float'"]),
+        "model": (["--fn", "bf16", "-m", w8a8, f"model={tmp_path / 'other'}"], [f"-m {w8a8}", "model="]),
+        "profile": (["--fn", "int8", "-m", w8a8, "-p", profile_pt, f"profile={tmp_path / 'x.pt'}"],
+                    [f"-p {profile_pt}", "profile="]),
+        "profile word, profile-free": (["--fn", "int8_profile_free", "-m", w8a8, f"profile={tmp_path / 'x.pt'}"],
+                                       [f"profile={tmp_path / 'x.pt'}", "only --fn int8 uses a profile"]),
+    }
+
+
+@pytest.mark.parametrize("name", ["fn", "alias", "wire twice", "model", "profile", "profile word, profile-free"])
+def test_setup_refuses_words_contradicting_flags(ckpts, profile_pt, tmp_path, capsys, name):
+    """A key=value word that contradicts a flag, or another word, was applied silently (the last
+    one won); now refused naming both, nothing written."""
+    argv, needles = _contradictions(ckpts[1], profile_pt, tmp_path)[name]
+    assert cli.main(["setup", "-o", str(tmp_path / "c.yaml"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+    assert "give it once" in err or "drop it" in err, err
+    assert _files(tmp_path) == []
+
+
+def test_setup_words_agreeing_with_flags_and_relative_paths(ckpts, profile_pt, tmp_path, monkeypatch, capsys):
+    """Words that agree with the flags (an alias, the same path spelled another way) are accepted;
+    local paths are written absolute, so the config works from any directory (`verify` elsewhere,
+    vLLM workers); a name that is no local path (a hub id, --no-check) is kept as given."""
+    _, w8a8 = ckpts
+    parent, name = os.path.split(w8a8)
+    monkeypatch.chdir(parent)
+    rel_profile = os.path.relpath(profile_pt)
+    out = str(tmp_path / "c.yaml")
+    assert cli.main(["setup", "-m", name, "-p", rel_profile, "--fn", "int8_fast", "-o", out,
+                     f"model=./{name}", "fn=int8", "load_format=auto", "load_format=auto"]) == 0
+    entry = yaml.safe_load(open(out))["configs"][0]
+    assert entry["model"] == w8a8 and entry["profile"] == profile_pt and entry["fn"] == "int8"
+    assert f"export FLASHRL_CONFIG={out}" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # another directory: the written paths still resolve
+    code, data = _verify(["--config", out], monkeypatch, capsys)
+    assert code == 0, [r for r in data["rows"] if r["status"] == "FAIL"]
+    hub = str(tmp_path / "hub.yaml")
+    assert cli.main(["setup", "--fn", "bf16", "--no-check", "-m", "Qwen/Qwen2.5-7B", "-o", hub]) == 0
+    assert yaml.safe_load(open(hub))["configs"][0]["model"] == "Qwen/Qwen2.5-7B"
+    # fn from a word alone (no --fn): taken, not contradicted by --fn's default
+    only_word = str(tmp_path / "w.yaml")
+    assert cli.main(["setup", "-o", only_word, "fn=bf16"]) == 0
+    assert C.load_config(only_word).entries[0].fn == "bf16"
+
+
 def test_setup_refuses_mismatched_profile(ckpts, other_ckpts, profile_pt, tmp_path, capsys):
     _, w8a8 = ckpts
     _, other_w8a8 = other_ckpts
@@ -269,6 +321,9 @@ def test_verify_bad_setups(ckpts, other_ckpts, profile_pt, tmp_path, monkeypatch
         "no safetensors": (cfg("c.yaml", {"fn": "int8", "model": str(tmp_path), "profile": profile_pt}),
                            "no *.safetensors"),
         "unknown fn": (cfg("d.yaml", {"fn": "int2"}), "unknown fn"),
+        # a profile named but missing fails whatever the fn (it passed for fns that use no profile)
+        "missing profile, profile-free": (cfg("e.yaml", {"fn": "int8_profile_free", "model": w8a8,
+                                                         "profile": str(tmp_path / "x.pt")}), "no such file"),
     }
     (tmp_path / "m.yaml").write_text("configs:\n  - fn: [\n")
     for label, (path, needle) in cases.items():

@@ -426,3 +426,28 @@ def test_verify_reports_the_line_the_installed_stack_matches(tmp_path, line):
     detail = row[1]
     assert f"{line}: 2 differ: torch 2.13.0+cpu (pins =={pins['packages']['torch']['version']})" in detail
     assert "vllm-ascend 0.11.0" in detail and f"{other}: " in detail
+
+
+def test_log_that_cannot_take_a_write_fails_the_run(tmp_path):
+    """`--log /dev/full` opens fine and then loses every line: the run said "done" with rc 0. The
+    log is probed with a real write, refused naming it; and a log that fails mid-run (here the file
+    size limit, RLIMIT_FSIZE, hit after 4 KiB: tee stops) makes the run exit non-zero naming it."""
+    import resource
+
+    proc = install(tmp_path, "--dry-run", "--log", "/dev/full")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "LOG_FILE=/dev/full cannot be written (No space left on device" in proc.stderr
+    assert "done" not in proc.stdout
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    log = tmp_path / "small.log"
+    proc = subprocess.run(["bash", str(SCRIPT), "--workdir", str(tmp_path / "wd"), "--dry-run", "--log", str(log)],
+                          env=base_env(tmp_path), capture_output=True, text=True, timeout=120,
+                          preexec_fn=small_files)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"LOG_FILE={log}: writing the log failed" in proc.stderr, proc.stderr[-2000:]
+    # without the limit the same run passes and its log has every line
+    proc = install(tmp_path, "--dry-run", "--log", str(log))
+    assert proc.returncode == 0 and "done (dry run" in log.read_text(), proc.stderr[-2000:]

@@ -44,7 +44,7 @@ def _run(mode, tmp_path, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL_"))}
     env.update(PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
                **{k: str(v) for k, v in env_extra.items()})
-    p = subprocess.run([sys.executable, "-c", _DRIVER, mode], capture_output=True, text=True, timeout=120,
+    p = subprocess.run([sys.executable, "-c", _DRIVER, mode], capture_output=True, text=True, timeout=60,
                        env=env, cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout, p.stderr
@@ -92,6 +92,19 @@ def test_bad_logging_level_warns_and_uses_info(tmp_path):
     out, err = _run("bare", tmp_path, FLASHRL_LOGGING_LEVEL="LOUD")
     assert "FLASHRL_LOGGING_LEVEL='LOUD' is not a logging level; using INFO" in err
     assert "cannot patch fence_refused" in err and "patched fence_ok" not in err
+
+
+def test_logging_file_fifo_is_refused_by_name_not_opened(tmp_path):
+    """A FIFO as FLASHRL_LOGGING_FILE: opening it for writing waits for a reader forever (every
+    process importing npu_flashrl, vLLM workers and Ray hooks included, hung at import). Named and
+    refused unopened, lines go to stderr; a character device (/dev/null) is still a fine target."""
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    out, err = _run("bare", tmp_path, FLASHRL_LOGGING_FILE=fifo)  # a hang fails by _run's timeout
+    assert f"FLASHRL_LOGGING_FILE='{fifo}': is a FIFO (named pipe), not a regular file" in err
+    assert "logging to stderr" in err and "cannot patch fence_refused" in err
+    out, err = _run("bare", tmp_path, FLASHRL_LOGGING_FILE="/dev/null")
+    assert "HANDLERS 1 PROPAGATE False" in out and err == ""
 
 
 def _logger_calls():

@@ -87,10 +87,13 @@ def _engine_config(model, **kw):
 
 
 def _reward_server(monkeypatch):
-    """verl's reward-model vLLMHttpServer: its actor name (Ray's runtime context, stand-in)."""
+    """verl's reward-model vLLMHttpServer: its actor name (Ray's runtime context and its connected
+    state, stand-ins)."""
     ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: types.SimpleNamespace(get_actor_name=lambda: "vllm_server_reward_0_0"))
+                        lambda: types.SimpleNamespace(get_actor_name=lambda: "vllm_server_reward_0_0",
+                                                      runtime_env=None))
 
 
 def _ascend_ct_config():

@@ -91,10 +91,11 @@ def test_driver_check_on_the_server_line(monkeypatch):
 def test_reward_model_server_left_alone(cfg, monkeypatch):
     """verl also serves reward / teacher models through vLLMHttpServer (actor
     `vllm_server_reward_<r>_<n>`): the FlashRL config is the policy rollout's, never applied
-    there. Stand-in: Ray's runtime context (the actor's name)."""
+    there. Stand-ins: Ray's runtime context (the actor's name) and its connected state."""
     import types as _t
 
     ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setenv("VERL_REPLICA_RANK", "0")
     monkeypatch.setattr(ray, "get_runtime_context",
                         lambda: _t.SimpleNamespace(get_actor_name=lambda: "vllm_server_reward_0_0"))

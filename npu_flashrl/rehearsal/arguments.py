@@ -63,18 +63,18 @@ def add_arguments(p) -> None:
                         "server mode); direct = load_weights per bucket in process (verl's "
                         "sync mode); auto (default): verl on a line whose verl runs in server "
                         "mode (current), else direct")
-    p.add_argument("--inner-iters", type=_number(int, 1), default=2,
+    p.add_argument("--inner-iters", type=_number(int, 1), default=None,
                    help="AdamW iterations on the synthetic task per simulated step; default 2")
     p.add_argument("--step-lr", type=_number(float, 0, lo_ok=False), default=None,
                    help="AdamW learning rate of the simulated steps (default 5e-4 for the tiny model, "
                         "1e-5 for --model)")
-    p.add_argument("--num-seqs", type=_number(int, 1), default=16, help="evaluation sequences; default 16")
-    p.add_argument("--seq-len", type=_number(int, 2), default=48, help="tokens per evaluation sequence; default 48")
+    p.add_argument("--num-seqs", type=_number(int, 1), default=None, help="evaluation sequences; default 16")
+    p.add_argument("--seq-len", type=_number(int, 2), default=None, help="tokens per evaluation sequence; default 48")
     p.add_argument("--train-iters", type=_number(int, 1), default=TINY_TRAIN["iters"],
                    help=f"pre-training iterations of the tiny model; default {TINY_TRAIN['iters']}")
     p.add_argument("--no-fp32-head", action="store_true",
                    help="skip the INT8 + FP32 lm-head variant")
-    p.add_argument("--max-error", type=_number(float, 1.0), default=1.05,
+    p.add_argument("--max-error", type=_number(float, 1.0), default=None,
                    help="fail when an INT8 token_mult_prob_error exceeds this; default 1.05")
     p.add_argument("--max-layer-error", type=_number(float, 0.0, lo_ok=False), default=DEFAULT_MAX_LAYER_ERROR,
                    help="fail when a quantized linear's output on fixed random activations differs from its "
@@ -98,7 +98,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write mismatch.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="keep npu_flashrl/vLLM INFO logging")
-    g = p.add_argument_group("GRPO (issue 25)")
+    g = p.add_argument_group("GRPO (--grpo)")
     g.add_argument("--grpo", action="store_true",
                    help="instead of the weight-path rehearsal: GRPO on a task with a verifiable reward, rollouts "
                         "sampled from the bf16 / INT8 / INT8+fp32-head rollout models, verl's own GRPO advantage, "
@@ -109,23 +109,46 @@ def add_arguments(p) -> None:
                    help="--grpo: runs per variant (default 3, --quick 2)")
 
 
+# Options of the weight-path rehearsal only, with their defaults there: `None` on the command line
+# means "not given", so --grpo can refuse them instead of ignoring them (a --max-error that --grpo
+# ignored read as a passed limit).
+WEIGHT_PATH_ONLY = {
+    "max_error": ("--max-error", 1.05, "the INT8 token_mult_prob_error limit of the weight-path checks"),
+    "baseline_tol": ("--baseline-tol", None, "the bf16 baseline's token_mult_prob_error limit"),
+    "num_seqs": ("--num-seqs", 16, "the evaluation sequences of the weight-path checks"),
+    "seq_len": ("--seq-len", 48, "the evaluation sequences' length"),
+    "inner_iters": ("--inner-iters", 2, "the AdamW iterations per simulated step"),
+}
+GRPO_CHECKS = ("--grpo checks its own results (bf16 learns, int8+tis tracks it; sizes from --quick / "
+               "--steps / --seeds) and the INT8 state after every sync (--max-layer-error)")
+
+
 def check_arguments(args) -> None:
     """Refuse option combinations and values before anything process-global happens."""
     grpo = getattr(args, "grpo", False)
-    if not grpo:
+    if grpo:
+        for attr, (flag, _, what) in WEIGHT_PATH_ONLY.items():
+            value = getattr(args, attr, None)
+            if value is not None:
+                raise RehearsalError(f"{flag} {value}: not a --grpo option ({what}, the rehearsal without "
+                                     f"--grpo); {GRPO_CHECKS}. Drop {flag}, or run without --grpo", code=2)
+    else:
         for flag, value in (("--quick", getattr(args, "quick", False)), ("--seeds", getattr(args, "seeds", None))):
             if value:
                 raise RehearsalError(f"{flag} is a --grpo option")
         if args.steps is None:
             args.steps = 4
+        for attr, (_, default, _) in WEIGHT_PATH_ONLY.items():
+            if getattr(args, attr, None) is None:
+                setattr(args, attr, default)
     if args.mode != "profile" and args.w8a8:
         raise RehearsalError("--w8a8 is only used with --mode profile")
     if args.w8a8 and not os.path.isdir(args.w8a8):
         raise RehearsalError(f"--w8a8 {args.w8a8}: no such directory")
-    for flag, value, lo in (("--steps", args.steps if args.steps is not None else 1, 1), ("--buckets", args.buckets, 1),
+    for flag, value, lo in (("--steps", args.steps, 1), ("--buckets", args.buckets, 1),
                             ("--num-seqs", args.num_seqs, 1), ("--seq-len", args.seq_len, 2),
                             ("--inner-iters", args.inner_iters, 1), ("--train-iters", args.train_iters, 1)):
-        if value < lo:
+        if value is not None and value < lo:
             raise RehearsalError(f"{flag} must be >= {lo}, got {value}")
     from npu_flashrl.config import output_path_problem
 

@@ -20,6 +20,7 @@ through its vLLM general plugin (see docs/verl_server_mode.md for the process ma
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from typing import Any, List, Mapping, Optional
 
@@ -73,12 +74,19 @@ _NOT_POLICY = ("server_reward_", "server_teacher_")
 def serves_the_policy() -> bool:
     """False in a `vLLMHttpServer` verl starts for a reward or teacher model (its Ray actor is
     named `<prefix>server_reward_<r>_<n>` / `server_teacher_...`, `vllm_async_server.py:1365`):
-    the FlashRL config describes the policy's rollout, and those engines never get weight syncs."""
-    try:
-        import ray
+    the FlashRL config describes the policy's rollout, and those engines never get weight syncs.
 
+    Decided from what is there, never by starting anything: a verl actor has imported Ray and is
+    connected to it. Ray's own API calls `ray.init()` when the process is not connected (its
+    auto-init hook), which would start a local Ray instance in, e.g., a vLLM engine built with
+    verl's worker extension outside Ray; so Ray is asked only when it is already imported and
+    initialised, and otherwise this is not a reward/teacher actor."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is None or not ray.is_initialized():
+            return True  # not a Ray actor: the policy rollout (or a test)
         name = ray.get_runtime_context().get_actor_name()
-    except Exception:  # noqa: BLE001 - no Ray / not in an actor: the policy rollout (or a test)
+    except Exception:  # noqa: BLE001 - a partial or stand-in Ray: the policy rollout
         return True
     return not (isinstance(name, str) and any(tag in name for tag in _NOT_POLICY))
 
