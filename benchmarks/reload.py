@@ -270,7 +270,8 @@ def _run_dense(args, vllm_ascend, cpu_vllm, cfg, layers, model_dir):
             json.dump({"seconds": {k: v[0] for k, v in results.items()},
                        "peak_extra_bytes": {k: v[1] for k, v in results.items()},
                        "ratios": ratios, "throughput_GBps": tp,
-                       "counts": {k: dict(c.as_dict(), by_op=dict(c.by_op)) for k, c in costs.items()},
+                       "counts": {k: dict(c.as_dict(), by_op=dict(c.by_op), bytes_by_op=dict(c.bytes_by_op))
+                                  for k, c in costs.items()},
                        "count_ratios": count_ratios, "weight_bytes": nbytes(weights),
                        "streamed_fp32_sync": fp32}, f, indent=1)
     return 0

@@ -348,7 +348,8 @@ def run(args, root, threads):
                             "end_to_end_s": [q + t for t, _, _ in runs],
                             "wire_bytes": wire_bytes["int8" if k in "cd" else "bf16"],
                             "peak_extra_bytes": max(m for _, _, m in runs),
-                            "counts": dict(counter.costs.as_dict(), by_op=dict(counter.costs.by_op))}
+                            "counts": dict(counter.costs.as_dict(), by_op=dict(counter.costs.by_op),
+                                           bytes_by_op=dict(counter.costs.bytes_by_op))}
                     states[k] = rollout.state() if k != "a" else None
                 finally:
                     rollout.close()

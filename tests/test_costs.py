@@ -65,3 +65,15 @@ def test_meta_tensors_count_no_bytes_and_item_is_a_host_sync():
         torch.ones(3).sum().item()
     assert c.costs.launches == 3 and c.costs.host_syncs == 1
     assert c.costs.read_bytes == 12 and c.costs.written_bytes == 12 + 4
+
+
+def test_bytes_by_op_add_up_to_the_traffic():
+    w = torch.ones(64, 64, dtype=torch.bfloat16)
+    with CostCounter() as c:
+        x = w.float().mul_(3)
+        w.copy_(x)
+    costs = c.costs
+    assert sum(costs.bytes_by_op.values()) == costs.traffic_bytes
+    assert costs.bytes_by_op["copy_"] == 64 * 64 * (4 + 2)
+    total = costs + costs
+    assert total.traffic_bytes == 2 * costs.traffic_bytes and total.by_op["mul_"] == 2

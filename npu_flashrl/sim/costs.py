@@ -14,7 +14,8 @@ operator is a kernel launch on the device:
   most of them alive at once (what a device's caching allocator would have to hold on top of the
   memory in use when counting began). Storages are tracked by their Python object, which torch
   keeps for as long as the storage lives, so a freed one leaves the count when torch frees it.
-- `by_op`: launches per operator name, to see where a count comes from.
+- `by_op` / `bytes_by_op`: launches and bytes read + written per operator name, to see where a
+  count comes from.
 
 Meta tensors (vLLM's layerwise reload keeps unloaded layers on the meta device) have no data
 and count no bytes. Counting is per thread (torch's dispatch-mode stack is thread local).
@@ -90,6 +91,7 @@ class Costs:
     peak_extra_bytes: int = 0
     host_syncs: int = 0
     by_op: Dict[str, int] = field(default_factory=collections.Counter)
+    bytes_by_op: Dict[str, int] = field(default_factory=collections.Counter)
 
     @property
     def traffic_bytes(self) -> int:
@@ -104,11 +106,13 @@ class Costs:
     def __add__(self, other: "Costs") -> "Costs":
         by_op = collections.Counter(self.by_op)
         by_op.update(other.by_op)
+        bytes_by_op = collections.Counter(self.bytes_by_op)
+        bytes_by_op.update(other.bytes_by_op)
         return Costs(self.launches + other.launches, self.read_bytes + other.read_bytes,
                      self.written_bytes + other.written_bytes,
                      self.allocated_bytes + other.allocated_bytes,
                      max(self.peak_extra_bytes, other.peak_extra_bytes),
-                     self.host_syncs + other.host_syncs, by_op)
+                     self.host_syncs + other.host_syncs, by_op, bytes_by_op)
 
 
 class CostCounter(TorchDispatchMode):
@@ -165,7 +169,9 @@ class CostCounter(TorchDispatchMode):
             return out
         c = self.costs
         c.launches += 1
-        c.by_op[func.overloadpacket.__name__] += 1
+        op = func.overloadpacket.__name__
+        c.by_op[op] += 1
+        before = c.traffic_bytes
         written = _written_args(func)
         names = [a.name for a in func._schema.arguments]
         for i, a in enumerate(args):
@@ -180,6 +186,7 @@ class CostCounter(TorchDispatchMode):
                 continue
             c.read_bytes += sum(stored_bytes(t) for t in _tensors(v))
         c.written_bytes += sum(stored_bytes(t) for t in _tensors(out))
+        c.bytes_by_op[op] += c.traffic_bytes - before
         self._track_new(out, inputs)
         return out
 
