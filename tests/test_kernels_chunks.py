@@ -49,16 +49,17 @@ def test_chunked_kernel_equals_strip_kernel_bit_for_bit(monkeypatch, transposed,
     monkeypatch.setattr(ref, "_BLOCK_ELEMS", 1024)
     monkeypatch.setattr(ref, "_CHUNK_BLOCKS", chunk_blocks)
     g = torch.Generator().manual_seed(11)
-    for w in (_tie_heavy_weight(301, 96, dtype, seed=5),
-              (torch.randn(257, 130, generator=g) * torch.rand(257, 1, generator=g)).to(dtype)):
+    ties = _tie_heavy_weight(301, 96, dtype, seed=5)
+    for w in (ties, (torch.randn(257, 130, generator=g) * torch.rand(257, 1, generator=g)).to(dtype)):
         q, a, s = ref._per_channel_strips(w, transposed)
         q0, a0, s0 = _strips_before(w, transposed, block_elems=256)
         assert torch.equal(a, a0) and torch.equal(s, s0) and a.dtype == s.dtype == torch.float32
         assert torch.equal(q, q0) and q.dtype == torch.int8
         assert q.t().is_contiguous() if transposed else q.is_contiguous()
-    if chunk_blocks == 1:  # the oracle's ties do occur and several chunks (one ragged) ran
-        assert 301 % (1024 // 96) != 0
-        assert ((w.float() / s0[:, None]).frac().abs() == 0.5).any() or dtype == torch.float32
+    _, _, s_ties = _strips_before(ties, transposed)
+    assert ((ties.float()[1::3] / s_ties[1::3, None]).frac().abs() == 0.5).any()  # exact ties ran
+    if chunk_blocks == 1:  # several chunks, the last one ragged
+        assert ref._strip_rows(96) < 301 and 301 % ref._strip_rows(96) != 0
 
 
 @pytest.mark.parametrize("transposed", [False, True])
