@@ -7,6 +7,8 @@ Qwen3 layout: no q/k/v bias, per-head q_norm / k_norm, head_dim set apart from h
 The Qwen3-MoE one (vLLM's Qwen3MoeForCausalLM) has the dense Qwen3 attention and a sparse MLP in
 every layer: a router `mlp.gate` [num_experts, hidden] and per-expert
 `mlp.experts.E.{gate,up,down}_proj`, top-2 of 8 with renormalized top-k weights.
+The Llama one (Llama 3.x layout): no attention / MLP bias, grouped-query attention, llama3 rope
+scaling, tied embeddings (as the 1B / 3B sizes have).
 """
 from __future__ import annotations
 
@@ -70,6 +72,25 @@ def tiny_qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**kwargs)
 
 
+TINY_LLAMA = dict(
+    TINY_QWEN2,
+    attention_bias=False,
+    mlp_bias=False,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+)
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(TINY_LLAMA)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
 def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                      config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Qwen2 causal LM in `out_dir` (safetensors) and return the HF model.
@@ -105,6 +126,15 @@ def build_tiny_qwen3_moe(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed
     from transformers import Qwen3MoeForCausalLM
 
     return _build(Qwen3MoeForCausalLM, tiny_qwen3_moe_config(**(config_overrides or {})), out_dir,
+                  dtype, seed, tokenizer)
+
+
+def build_tiny_llama(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny Llama 3.x causal LM in `out_dir` (see build_tiny_qwen2)."""
+    from transformers import LlamaForCausalLM
+
+    return _build(LlamaForCausalLM, tiny_llama_config(**(config_overrides or {})), out_dir,
                   dtype, seed, tokenizer)
 
 
