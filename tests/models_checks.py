@@ -52,12 +52,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8) if t.is_floating_point() else t
 
 
-def fp32_masters(weights, seed: int) -> List[Tuple[str, torch.Tensor]]:
+def fp32_masters(weights, seed: int, exact: Sequence[str] = ()) -> List[Tuple[str, torch.Tensor]]:
     """fp32 master weights whose bf16 cast is `weights`: sub-bf16 noise the cast removes (a
-    rollout in bf16 quantizes what it holds, the bf16 cast; see test_vllm_ascend_reload)."""
+    rollout in bf16 quantizes what it holds, the bf16 cast; see test_vllm_ascend_reload). Names
+    ending in `exact` (tensors the rollout keeps in fp32, e.g. DeepSeek's router correction
+    bias) are sent as they are: a fresh load holds them unrounded too."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n, t in weights:
+        if n.endswith(tuple(exact)) and exact:
+            out.append((n, t.float()))
+            continue
         f = t.float()
         noisy = f + f.abs() * 2e-7 * torch.rand(f.shape, generator=g)
         assert torch.equal(noisy.to(torch.bfloat16), t.to(torch.bfloat16)), n
@@ -75,7 +80,7 @@ def split_groups(buckets, groups: Dict[str, Sequence[str]]) -> List[str]:
 def three_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, torch.Tensor]]],
                 ids: torch.Tensor, fused: Dict[str, Sequence[str]], nan_name: str,
                 check: Optional[Callable] = None, max_bytes: int = 96 << 10,
-                logits: Optional[Callable] = None, **build_kw) -> dict:
+                logits: Optional[Callable] = None, exact: Sequence[str] = (), **build_kw) -> dict:
     """Cold INT8 load of dirs[0], then syncs of send(1), send(2), send(3) (see the module doc).
     `fused`: fused rollout layers -> their checkpoint shard names (at least one must be split over
     buckets in every sync); `check(model, k)`: architecture checks after the cold load (k=0) and
@@ -96,7 +101,7 @@ def three_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, t
         for k in (1, 2, 3):
             weights = send(k)
             if k == 1:
-                weights = fp32_masters(weights, seed=k)
+                weights = fp32_masters(weights, seed=k, exact=exact)
             buckets = random_buckets(weights, seed=rng.randint(0, 1 << 30), max_bytes=max_bytes)
             split = split_groups(buckets, fused)
             assert split, "no fused layer was split over buckets: shrink max_bytes"
