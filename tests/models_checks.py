@@ -137,3 +137,68 @@ def three_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, t
             got = forward(v, ids)
             assert torch.equal(got, want_logits), f"sync {k}: logits differ from a fresh load's"
     return {"split_fused_layers": splits}
+
+
+def wire_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, torch.Tensor]]],
+               ids: torch.Tensor, logits: Optional[Callable] = None, max_bytes: int = 96 << 10,
+               **build_kw) -> dict:
+    """The INT8 wire's receiving end: syncs of `npu_flashrl.quant.wire.int8_wire(send(k))` (what
+    the trainer-side patch sends: int8 + fp32 scale for the projections its name rule knows,
+    everything else as it is) in random buckets, each equal to a fresh INT8 load of the same
+    weights with the receiver quantizing nothing it got pre-quantized. Returns how many
+    projections travelled as int8 and how many the rollout quantized itself (names the wire's
+    rule does not know travel float and are quantized on arrival)."""
+    from npu_flashrl.quant.wire import int8_wire, is_projection
+
+    forward = logits or (lambda v, x: v.logits(x))
+    fresh = {}
+    for k in (1, 2):
+        with build(va, dirs[k], **build_kw) as f:
+            fresh[k] = (snapshot(f.model), forward(f, ids))
+    counts = {}
+    with build(va, dirs[0], **build_kw) as v:
+        m = v.model
+        loader = m._npu_flashrl_loader
+        before = ptrs(m)
+        seen = []
+        original = loader.quantizer.quantize
+        loader.quantizer.quantize = lambda *a, **kw: seen.append(a[0]) or original(*a, **kw)
+        for k in (1, 2):
+            seen.clear()
+            weights = send(k)
+            wire = list(int8_wire(weights, torch.bfloat16))
+            buckets = _ordered_random_buckets(wire, seed=k, max_bytes=max_bytes)
+            buffer = BucketBuffer(bucket_bytes(buckets))
+            for bucket in buckets:
+                buffer.deliver(m, bucket)
+            assert va.end_weight_sync(m) == []
+            post_sync(v)
+            want, want_logits = fresh[k]
+            assert_bit_identical(snapshot(m), want, f"wire sync {k}")
+            assert ptrs(m) == before
+            assert torch.equal(forward(v, ids), want_logits)
+            counts = {"int8": sum(1 for n, t in wire if t.dtype == torch.int8),
+                      "quantized_on_arrival": len(seen)}
+            assert counts["int8"] == sum(1 for n, _ in weights if is_projection(n))
+    return counts
+
+
+def _ordered_random_buckets(wire, seed: int, max_bytes: int):
+    """The wire's items in random order with each weight_scale kept right before its int8 weight
+    (the wire's one ordering rule), cut into buckets of random sizes (a pair may be split)."""
+    from npu_flashrl.sim.sync import split_buckets
+
+    units, i = [], 0
+    while i < len(wire):
+        n = 2 if wire[i][0].endswith(".weight_scale") else 1
+        units.append(wire[i:i + n])
+        i += n
+    rng = random.Random(seed)
+    rng.shuffle(units)
+    items = [item for unit in units for item in unit]
+    out, i = [], 0
+    while i < len(items):
+        chunk = split_buckets(items[i:], rng.randint(1, max_bytes))[0]
+        out.append(chunk)
+        i += len(chunk)
+    return out

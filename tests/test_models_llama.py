@@ -73,3 +73,15 @@ def test_llama_int8_logits_track_bf16(va, llama):
         got = v.logits(IDS)
     err = ((got - want).norm() / want.norm()).item()
     assert err < 0.1, f"relative logit error {err:.3f}"
+
+
+def test_llama_int8_wire_commits_the_trainers_int8_as_a_fresh_load(va, llama):
+    """The INT8 wire's receiving end (trainer stream through `quant.wire.int8_wire`, delivered
+    in random buckets): every Llama projection travels as int8 + scale, the rollout quantizes
+    nothing again, the state equals a fresh INT8 load. (verl's sender process is driven in
+    tests/test_int8_wire.py for Qwen2; the names and shapes here are what differs.)"""
+    from models_checks import wire_syncs
+
+    dirs, models = llama
+    counts = wire_syncs(va, dirs, lambda k: trainer_weights(models[k]), IDS)
+    assert counts == {"int8": 2 * 7, "quantized_on_arrival": 0}
