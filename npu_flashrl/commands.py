@@ -202,6 +202,10 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
             raise CliError(f"-o {output}: exists and is not a FlashRL config, not replaced ({exc}); "
                            f"pass --force to replace it") from None
     entry = build_entry(fn, model, profile, parse_columns(list(columns)), check=check, allow_unknown_keys=force)
+    if model and os.path.isdir(model):
+        from npu_flashrl.architectures import model_architecture, warn_if_not_covered
+
+        warn_if_not_covered(model_architecture(model), f"setup -m {model}")
     try:
         if append:
             with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry
