@@ -140,3 +140,21 @@ def test_deepseek_v3_int8_wire_equals_a_fresh_load(va, deepseek):
     assert counts["int8"] == 3 + 3 + 2 * EXPERTS * 3
     # quantized on arrival: fused_qkv_a_proj (2 shards) + q_b_proj per layer, shared experts' 3
     assert counts["quantized_on_arrival"] > 0
+
+
+def test_engine_build_says_what_of_deepseek_v3_is_not_covered(va, deepseek, caplog):
+    """The INT8 loader's attach (engine build) logs, for an architecture covered only in part,
+    which cells are not (`npu_flashrl.architectures`), instead of a later failure."""
+    import logging
+
+    from helpers import build
+
+    dirs, _ = deepseek
+    with caplog.at_level(logging.WARNING, logger="npu_flashrl.architectures"):
+        with build(va, dirs[0]):
+            pass
+    msgs = [r.getMessage() for r in caplog.records if r.name == "npu_flashrl.architectures"]
+    assert len(msgs) == 1 and msgs[0].startswith(
+        "INT8 rollout engine build: architecture DeepseekV3ForCausalLM is covered in part (")
+    assert "forward on CPU: partial: MLA attention and dense MLP; MoE layers not run" in msgs[0]
+    assert "kv_b_proj 16-bit" in msgs[0]
