@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                         "(default: the built-in tiny Qwen2, pre-trained on a synthetic task and cached)")
     p.add_argument("--arch", choices=TINY_ARCHS, default=TINY_ARCHS[0],
                    help="the built-in tiny model's family: qwen2 (default) or llama (Llama 3.x: no bias, "
-                        "llama3 rope scaling, tied embeddings). Not offered: deepseek_v3 (its MoE layers' "
+                        "llama3 rope scaling, untied as the 8B / 70B). Not offered: deepseek_v3 (its MoE layers' "
                         "INT8 forward needs a vllm-ascend kernel the CPU emulation lacks) and the vision-"
                         "language models (see docs/compatibility.md, Architectures)")
     p.add_argument("--mode", choices=("profile-free", "profile"), default="profile-free",
