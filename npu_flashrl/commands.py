@@ -205,7 +205,9 @@ def setup(fn: str = "int8", model: Optional[str] = None, profile: Optional[str] 
     if model and os.path.isdir(model):
         from npu_flashrl.architectures import model_architecture, warn_if_not_covered
 
-        warn_if_not_covered(model_architecture(model), f"setup -m {model}")
+        arch = model_architecture(model)
+        if arch:
+            warn_if_not_covered(arch, f"setup -m {model}")
     try:
         if append:
             with locked_file(output):  # read-modify-write under the lock: concurrent -a keep every entry

@@ -346,7 +346,8 @@ def architecture_rows(entries) -> List[Dict[str, str]]:
 
     rows = []
     for model in dict.fromkeys(e.model for e in entries if e.model and os.path.isdir(e.model)):
-        problem = coverage_problem(model_architecture(model))
+        arch = model_architecture(model)  # None: no readable config.json (other rows say so)
+        problem = coverage_problem(arch) if arch else None
         if problem:
             rows.append(_row(f"architecture of {model}", WARN, problem,
                              "run `npu-flashrl rehearse` on a tiny model of a covered family first"))

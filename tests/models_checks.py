@@ -34,6 +34,20 @@ def derived_tensors(model) -> Dict[str, torch.Tensor]:
     return out
 
 
+_FRESH: Dict[tuple, tuple] = {}
+
+
+def fresh_load(va, model_dir: str, ids: torch.Tensor, forward: Callable, **build_kw):
+    """(snapshot, forward output) of a fresh INT8 load of `model_dir`, built once per process
+    for the same directory, inputs, forward and build options (the sync and wire checks of a
+    module compare against the same fresh loads)."""
+    key = (model_dir, tuple(ids.reshape(-1).tolist()), forward, tuple(sorted(build_kw.items())))
+    if key not in _FRESH:
+        with build(va, model_dir, **build_kw) as f:
+            _FRESH[key] = (snapshot(f.model), forward(f, ids))
+    return _FRESH[key]
+
+
 def snapshot(model) -> Dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in derived_tensors(model).items()}
 
@@ -70,6 +84,10 @@ def fp32_masters(weights, seed: int, exact: Sequence[str] = ()) -> List[Tuple[st
     return out
 
 
+def _logits(v, ids):
+    return v.logits(ids)
+
+
 def split_groups(buckets, groups: Dict[str, Sequence[str]]) -> List[str]:
     """The fused layers (prefix -> checkpoint names of its shards) whose shards sit in more than
     one bucket."""
@@ -85,11 +103,8 @@ def three_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, t
     `fused`: fused rollout layers -> their checkpoint shard names (at least one must be split over
     buckets in every sync); `check(model, k)`: architecture checks after the cold load (k=0) and
     each sync; `logits(v, ids)`: the forward (default `CpuVllm.logits`). Returns what it measured."""
-    forward = logits or (lambda v, x: v.logits(x))
-    fresh = {}
-    for k in (1, 2, 3):
-        with build(va, dirs[k], **build_kw) as f:
-            fresh[k] = (snapshot(f.model), forward(f, ids))
+    forward = logits or _logits
+    fresh = {k: fresh_load(va, dirs[k], ids, forward, **build_kw) for k in (1, 2, 3)}
     splits = []
     with build(va, dirs[0], **build_kw) as v:
         m = v.model
@@ -150,11 +165,8 @@ def wire_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, to
     rule does not know travel float and are quantized on arrival)."""
     from npu_flashrl.quant.wire import int8_wire, is_projection
 
-    forward = logits or (lambda v, x: v.logits(x))
-    fresh = {}
-    for k in (1, 2):
-        with build(va, dirs[k], **build_kw) as f:
-            fresh[k] = (snapshot(f.model), forward(f, ids))
+    forward = logits or _logits
+    fresh = {k: fresh_load(va, dirs[k], ids, forward, **build_kw) for k in (1, 2)}
     counts = {}
     with build(va, dirs[0], **build_kw) as v:
         m = v.model
