@@ -158,3 +158,30 @@ def test_engine_build_says_what_of_deepseek_v3_is_not_covered(va, deepseek, capl
         "INT8 rollout engine build: architecture DeepseekV3ForCausalLM is covered in part (")
     assert "forward on CPU: partial: MLA attention and dense MLP; MoE layers not run" in msgs[0]
     assert "kv_b_proj 16-bit" in msgs[0]
+
+
+def test_cpu_mla_stand_in_computes_transformers_deepseek_v3_attention(va, deepseek, tmp_path):
+    """The stand-in for vllm-ascend's NPU MLA kernels (`sim.mla_harness`: absorbed attention
+    through W_UK_T / W_UV, on vllm-ascend's own MLA layer and vLLM's rotary embedding) gives what
+    transformers' DeepseekV3Attention gives on the same fp32 weights: the CPU outputs the sync
+    test compares are MLA's, not an approximation of it."""
+    import torch
+
+    from helpers import build
+
+    hf = build_tiny_deepseek_v3(str(tmp_path / "fp32"), seed=7, tokenizer=False)
+    hf.config._attn_implementation = "sdpa"  # causal without a mask
+    hf = hf.float()
+    ids = IDS[0]
+    positions = torch.arange(ids.shape[0])
+    with build(va, str(tmp_path / "fp32"), fn=None, ascend=False, dtype=torch.float32) as v:
+        layer = v.model.model.layers[0]
+        with v.forward_context(ids.shape[0]), torch.no_grad():
+            got = layer.self_attn(positions, layer.input_layernorm(v.model.model.embed_tokens(ids)), None)
+    with torch.no_grad():
+        x = hf.model.embed_tokens(ids)[None]
+        ref = hf.model.layers[0]
+        want = ref.self_attn(hidden_states=ref.input_layernorm(x), attention_mask=None,
+                             position_embeddings=hf.model.rotary_emb(x, positions[None]))[0][0]
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-4, f"relative error {err:.2e}"  # fp32 rounding (measured 2.5e-5)
