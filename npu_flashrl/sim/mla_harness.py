@@ -87,20 +87,29 @@ def _scipy_stand_in() -> None:
     """Stand-in for scipy where the CPU stack lacks it (vllm-ascend declares it; the stack installs
     vllm-ascend without its dependencies): the MLA layer's post-processing imports
     `vllm_ascend.attention.sfa_v1` (an isinstance check), which imports scipy at module level for
-    DeepSeek-V3.2's sparse-attention Hadamard matrices only. Any use of the stand-in raises."""
+    DeepSeek-V3.2's sparse-attention Hadamard matrices only. The stand-in is in `sys.modules` only
+    while that module is imported (nothing else in the process sees a scipy); any use of it raises."""
+    import importlib
     import importlib.util
     import sys
     import types
 
-    if "scipy" in sys.modules or importlib.util.find_spec("scipy") is not None:
+    if "vllm_ascend.attention.sfa_v1" in sys.modules or "scipy" in sys.modules or \
+            importlib.util.find_spec("scipy") is not None:
         return
 
     class _Absent(types.ModuleType):
         def __getattr__(self, item):
+            if item.startswith("__") and item.endswith("__"):
+                raise AttributeError(item)
             raise ModuleNotFoundError(f"scipy.{item}: scipy is not installed (CPU harness stand-in; "
                                       "only DeepSeek-V3.2 sparse attention needs it)")
 
     sys.modules["scipy"] = _Absent("scipy")
+    try:
+        importlib.import_module("vllm_ascend.attention.sfa_v1")
+    finally:
+        del sys.modules["scipy"]
 
 
 def use_cpu_mla_forward() -> None:
