@@ -251,6 +251,12 @@ def setup(fn: Optional[str] = None, model: Optional[str] = None, profile: Option
             raise CliError(f"-o {output}: exists and is not a FlashRL config, not replaced ({exc}); "
                            f"pass --force to replace it") from None
     entry = build_entry(fn, model, profile, parse_columns(list(columns)), check=check, allow_unknown_keys=force)
+    if model and os.path.isdir(model):
+        from npu_flashrl.architectures import model_architecture, warn_if_not_covered
+
+        arch = model_architecture(model)
+        if arch:
+            warn_if_not_covered(arch, f"setup -m {model}")
     try:
         if append:
             with _locked_config(output, "-a", "nothing appended (drop -a to create it)"):

@@ -259,6 +259,7 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                                       if e.model and os.path.isdir(e.model)])
     if mismatch:
         rows.append(_row(label, FAIL, mismatch, "point every entry's `model` at a checkpoint of the same model"))
+    rows += architecture_rows(cfg.entries)
     for i, entry in enumerate(cfg.entries):
         check = f"configs[{i}] ({entry.fn})"
         for problem in unknown_key_problems(entry, f"configs[{i}]"):
@@ -340,6 +341,21 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                              f"make the profile for this model: npu-flashrl profile -m BF16 -q {entry.model} -o {path}"))
         else:
             rows.append(_row(check, OK, f"profile {path} ({len(prof)} entries) matches model {entry.model}"))
+    return rows
+
+
+def architecture_rows(entries) -> List[Dict[str, str]]:
+    """WARN for a model whose architecture the INT8 rollout's tests do not (fully) cover
+    (`npu_flashrl.architectures`), saying what was verified instead."""
+    from npu_flashrl.architectures import coverage_problem, model_architecture
+
+    rows = []
+    for model in dict.fromkeys(e.model for e in entries if e.model and os.path.isdir(e.model)):
+        arch = model_architecture(model)  # None: no readable config.json (other rows say so)
+        problem = coverage_problem(arch) if arch else None
+        if problem:
+            rows.append(_row(f"architecture of {model}", WARN, problem,
+                             "run `npu-flashrl rehearse` on a tiny model of a covered family first"))
     return rows
 
 

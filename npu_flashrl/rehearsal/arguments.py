@@ -37,11 +37,20 @@ def _number(kind, lo, lo_ok=True, hi=None):
 MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
 
 
+# the built-in tiny model's families (`sim.tiny_models`): the first is the default
+TINY_ARCHS = ("qwen2", "llama")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", metavar="DIR",
                    help="a local bf16/fp16 HF safetensors checkpoint of a dense Qwen2/Llama-style decoder or "
                         "a Qwen3-MoE (fused-MoE experts checked per expert; --mode profile-free only) "
                         "(default: the built-in tiny Qwen2, pre-trained on a synthetic task and cached)")
+    p.add_argument("--arch", choices=TINY_ARCHS, default=TINY_ARCHS[0],
+                   help="the built-in tiny model's family: qwen2 (default) or llama (Llama 3.x: no bias, "
+                        "llama3 rope scaling, untied as the 8B / 70B). Not offered: deepseek_v3 (its MoE layers' "
+                        "INT8 forward needs a vllm-ascend kernel the CPU emulation lacks) and the vision-"
+                        "language models (see docs/compatibility.md, Architectures)")
     p.add_argument("--mode", choices=("profile-free", "profile"), default="profile-free",
                    help="profile-free: fn=int8_profile_free (fresh per-channel scales every sync); "
                         "profile: fn=int8 with a FlashRL profile (a w8a8 checkpoint is written from the "
@@ -141,6 +150,9 @@ def check_arguments(args) -> None:
         for attr, (_, default, _) in WEIGHT_PATH_ONLY.items():
             if getattr(args, attr, None) is None:
                 setattr(args, attr, default)
+    arch = getattr(args, "arch", TINY_ARCHS[0])
+    if arch != TINY_ARCHS[0] and getattr(args, "model", None) is not None:
+        raise RehearsalError(f"--arch {arch} picks the built-in tiny model; --model {args.model} brings its own")
     if args.mode != "profile" and args.w8a8:
         raise RehearsalError("--w8a8 is only used with --mode profile")
     if args.w8a8 and not os.path.isdir(args.w8a8):

@@ -56,10 +56,18 @@ def is_moe(cfg) -> bool:
 
 
 def tiny_settings(args, task) -> Dict[str, Any]:
-    from npu_flashrl.sim.tiny_models import TINY_QWEN2
+    from npu_flashrl.sim.tiny_models import TINY_LLAMA, TINY_QWEN2
 
-    return {"recipe": RECIPE_VERSION, "model": dict(TINY_QWEN2), "task": task.to_dict(),
-            "train": dict(TINY_TRAIN, iters=args.train_iters, seed=args.seed)}
+    arch = getattr(args, "arch", "qwen2")
+    # llama: the 8B / 70B layout (untied). With tied embeddings (the 1B / 3B sizes) vLLM ties the
+    # lm head to the bf16 embedding after FLASHRL_LMHEAD_FP32's init patch made it fp32, and the
+    # rehearsal's "lm_head is fp32" check fails: a known gap of the fp32 lm head, not of the INT8 path
+    model_cfg = dict(TINY_LLAMA, tie_word_embeddings=False) if arch == "llama" else dict(TINY_QWEN2)
+    settings = {"recipe": RECIPE_VERSION, "model": model_cfg,
+                "task": task.to_dict(), "train": dict(TINY_TRAIN, iters=args.train_iters, seed=args.seed)}
+    if arch != "qwen2":  # the default's cache key stays what it was
+        settings["arch"] = arch
+    return settings
 
 
 def settings_hash(settings: Dict[str, Any]) -> str:
@@ -90,8 +98,15 @@ def ensure_tiny_model(cache_root: str, settings: Dict[str, Any], task, progress:
     shutil.rmtree(tmp, ignore_errors=True)
     train = settings["train"]
     torch.manual_seed(train["seed"])
-    model = Qwen2ForCausalLM(tiny_qwen2_config(**settings["model"])).float()
-    bar = progress_bar(train["iters"], "pre-train tiny Qwen2", progress)
+    if settings.get("arch") == "llama":
+        from transformers import LlamaForCausalLM
+
+        from npu_flashrl.sim.tiny_models import tiny_llama_config
+
+        model = LlamaForCausalLM(tiny_llama_config(**settings["model"])).float()
+    else:
+        model = Qwen2ForCausalLM(tiny_qwen2_config(**settings["model"])).float()
+    bar = progress_bar(train["iters"], f"pre-train tiny {type(model).__name__[:-len('ForCausalLM')]}", progress)
 
     def cb(i, loss):
         bar.update(1)

@@ -106,10 +106,10 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
             seq = seq.to(device)
             positions = torch.arange(seq.shape[0], device=device)
             if forward_context is None:
-                hidden = model.model(seq, positions)
+                hidden = model.model(seq, positions, None)  # Llama: intermediate_tensors has no default
             else:
                 with forward_context(seq.shape[0]):
-                    hidden = model.model(seq, positions)
+                    hidden = model.model(seq, positions, None)
             logits = ascend_harness.compute_logits(model, hidden).float()[:, :vocab_size]
             rows.append(target_logp(logits[None], seq[None]))
     return torch.cat(rows)

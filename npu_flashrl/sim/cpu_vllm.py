@@ -354,7 +354,7 @@ class CpuVllm:
         for seq in input_ids:
             positions = torch.arange(seq.shape[0])
             with self.forward_context(seq.shape[0]):
-                hidden = self.model.model(seq, positions)
+                hidden = self.model.model(seq, positions, None)  # Llama / DeepSeek: intermediate_tensors has no default
             out.append(ascend_harness.compute_logits(self.model, hidden).float())
         return torch.stack(out)
 

@@ -7,6 +7,13 @@ Qwen3 layout: no q/k/v bias, per-head q_norm / k_norm, head_dim set apart from h
 The Qwen3-MoE one (vLLM's Qwen3MoeForCausalLM) has the dense Qwen3 attention and a sparse MLP in
 every layer: a router `mlp.gate` [num_experts, hidden] and per-expert
 `mlp.experts.E.{gate,up,down}_proj`, top-2 of 8 with renormalized top-k weights.
+The Llama one (Llama 3.x layout): no attention / MLP bias, grouped-query attention, llama3 rope
+scaling, tied embeddings (as the 1B / 3B sizes have).
+The DeepSeek-V3 one (vLLM's DeepseekV3ForCausalLM): MLA attention (q LoRA rank 64: q_a_proj /
+q_a_layernorm / q_b_proj; kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj; 32 + 16 rope q/k head
+dims, v head 32), one first dense layer then MoE layers with 8 routed experts (top-2 in 2 groups,
+top-1 group), one shared expert, sigmoid scoring with an `e_score_correction_bias`
+(`topk_method: noaux_tc`), routed scaling 2.5.
 """
 from __future__ import annotations
 
@@ -70,6 +77,64 @@ def tiny_qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**kwargs)
 
 
+TINY_LLAMA = dict(
+    TINY_QWEN2,
+    attention_bias=False,
+    mlp_bias=False,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+)
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(TINY_LLAMA)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=352,         # the first dense layer's MLP
+    moe_intermediate_size=96,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,       # layer 0 dense, layers 1-2 MoE
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    topk_method="noaux_tc",        # sigmoid scores + e_score_correction_bias, grouped top-k
+    scoring_func="sigmoid",
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+
+
+def tiny_deepseek_v3_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    kwargs = dict(TINY_DEEPSEEK_V3)
+    kwargs.update(overrides)
+    return DeepseekV3Config(**kwargs)
+
+
 def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                      config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Qwen2 causal LM in `out_dir` (safetensors) and return the HF model.
@@ -108,6 +173,31 @@ def build_tiny_qwen3_moe(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed
                   dtype, seed, tokenizer)
 
 
+def build_tiny_llama(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny Llama 3.x causal LM in `out_dir` (see build_tiny_qwen2)."""
+    from transformers import LlamaForCausalLM
+
+    return _build(LlamaForCausalLM, tiny_llama_config(**(config_overrides or {})), out_dir,
+                  dtype, seed, tokenizer)
+
+
+def build_tiny_deepseek_v3(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                           config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny DeepSeek-V3 causal LM in `out_dir` (see build_tiny_qwen2). The
+    router's correction bias (an fp32 buffer in transformers, saved with the model) gets a
+    spread too."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = _build(DeepseekV3ForCausalLM, tiny_deepseek_v3_config(**(config_overrides or {})),
+                   out_dir, dtype, seed, tokenizer=False, save=False)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    return _save(model, out_dir, tokenizer)
+
+
 def trainer_weights(model) -> List[Tuple[str, torch.Tensor]]:
     """The HF model's weights as the trainer pushes them to the rollout: checkpoint (per-expert)
     names, in state_dict order.
@@ -130,7 +220,7 @@ def _spread_(p: torch.Tensor) -> None:
     p.copy_(torch.randn_like(p) * 0.05 * row_scale)
 
 
-def _build(model_cls, config, out_dir, dtype, seed, tokenizer):
+def _build(model_cls, config, out_dir, dtype, seed, tokenizer, save=True):
     torch.manual_seed(seed)
     config.torch_dtype = dtype
     model = model_cls(config)
@@ -143,10 +233,14 @@ def _build(model_cls, config, out_dir, dtype, seed, tokenizer):
             else:  # norms
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model = model.to(dtype)
+    return _save(model, out_dir, tokenizer) if save else model
+
+
+def _save(model, out_dir, tokenizer):
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer:
-        save_tiny_tokenizer(out_dir, config.vocab_size)
+        save_tiny_tokenizer(out_dir, model.config.vocab_size)
     return model
 
 

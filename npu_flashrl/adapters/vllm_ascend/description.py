@@ -27,6 +27,7 @@ import os
 import re
 from typing import List, Optional, Sequence
 
+from npu_flashrl.adapters.vllm_ascend.mla import MLA_PROJECTIONS
 from npu_flashrl.errors import NpuFlashrlError
 
 # The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names); MoE experts
@@ -64,7 +65,8 @@ class QuantDescription(dict):
         if matches_ignore(module, self.ignore):
             return FLOAT
         last = module.rsplit(".", 1)[-1]
-        if key.endswith(".weight") and (last in PROJECTIONS or last == FUSED_EXPERTS):
+        if key.endswith(".weight") and (last in PROJECTIONS or last in MLA_PROJECTIONS
+                                        or last == FUSED_EXPERTS):
             # `...mlp.experts.weight` is the FusedMoE layer itself (the pinned line asks for it as
             # a whole, the scheme-registry layout when the model type has no packed mapping):
             # typed like its experts.

@@ -446,6 +446,9 @@ def attach(model: torch.nn.Module, quantizer: OnlineQuantizer,
     model.load_weights = loader.load_weights
     logger.debug("npu_flashrl: INT8 weight loader attached to %s (%d quantized projections, %s)",
                  type(model).__name__, len(loader.targets), quantizer.name)
+    from npu_flashrl.architectures import warn_if_not_covered
+
+    warn_if_not_covered(type(model).__name__, "INT8 rollout engine build")
     return loader
 
 

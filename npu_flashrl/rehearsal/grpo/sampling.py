@@ -64,7 +64,7 @@ def forward_last_logits(model, ids: torch.Tensor, vocab_size: int) -> torch.Tens
     flat = ids.reshape(-1)
     positions = torch.arange(t, device=ids.device).repeat(b)
     with batched_attention(b):
-        hidden = model.model(flat, positions)
+        hidden = model.model(flat, positions, None)  # Llama: intermediate_tensors has no default
     last = hidden.view(b, t, -1)[:, -1]
     return ascend_harness.compute_logits(model, last).float()[:, :vocab_size]
 

@@ -1,0 +1,145 @@
+"""The model architectures the INT8 rollout is verified for, in one place.
+
+`npu-flashrl setup` / `verify` and the engine build (the INT8 loader's attach) look a model's
+architecture up here and, for one that is not covered, say so and what was verified instead,
+rather than letting a later weight sync be the first thing to find out. docs/compatibility.md's
+architectures table is this table (a test keeps them equal), and every cell names the test that
+backs it. Pure data: no upstream import (the adapters and the CLI both read it).
+
+Cells: "yes"; "no" (with why); "n/a"; "partial" (the note says which part).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+from npu_flashrl.lines import LINES
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("cold_load", "sync", "wire", "megatron_export", "moe", "cpu_forward")
+HEADERS = ("cold INT8 load", "in-place sync", "INT8 wire", "Megatron export", "MoE", "forward on CPU")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    name: str                      # HF config `architectures[0]` (= vLLM's model class name)
+    family: str                    # short name (e.g. the rehearsal's model family)
+    cells: Tuple[str, ...]         # one per COLUMNS
+    tests: Tuple[str, ...]         # the tests behind the cells
+    lines: Tuple[str, ...]         # stack lines the tests run on (their vllm-ascend releases)
+    note: str = ""
+
+    def cell(self, column: str) -> str:
+        return self.cells[COLUMNS.index(column)]
+
+    def summary(self) -> str:
+        parts = [f"{h}: {c}" for h, c in zip(HEADERS, self.cells)]
+        return f"{self.name} ({', '.join(parts)}; lines {', '.join(self.lines)})"
+
+
+def _arch(name, family, cold_load, sync, wire, megatron_export, moe, cpu_forward, tests, lines, note=""):
+    return Architecture(name, family, (cold_load, sync, wire, megatron_export, moe, cpu_forward),
+                        tuple(tests), tuple(lines), note)
+
+
+# the stack lines by their vllm-ascend release (oldest first: pinned, the middle line, current)
+_ALL = tuple(ln.name for ln in LINES)
+_NEWER, _CURRENT = _ALL[1:], _ALL[-1:]
+
+MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
+
+COVERED: Tuple[Architecture, ...] = (
+    _arch("Qwen2ForCausalLM", "qwen2", "yes", "yes", "yes", "yes", "n/a", "yes",
+          ("tests/test_vllm_ascend_buckets.py", "tests/test_int8_wire.py",
+           "tests/test_verl091_megatron_engine.py", "tests/test_vllm_ascend_sync.py"),
+          _ALL, "tied and untied embeddings"),
+    _arch("Qwen3ForCausalLM", "qwen3", "yes", "yes", "no: not tested (same projection names as Qwen2)",
+          MBRIDGE_UNTESTED, "n/a", "no: not tested", ("tests/test_vllm_ascend_buckets.py",),
+          _ALL),
+    _arch("Qwen3MoeForCausalLM", "qwen3_moe", "yes", "yes", "yes", "yes", "yes", "yes",
+          ("tests/test_moe_reload.py", "tests/test_int8_wire.py", "tests/test_moe_forward.py",
+           "tests/test_verl091_megatron_engine.py"), _ALL),
+    _arch("LlamaForCausalLM", "llama", "yes", "yes", "yes (receiving end)", MBRIDGE_UNTESTED, "n/a", "yes",
+          ("tests/test_models_llama.py",), _NEWER,
+          "Llama 3.x: no bias, GQA, llama3 rope scaling, tied embeddings"),
+    _arch("DeepseekV3ForCausalLM", "deepseek_v3", "yes", "yes",
+          "yes (receiving end; MLA and shared-expert projections travel float)", MBRIDGE_UNTESTED,
+          "yes (weights; forward not run)", "partial: MLA attention and dense MLP; MoE layers not run",
+          ("tests/test_models_deepseek_v3.py",), _CURRENT,
+          "MLA projections W8A8_DYNAMIC, kv_b_proj 16-bit (vllm-ascend's MLA asserts it) with its "
+          "absorbed W_UK_T / W_UV re-derived after each sync; router + correction bias high precision; "
+          "shared experts and the first dense layers quantized. The MoE forward needs vllm-ascend's "
+          "swiglu_mode=1 dequant-swiglu kernel (not emulated); the attention forward on the CPU is a "
+          "plain-torch stand-in for vllm-ascend's NPU MLA kernels."),
+)
+
+# Architectures looked at and not covered, with why (anything else: not looked at).
+NOT_COVERED: Dict[str, str] = {
+    "Qwen2_5_VLForConditionalGeneration":
+        "vLLM's Qwen2.5-VL model imports transformers' Qwen2-VL image processor, which imports "
+        "torchvision; the CPU test stack has none (its only wheel here is a CUDA build of another "
+        "torch), so the model cannot be built on the CPU harness. Not run: the vision tower staying "
+        "16-bit, vLLM's language-model name mapping, the multimodal rollout after a sync",
+    "Qwen3VLForConditionalGeneration": "as Qwen2_5_VLForConditionalGeneration (vLLM's Qwen3-VL "
+                                       "model imports the same Qwen2-VL processor)",
+}
+
+
+def covered(name: Optional[str]) -> Optional[Architecture]:
+    for a in COVERED:
+        if a.name == name:
+            return a
+    return None
+
+
+def families() -> List[str]:
+    return [a.family for a in COVERED]
+
+
+def model_architecture(model_dir: str) -> Optional[str]:
+    """`architectures[0]` of a local checkpoint's config.json (None: no readable config)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return archs[0] if archs else None
+
+
+def coverage_problem(name: Optional[str]) -> Optional[str]:
+    """None when `name` is fully covered; else what is not covered and what was verified."""
+    a = covered(name)
+    verified = "; ".join(x.name for x in COVERED)
+    if a is None:
+        why = NOT_COVERED.get(name or "", "not among the architectures npu_flashrl's tests build")
+        return (f"architecture {name or '(unknown)'} is not covered by npu_flashrl's INT8 rollout "
+                f"tests ({why}); verified instead: {verified} (docs/compatibility.md, Architectures). "
+                "The INT8 loader still refuses any layer it cannot serve by name at engine build")
+    gaps = [f"{h}: {c}" for h, c in zip(HEADERS, a.cells) if not c.startswith(("yes", "n/a"))]
+    if gaps:
+        return f"architecture {a.name} is covered in part ({'; '.join(gaps)}); {a.note}"
+    return None
+
+
+def warn_if_not_covered(name: Optional[str], where: str) -> Optional[str]:
+    """Log (WARNING) and return `coverage_problem(name)`, prefixed with `where`."""
+    problem = coverage_problem(name)
+    if problem:
+        logger.warning("%s: %s", where, problem)
+    return problem
+
+
+def table_markdown() -> str:
+    """The docs/compatibility.md architectures table."""
+    head = "| architecture | " + " | ".join(HEADERS) + " | vllm-ascend lines | tests |"
+    rows = [head, "|" + "---|" * (len(HEADERS) + 3)]
+    for a in COVERED:
+        rows.append(f"| {a.name} | " + " | ".join(a.cells) + f" | {', '.join(a.lines)} | "
+                    + ", ".join(f"`{t}`" for t in a.tests) + " |")
+    for name, why in NOT_COVERED.items():
+        rows.append(f"| {name} | " + " | ".join(["no"] * len(HEADERS)) + f" | - | not covered: {why} |")
+    return "\n".join(rows)
