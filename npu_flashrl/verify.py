@@ -97,7 +97,7 @@ def package_rows(pins: dict, line: Optional[str] = None) -> List[Dict[str, str]]
             mismatch.append(f"version {version} is not ref {spec['ref']}")
         if key == "vllm_ascend":
             try:
-                from npu_flashrl.compat import UnsupportedVersion, line as installed_line
+                from npu_flashrl.lines import UnsupportedVersion, current as installed_line
                 have += f" (line {installed_line().name})"
             except ImportError:
                 pass
@@ -365,7 +365,7 @@ def line_patches_row() -> Tuple[Dict[str, str], Optional[str]]:
     from npu_flashrl import lines
 
     try:
-        ln = lines.line()
+        ln = lines.current()
     except lines.UnsupportedVersion as exc:
         return _row("vllm-ascend line", INFO, f"none: {exc}"), None
     return _row("vllm-ascend line", OK, f"{ln.describe()}, from {ln.source}; its patches: "
@@ -437,7 +437,7 @@ def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
 
 def verl_rows(path: str, verl: Optional[str] = None, config_path: Optional[str] = None) -> List[Dict[str, str]]:
     """Check verl overrides (file, or '-' for stdin) the way the verl line ``verl`` (None: the
-    installed verl's, the pin's when verl is absent; see compat.verl_line) would run them. A
+    installed verl's, the pin's when verl is absent; see lines.verl_line) would run them. A
     FlashRL config in play (``config_path``, i.e. ``verify --config``, the command's ``env
     FLASHRL_CONFIG=``, the Ray runtime env's, or this shell's) makes it an INT8 rollout's check."""
     from npu_flashrl.adapters.verl import (RolloutModeError, TisConfigError, check_rollout_mode,
@@ -483,10 +483,9 @@ def verl_rows(path: str, verl: Optional[str] = None, config_path: Optional[str] 
         return [_row(label, FAIL, msg, fix)]
     if warnings:
         return [_row(label, WARN, w) for w in warnings]
-    from npu_flashrl import compat
-
+    from npu_flashrl import lines
     return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl "
-                 f"{compat.verl_line(verl)}")]
+                 f"{lines.verl_line(verl)}")]
 
 
 def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,

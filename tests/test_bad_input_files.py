@@ -379,9 +379,8 @@ def test_verify_config_with_overrides_refuses_the_wrong_mode_whatever_the_shell(
 
 
 def test_verify_cli_config_with_overrides_of_the_installed_line(d):
-    from npu_flashrl import compat
-
-    override, key = REFUSED[compat.verl_line()]
+    from npu_flashrl import lines
+    override, key = REFUSED[lines.verl_line()]
     (d / "ov.txt").write_text(override + "\n")
     text = check(Case(["verify", "--config", "int8_profile_free", "--verl-overrides", d / "ov.txt"], 1,
                       [key], [d]), cli_runner)

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from npu_flashrl import compat
-
+from npu_flashrl import lines
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # benchmarks/reload.py --tiny --layers 2: 4.0 MB of bf16 weights per sync (launches, bytes read,
@@ -37,7 +36,7 @@ def assert_near(got, held, what):
     assert abs(got - held) <= MARGIN * held, f"{what}: {got} vs {held} held (+-{MARGIN:.0%})"
 
 
-@pytest.mark.skipif(not compat.verl_server_mode(),
+@pytest.mark.skipif(not lines.verl_server_mode(),
                     reason="counts held on the current line's vLLM (its loaders and layerwise reload)")
 def test_reload_counts_held_at_tiny_shapes(tmp_path):
     out = tmp_path / "reload.json"

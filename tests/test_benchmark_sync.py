@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
-from npu_flashrl import compat
-
-pytestmark = pytest.mark.skipif(not compat.verl_server_mode(),
+from npu_flashrl import lines
+pytestmark = pytest.mark.skipif(not lines.verl_server_mode(),
                                 reason="needs verl 0.9's bucketed transfer (current line)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

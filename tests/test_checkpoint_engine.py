@@ -25,10 +25,9 @@ import time
 import pytest
 import torch
 
-from npu_flashrl import compat
-
+from npu_flashrl import lines
 pytestmark = [
-    pytest.mark.skipif(not compat.verl_server_mode(),
+    pytest.mark.skipif(not lines.verl_server_mode(),
                        reason="needs verl 0.9's checkpoint engines (current line)"),
 ]
 

@@ -143,3 +143,11 @@ def test_required_topics():
                                   "compatibility.md", "troubleshooting.md", "metrics.md", "megatron_vs_fsdp.md"])
 def test_doc_exists(name):
     assert (DOCS / name).stat().st_size > 500
+
+
+def test_docs_index_lists_every_page():
+    """docs/README.md is the way in: every page of docs/ has its row there."""
+    index = doc("README.md")
+    missing = [p.name for p in sorted(DOCS.glob("*.md"))
+               if p.name != "README.md" and f"]({p.name})" not in index]
+    assert not missing, f"docs/README.md does not index {missing}"

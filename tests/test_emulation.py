@@ -100,12 +100,11 @@ def test_vllm_ascend_quant_modules_import(torch_npu):
     pytest.importorskip("vllm_ascend")
     from npu_flashrl.sim.cpu_vllm import prepare_process
 
-    from npu_flashrl import compat
-
+    from npu_flashrl import lines
     prepare_process()
     # the line's own modules (0.23: modelslim_config / method_adapters / methods.w8a8_*)
-    linear, static, dynamic = compat.quant_method_classes()
-    assert compat.quant_config_class().__name__ in ("AscendQuantConfig", "AscendModelSlimConfig")
+    linear, static, dynamic = lines.current().quant_method_classes()
+    assert lines.current().quant_config_class().__name__ in ("AscendQuantConfig", "AscendModelSlimConfig")
     assert linear.__name__ == "AscendLinearMethod"
     w8a8 = importlib.import_module(static.__module__)
     dyn = importlib.import_module(dynamic.__module__)

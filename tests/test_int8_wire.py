@@ -20,11 +20,11 @@ import pytest
 import torch
 from helpers import forward_tensors, restore_environ, set_verl_replica_env
 
-from npu_flashrl import compat, patches
+from npu_flashrl import lines, patches
 
 pytestmark = [
     pytest.mark.every_line,
-    pytest.mark.skipif(not compat.verl_server_mode(),
+    pytest.mark.skipif(not lines.verl_server_mode(),
                        reason="needs a server-mode verl line (bucketed syncs)"),
 ]
 

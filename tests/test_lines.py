@@ -55,18 +55,18 @@ def _detect_installed(tmp_path, monkeypatch, version):
     monkeypatch.syspath_prepend(_fake_distribution(tmp_path, version))
     monkeypatch.delitem(sys.modules, "vllm_ascend", raising=False)
     importlib.invalidate_caches()
-    lines.line.cache_clear()
+    lines.current.cache_clear()
     try:
-        return lines.line()
+        return lines.current()
     finally:
-        lines.line.cache_clear()
+        lines.current.cache_clear()
 
 
 @pytest.fixture
 def restore_installed(monkeypatch):
     yield
     monkeypatch.undo()
-    lines.line.cache_clear()
+    lines.current.cache_clear()
     importlib.invalidate_caches()
 
 
@@ -176,7 +176,7 @@ def test_a_second_declaration_of_a_patch_name_is_an_error(monkeypatch):
 def test_only_the_installed_lines_patches_are_declared():
     from npu_flashrl.adapters import vllm_ascend  # noqa: F401  (declares the line's patches)
 
-    ln = lines.line()
+    ln = lines.current()
     declared = {p["name"]: p for p in patches.status()}
     for name in ln.PATCHES:
         assert declared[name]["lines"] == [ln.name]

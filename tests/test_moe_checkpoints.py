@@ -197,11 +197,11 @@ def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, ki
     vllm-ascend's own get_quant_method reads our description for every layer."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    from npu_flashrl import compat
+    from npu_flashrl import lines
     from npu_flashrl.sim import cpu_vllm
 
-    _, _, dyn = compat.quant_method_classes()
-    moe_cls = compat.moe_method_class()
+    _, _, dyn = lines.current().quant_method_classes()
+    moe_cls = lines.current().moe_method_class()
     with cpu_vllm.CpuVllm(getattr(moe, kind), quantization="ascend", load_format="dummy",
                           choice=cpu_vllm.int8()) as v:
         for layer in v.model.model.layers:

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from npu_flashrl import kernels
+from npu_flashrl import kernels, lines
 from npu_flashrl.quant import WeightSyncError
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import (BucketBuffer, assert_same_state, bucket_bytes, post_sync,
@@ -342,7 +342,7 @@ def test_fused_mc2_scales_follow_every_sync(va, moe):
     """With `enable_fused_mc2`, vllm-ascend 0.23's post-processing keeps the int64 bit patterns of
     both expert scales (`fused_w1_scale` / `fused_w2_scale`) for its fused MC2 kernel: each sync
     rewrites them as a fresh load computes them (vllm-ascend's own converter)."""
-    if va.layout.current().layout != "023":
+    if lines.current().layout != "023":
         pytest.skip("enable_fused_mc2 is a vllm-ascend 0.23 setting")
     dirs, models = moe
     cfg = {"enable_fused_mc2": 1}
@@ -389,7 +389,7 @@ def test_dynamic_eplb_is_refused_by_name(va, moe, tmp_path):
     build on the CPU: vLLM's own FusedMoE carries the scheme here, in a fresh process.)"""
     import torch.multiprocessing as mp
 
-    if va.layout.current().layout != "023":
+    if lines.current().layout != "023":
         pytest.skip("eplb_config.dynamic_eplb is how vllm-ascend 0.23 spells it")
     dirs, _ = moe
     out = str(tmp_path / "result.txt")

@@ -109,10 +109,10 @@ def _built(vllm_config):
 
     from vllm.config import set_current_vllm_config
 
-    from npu_flashrl import compat
+    from npu_flashrl import lines
     from npu_flashrl.sim import ascend_harness, cpu_vllm
 
-    module, _, name = compat.INITIALIZE_MODEL_TARGET.partition(":")
+    module, _, name = lines.INITIALIZE_MODEL_TARGET.partition(":")
     initialize_model = getattr(importlib.import_module(module), name)  # what vLLM's loaders call
 
     with set_current_vllm_config(vllm_config):
@@ -145,17 +145,17 @@ def test_policy_engine_from_the_entry_gets_int8(rig, engine_patch):
     """The policy: its entry sets quantization="ascend"; vLLM's ModelConfig keeps it for the
     compressed-tensors W8A8 checkpoint (the override, this engine only) and the redirect gives
     vllm-ascend an in-memory description; the model gets the INT8 loader."""
-    from npu_flashrl import compat
+    from npu_flashrl import lines
     from npu_flashrl.adapters.engine_choice import EngineChoice, engine_choice
     from npu_flashrl.sim import cpu_vllm
 
     vc = _engine_config(rig.w8a8, distributed_executor_backend="external_launcher")
     assert vc.model_config.quantization == "ascend"
-    assert isinstance(vc.quant_config, compat.quant_config_class())
+    assert isinstance(vc.quant_config, lines.current().quant_config_class())
     assert engine_choice(vc) == EngineChoice(fn="int8_profile_free")
     assert vc.compute_hash()  # vLLM hashes additional_config with json.dumps: the choice serialises
     with cpu_vllm.CpuVllm(rig.w8a8, vllm_config=vc) as v:
-        _, _, dyn = compat.quant_method_classes()
+        _, _, dyn = lines.current().quant_method_classes()
         assert isinstance(v.model.model.layers[0].self_attn.qkv_proj.quant_method.quant_method, dyn)
         assert v.model._npu_flashrl_loader.targets
 

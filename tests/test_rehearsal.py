@@ -77,10 +77,9 @@ def test_report_has_finite_metrics_for_every_step_and_variant(runs):
 def test_transport_follows_the_installed_line(runs):
     """auto: verl's bucketed sync on the current line (verl 0.9 server mode), the in-process
     load_weights push on the pinned and 0.11 lines (verl sync mode)."""
-    from npu_flashrl import compat
-
+    from npu_flashrl import lines
     r1 = runs["r1"]
-    expected = "verl" if compat.line().name == "0.23.0" else "direct"
+    expected = "verl" if lines.current().name == "0.23.0" else "direct"
     assert r1["transport"]["requested"] == "auto" and r1["transport"]["name"] == expected, r1["transport"]
     assert {r["transport"] for r in r1["steps"]} == {expected}
     assert f"weight sync transport: {expected} (" in runs["p1"].stdout
@@ -267,9 +266,9 @@ def test_bad_max_layer_error_is_refused_before_anything_starts(tmp_path, capsys,
 
 
 def test_transport_verl_refused_where_verl_has_no_bucketed_sync(tmp_path, capsys):
-    from npu_flashrl import cli, compat
+    from npu_flashrl import cli, lines
 
-    if compat.verl_server_mode():
+    if lines.verl_server_mode():
         pytest.skip("verl with bucketed syncs installed: --transport verl runs (tests/test_rehearsal_current.py)")
     code = cli.main(["rehearse", "--transport", "verl", "--output-dir", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err

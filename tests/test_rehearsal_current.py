@@ -21,10 +21,9 @@ import sys
 
 import pytest
 
-from npu_flashrl import compat
-
+from npu_flashrl import lines
 pytestmark = [pytest.mark.every_line,
-              pytest.mark.skipif(not compat.verl_server_mode(), reason="needs verl 0.9.1 (server-mode bucketed syncs)")]
+              pytest.mark.skipif(not lines.verl_server_mode(), reason="needs verl 0.9.1 (server-mode bucketed syncs)")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,8 +29,7 @@ import torch
 
 from helpers import ROOT, rehearsal_env
 
-from npu_flashrl import compat
-
+from npu_flashrl import lines
 VARIANTS = ("bf16", "int8", "int8+tis", "int8+tis+fp32head")
 QUICK = dict(steps=6, seeds=2, mini_batches=2)  # settings.PRESETS["quick"], checked below
 SCALE = "int8+tis state: weight scales match the reference"
@@ -44,8 +43,8 @@ FAULTS = {"scale_x0.5": (SCALE, ALL_LAYERS), "stale_shard": (INT8, {QKV0})}
 
 def _line():
     try:
-        return compat.line().name
-    except compat.UnsupportedVersion:
+        return lines.current().name
+    except lines.UnsupportedVersion:
         return None
 
 
@@ -150,7 +149,7 @@ def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
     tis_rows = [row for row in g["rows"] if row["variant"] == "int8+tis"]
     assert all(row["tis_weights"]["frac_not_1"] > 0 for row in tis_rows)
     assert all(row["tis_weights"] is None for row in g["rows"] if row["variant"] in ("bf16", "int8"))
-    expected = ("verl", "0.9.1") if compat.verl_server_mode() else ("direct", "0.6.1")
+    expected = ("verl", "0.9.1") if lines.verl_server_mode() else ("direct", "0.6.1")
     assert (r["transport"]["name"], r["versions"]["verl"]) == expected
     assert os.path.getsize(r["plot"]) > 10_000
     assert "rehearsal --grpo passed" in out and "time: total" in out

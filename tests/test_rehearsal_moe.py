@@ -28,8 +28,7 @@ import sys
 import pytest
 import torch
 
-from npu_flashrl import compat
-
+from npu_flashrl import lines
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +57,8 @@ print("CODES " + json.dumps(codes), flush=True)
 
 def _line_name():
     try:
-        return compat.line().name
-    except compat.UnsupportedVersion as exc:
+        return lines.current().name
+    except lines.UnsupportedVersion as exc:
         pytest.skip(f"stack line unknown: {exc}")
 
 
@@ -112,7 +111,7 @@ def test_moe_rehearsal_passes_through_the_lines_transport(runs):
     assert r["model"]["architectures"] == ["Qwen3MoeForCausalLM"] and r["model"]["num_experts"] == EXPERTS
     # the line's own transport: verl's bucketed sender where verl runs in server mode
     t = r["transport"]
-    expected = "verl" if (compat.line().verl_mode == "server" and compat.verl_server_mode()) else "direct"
+    expected = "verl" if (lines.current().verl_mode == "server" and lines.verl_server_mode()) else "direct"
     assert t["name"] == expected and {row["transport"] for row in r["steps"]} == {expected}
     if expected == "verl":
         assert t["use_shm"] is True and "update_weights_from_ipc" in t["path"]

@@ -32,12 +32,12 @@ import sys
 
 import pytest
 
-from npu_flashrl import compat
+from npu_flashrl import lines
 from npu_flashrl.sim.megatron_engine import cpu_platform, stub_absent_modules
 
 pytestmark = [
     pytest.mark.every_line,
-    pytest.mark.skipif(not compat.verl_server_mode(),
+    pytest.mark.skipif(not lines.verl_server_mode(),
                        reason="needs verl 0.7.1+ (verl/workers/engine/fsdp), e.g. 0.9.1"),
 ]
 

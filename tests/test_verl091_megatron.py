@@ -8,11 +8,10 @@ import os
 
 import pytest
 
-from npu_flashrl import compat
-
+from npu_flashrl import lines
 pytestmark = [
     pytest.mark.every_line,
-    pytest.mark.skipif(not compat.verl_server_mode(),
+    pytest.mark.skipif(not lines.verl_server_mode(),
                        reason="needs verl 0.7.1+ (verl/workers/engine/megatron), e.g. 0.9.1"),
 ]
 

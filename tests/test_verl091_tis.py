@@ -19,12 +19,12 @@ import os
 import pytest
 import torch
 
-from npu_flashrl import compat
+from npu_flashrl import lines
 from npu_flashrl.adapters import verl as ad
 
 pytestmark = [
     pytest.mark.every_line,
-    pytest.mark.skipif(not compat.verl_server_mode(),
+    pytest.mark.skipif(not lines.verl_server_mode(),
                        reason="needs verl 0.7.1+ (rollout_correction with loss_type), e.g. 0.9.1"),
 ]
 

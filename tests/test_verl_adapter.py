@@ -8,13 +8,13 @@ import torch
 
 pytest.importorskip("verl")
 
-from npu_flashrl import compat  # noqa: E402
+from npu_flashrl import lines
 
 # every line: the sync-mode schema runs on the 0.11 (verl 0.6.1) and pinned (51d2104) lines; the
 # tests that need it skip on server-mode verl, whose rules tests/test_verl091_*.py check
 pytestmark = pytest.mark.every_line
 sync_schema = pytest.mark.skipif(
-    compat.verl_line() != compat.verl_line("pinned"),
+    lines.verl_line() != lines.verl_line("pinned"),
     reason="the sync-mode verl schema (use_policy_gradient, rollout_rs=token, "
            "compute_policy_loss_with_rollout_correction); the installed verl is server-mode: "
            "tests/test_verl091_tis.py / test_verl091_metrics.py")
@@ -266,9 +266,8 @@ def _trainer_cfg(*overrides):
 
 
 def test_check_rollout_mode_async_with_flashrl_raises(monkeypatch):
-    from npu_flashrl import compat
-
-    monkeypatch.setattr(compat, "verl_server_mode", lambda: False)  # the sync-mode (51d2104) branch
+    from npu_flashrl import lines
+    monkeypatch.setattr(lines.verl, "verl_server_mode", lambda: False)  # the sync-mode (51d2104) branch
     cfg = _trainer_cfg("actor_rollout_ref.rollout.mode=async")
     with pytest.raises(ad.RolloutModeError, match=r"actor_rollout_ref\.rollout\.mode=sync"):
         ad.check_rollout_mode(cfg, environ={"FLASHRL_CONFIG": "/x/config.yaml"})

@@ -33,12 +33,12 @@ import pytest
 import torch
 from helpers import forward_tensors, restore_environ, set_verl_replica_env
 
-from npu_flashrl import compat, patches
+from npu_flashrl import lines, patches
 from npu_flashrl.sim import verl_transfer
 
 pytestmark = [
     pytest.mark.every_line,
-    pytest.mark.skipif(not compat.verl_server_mode(),
+    pytest.mark.skipif(not lines.verl_server_mode(),
                        reason="needs verl with server-mode bucketed syncs (0.7.1+, e.g. 0.9.1)"),
 ]
 

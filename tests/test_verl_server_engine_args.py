@@ -73,10 +73,10 @@ def test_mp_engine_without_verl_extension_still_refused(cfg, monkeypatch):
 def test_driver_check_on_the_server_line(monkeypatch):
     """`check_rollout_mode` (also behind `npu-flashrl verify --verl-overrides`) on verl 0.7+:
     no `rollout.mode=sync` demanded, verl's own rollout quantization refused naming the key."""
-    from npu_flashrl import compat
+    from npu_flashrl import lines
     from npu_flashrl.adapters import verl as verl_adapter
 
-    monkeypatch.setattr(compat, "verl_server_mode", lambda: True)
+    monkeypatch.setattr(lines.verl, "verl_server_mode", lambda: True)
     env = {"FLASHRL_CONFIG": "/x/flashrl.yaml"}
     ok = {"actor_rollout_ref": {"rollout": {"mode": "async", "calculate_log_probs": True}},
           "algorithm": {"rollout_correction": {"rollout_is": "token"}}}

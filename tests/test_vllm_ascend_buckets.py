@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from npu_flashrl import compat, kernels
+from npu_flashrl import lines, kernels
 from npu_flashrl.sim import ascend_harness
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
@@ -190,7 +190,7 @@ def test_nz_on_and_off_kept_across_syncs(va, qwen2, enable_nz):
     try:
         with build(va, dirs[1], enable_nz=enable_nz) as f:
             if ascend_harness.nz_flag_target() is None and not enable_nz:
-                pytest.skip(f"vllm-ascend {compat.line().name} always NZ-casts W8A8 weights")
+                pytest.skip(f"vllm-ascend {lines.current().name} always NZ-casts W8A8 weights")
             want = state(f.model)
         with build(va, dirs[0], enable_nz=enable_nz) as v:
             assert ascend_harness.nz_enabled() == enable_nz

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_ascend")
 
-from npu_flashrl import compat  # noqa: E402
+from npu_flashrl import lines
 from npu_flashrl.sim import ascend_harness  # noqa: E402
 from npu_flashrl.kernels import reference as ref  # noqa: E402
 
@@ -54,7 +54,7 @@ def ascend(tmp_path_factory):
     try:
         ensure_distributed(1)
         ascend_harness.init_vllm_ascend_config(cfg)
-        yield compat.quant_method_classes()
+        yield lines.current().quant_method_classes()
     finally:
         ctx.__exit__(None, None, None)
 
@@ -62,11 +62,11 @@ def ascend(tmp_path_factory):
 @pytest.fixture
 def nz(request, monkeypatch, ascend):
     """Set vllm-ascend's NZ flag for one test (restored afterwards). Lines without the flag
-    (v0.10.1rc1 always NZ-casts, per compat) run only the NZ case."""
+    (v0.10.1rc1 always NZ-casts, per its line) run only the NZ case."""
     target = ascend_harness.nz_flag_target()
     if target is None:
         if not request.param:
-            pytest.skip(f"vllm-ascend {compat.line().name} always NZ-casts W8A8 weights")
+            pytest.skip(f"vllm-ascend {lines.current().name} always NZ-casts W8A8 weights")
         assert ascend_harness.nz_enabled()
         return True
     monkeypatch.setattr(*target, request.param)
@@ -92,7 +92,7 @@ def _make_layer(ascend, quant_type, dtype):
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     AscendLinearMethod, _, _ = ascend
-    config = compat.quant_config_class()({"layer.weight": quant_type})
+    config = lines.current().quant_config_class()({"layer.weight": quant_type})
     config.packed_modules_mapping = {}  # what vLLM's configure_quant_config sets for a model
     layer = ReplicatedLinear(IN, OUT, bias=False, params_dtype=dtype, quant_config=config,
                              prefix="layer")

@@ -237,9 +237,8 @@ def test_compressed_tensors_w8a8_loads_on_ascend_w8a8_dynamic(va, ckpts, tmp_pat
             with safe_open(os.path.join(w8, f), "pt") as sf:
                 raw.update({k: sf.get_tensor(k) for k in sf.keys()})
     with build(va, w8, fn=None) as v:
-        from npu_flashrl import compat
-
-        _, _, dyn = compat.quant_method_classes()
+        from npu_flashrl import lines
+        _, _, dyn = lines.current().quant_method_classes()
         layer = v.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(layer.quant_method.quant_method, dyn)
         q = torch.cat([raw[f"model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
@@ -265,9 +264,8 @@ def test_modelslim_static_w8a8_keeps_qwen2_bias(va, ckpts, tmp_path):
     ms = str(tmp_path / "modelslim")
     write_modelslim_w8a8(dirs[0], ms, input_scale=0.02)
     with build(va, ms, fn=None) as v:
-        from npu_flashrl import compat
-
-        _, static, _ = compat.quant_method_classes()
+        from npu_flashrl import lines
+        _, static, _ = lines.current().quant_method_classes()
         layer = v.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(layer.quant_method.quant_method, static)
         # every projection is claimed by the registered static W8A8 scheme (adapters/vllm_ascend/schemes)

@@ -1,6 +1,6 @@
 """What one stack line means to npu_flashrl: the `StackLine` base every line module subclasses.
 
-A line is a frozen object (one per supported vllm-ascend release, `line()` picks the installed
+A line is a frozen object (one per supported vllm-ascend release, `current()` picks the installed
 one) holding:
 - what it was tested with: the vllm-ascend release (`name`), vLLM, verl and how verl drives the
   rollout (`verl_mode`: "sync" in-process, "server" bucketed IPC syncs);

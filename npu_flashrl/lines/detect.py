@@ -1,4 +1,4 @@
-"""Which supported line the installed vllm-ascend is, decided once per process (`line()`).
+"""Which supported line the installed vllm-ascend is, decided once per process (`current()`).
 
 A distribution's version decides (when vllm_ascend is imported from where it was installed):
 - a verified release, or a post / local release of one (0.23.0.post1, 0.23.0+local): its line;
@@ -104,7 +104,7 @@ def _dist_version(name: str) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def line() -> StackLine:
+def current() -> StackLine:
     """The installed vllm-ascend's line, decided once per process.
 
     The distribution's version decides when vllm_ascend is imported from where the distribution

@@ -1,7 +1,7 @@
 """The verl lines npu_flashrl supports, as its config checks see them: one class per line holding
 its TIS keys (``algorithm.rollout_correction``), the combinations that silently do no TIS there,
 the overrides that turn decoupled-mode TIS on, and what the rollout mode must be. The rest of
-:mod:`.config_check` names no line; `for_line(compat.verl_line())` picks the class.
+:mod:`.config_check` names no line; `for_line(lines.verl_line())` picks the class.
 
 * ``"51d2104"``: verl 51d2104 (the pin) and 0.6.x, sync (SPMD) rollout (:mod:`.sync_mode`).
   Read from its source (``ray_trainer.py``, ``rollout_corr_helper.py``,
@@ -279,7 +279,7 @@ LINES: Dict[str, VerlLine] = {line.name: line for line in (Sync51d2104(), Server
 
 
 def for_line(name: str) -> VerlLine:
-    """The line `compat.verl_line()` named ("51d2104" or "0.9")."""
+    """The line `lines.verl_line()` named ("51d2104" or "0.9")."""
     try:
         return LINES[name]
     except KeyError:

@@ -86,9 +86,8 @@ def versions() -> Dict[str, Optional[str]]:
             out[dist] = None
     if out["vllm-ascend"] is None:  # a source tree on the path has no distribution metadata
         try:
-            from npu_flashrl import compat
-
-            out["vllm-ascend"] = f"{compat.line().name} (source tree)"
+            from npu_flashrl import lines
+            out["vllm-ascend"] = f"{lines.current().name} (source tree)"
         except Exception:  # noqa: BLE001 - not installed at all: stays None
             pass
     return out

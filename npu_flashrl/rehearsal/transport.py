@@ -13,7 +13,7 @@
 - ``direct``: `model.load_weights` per shuffled bucket, then `end_weight_sync` for INT8: the
   in-process push of verl's sync-mode rollout (verl <= 0.6, the pinned and 0.11 lines).
 - ``auto`` (default): ``verl`` where the installed stack line runs verl in server mode and that
-  verl is installed (`compat.line().verl_mode`, `compat.verl_server_mode()`), else ``direct``.
+  verl is installed (`lines.current().verl_mode`, `lines.verl_server_mode()`), else ``direct``.
 
 Both push the same shuffled order (the trainer's order) of the same tensors, so fused layers
 (q/k/v, gate/up) arrive split across buckets either way.
@@ -38,17 +38,16 @@ TIMEOUT_S = 300
 
 def resolve(requested: str) -> Dict[str, Any]:
     """The transport `--transport requested` means on the installed stack, and why."""
-    from npu_flashrl import compat
-
+    from npu_flashrl import lines
     try:
-        line = compat.line()
+        line = lines.current()
         line_name, verl_mode = line.name, line.verl_mode
-    except compat.UnsupportedVersion as exc:
+    except lines.UnsupportedVersion as exc:
         line_name, verl_mode = None, None
         line_problem = str(exc)
     else:
         line_problem = None
-    server = compat.verl_server_mode()
+    server = lines.verl_server_mode()
     if requested == "verl" and not server:
         raise RehearsalError("--transport verl needs verl with server-mode bucketed syncs (0.7.1 .. 0.9.1, "
                              "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py); the installed "

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from npu_flashrl.kernels import emulation
-from npu_flashrl.lines import line
+from npu_flashrl.lines import current
 from npu_flashrl.sim import ascend_harness
 
 _dist_state = {"initialized": False, "world_size": None}
@@ -41,7 +41,7 @@ def prepare_process(enable_nz: bool = True) -> None:
     cls = _platform_cls()
     if not isinstance(platforms._current_platform, cls):
         platforms._current_platform = cls()
-    line().quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    current().quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
     cls.supported_quantization = _npu_supported_quantization()
     _register_ascend_compressed_tensors()
     emulation.register_cpu_ops()
@@ -132,7 +132,7 @@ def _mc2_without_hccl() -> None:
     The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
     import importlib
 
-    module = importlib.import_module(line().moe_method.partition(":")[0])
+    module = importlib.import_module(current().moe_method.partition(":")[0])
     original = getattr(module, "get_mc2_group", None)
     if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return

@@ -56,14 +56,13 @@ def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
 
 
 def _line(verl: Optional[str]) -> verl_rules.VerlLine:
-    from npu_flashrl import compat
-
-    return verl_rules.for_line(compat.verl_line(verl))
+    from npu_flashrl import lines
+    return verl_rules.for_line(lines.verl_line(verl))
 
 
 def check_tis(config: Any, verl: Optional[str] = None) -> None:
     """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS on the verl line
-    ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.compat.verl_line`; None: the
+    ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.lines.verl_line`; None: the
     installed verl's). Raises :class:`TisConfigError` naming the key and the fix. The rules per
     line, read from each line's source, are in :mod:`npu_flashrl.lines.verl_rules`.
 
@@ -183,7 +182,7 @@ def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
                   verl: Optional[str] = None) -> List[str]:
     """Hydra overrides turning on truncated IS for an INT8 rollout, in the key names of the verl
     line ``verl`` (``"51d2104"``: the pin and 0.6.x; ``"0.9"``: verl 0.7.1 .. 0.9.x; None: the
-    installed verl's, the pin's without verl; see :func:`npu_flashrl.compat.verl_line`).
+    installed verl's, the pin's without verl; see :func:`npu_flashrl.lines.verl_line`).
 
     Always decoupled mode, the combination that multiplies the truncated IS weights into the loss
     on both lines (see :func:`check_tis`; asking for another one raises :class:`TisConfigError`):

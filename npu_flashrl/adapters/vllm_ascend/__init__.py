@@ -33,10 +33,10 @@ def _declare_line_patches() -> None:
     vllm-ascend is missing or an unsupported release nothing is declared, and `PATCHES` raises
     saying so."""
     from npu_flashrl import lines, patches
-    from npu_flashrl.adapters.vllm_ascend import hooks, layout
+    from npu_flashrl.adapters.vllm_ascend import hooks
 
     try:
-        line = layout.current()
+        line = lines.current()
     except lines.UnsupportedVersion:
         return
     patches.declare(line.patches(hooks))
@@ -48,7 +48,7 @@ _declare_line_patches()
 def __getattr__(name: str):
     # The line's patch names; UnsupportedVersion (naming the supported lines) when there is none.
     if name == "PATCHES":
-        from npu_flashrl.adapters.vllm_ascend import layout
+        from npu_flashrl import lines
 
-        return layout.current().PATCHES
+        return lines.current().PATCHES
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

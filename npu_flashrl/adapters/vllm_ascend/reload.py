@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend import schemes
 from npu_flashrl.adapters.vllm_ascend.schemes import LinearTarget  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import find_linear_targets as find_targets
@@ -85,7 +85,7 @@ class Int8WeightLoader:
 
     def processed(self) -> bool:
         layers = [t.layer for t in self._layers().values()]
-        is_processed = _layout.current().is_processed
+        is_processed = lines.current().is_processed
         return bool(layers) and all(is_processed(l) for l in layers)
 
     def check_quantizer(self) -> None:
@@ -126,7 +126,7 @@ class Int8WeightLoader:
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         # Until vLLM's layerwise reload is finalized every tensor is its (the float ones arriving
         # after the last quantized layer was processed again too): none of it begins a sync.
-        layerwise = _layout.current().layerwise_reload_active(self.model)
+        layerwise = lines.current().layerwise_reload_active(self.model)
         if layerwise or not self.processed():
             # A layer that was processed before and is not now was put back into its checkpoint
             # layout by vLLM's layerwise reload, which holds the tensors it is given until the

@@ -7,7 +7,7 @@ from typing import Callable, Dict, List, Tuple, Type
 
 import torch
 
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
 from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, MOE, Scheme, inner_method
 
@@ -48,7 +48,7 @@ def find_targets(model: torch.nn.Module, layer_type: str) -> Dict[str, object]:
     claims. A linear layer under vllm-ascend's wrapper that no scheme claims is refused (its
     projections would otherwise pass through to vLLM's loaders, and float weights would land in
     int8 parameters)."""
-    line = _layout.current()
+    line = lines.current()
     schemes = registered(layer_type)
     runs: List[Tuple[Scheme, List[Tuple[str, torch.nn.Module]]]] = []  # in the model's order
     wrapper = line.linear_wrapper_class() if layer_type == LINEAR else None

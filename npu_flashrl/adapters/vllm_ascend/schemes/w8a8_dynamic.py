@@ -4,7 +4,7 @@ what post-processing derives from them (the fp32 scale copy, a zero offset: the 
 `commit_extras`). The INT8 wire sends it int8 + per-channel scale (`schemes.base.PER_CHANNEL_INT8`)."""
 from __future__ import annotations
 
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend.description import W8A8_DYNAMIC
 from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme
@@ -17,4 +17,4 @@ class W8A8DynamicLinear(LinearScheme):
         return line.method_classes()[1]
 
     def commit_derived(self, layer) -> None:
-        _layout.current().commit_extras(layer)
+        lines.current().commit_extras(layer)

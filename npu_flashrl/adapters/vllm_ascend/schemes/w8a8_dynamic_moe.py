@@ -17,7 +17,7 @@ from typing import Dict, FrozenSet, List, Sequence, Tuple
 import torch
 
 from npu_flashrl.adapters.vllm_ascend import experts as _experts
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend.description import W8A8_DYNAMIC, UnsupportedScheme
 from npu_flashrl.adapters.vllm_ascend.schemes.base import (
     MOE, PER_CHANNEL_INT8, LayerStaging, Scheme, inner_method, stage_param)
@@ -155,4 +155,4 @@ class W8A8DynamicMoE(Scheme):
         return ExpertStaging(target)
 
     def commit_derived(self, layer) -> None:
-        _layout.current().commit_moe_extras(layer)
+        lines.current().commit_moe_extras(layer)

@@ -5,7 +5,7 @@ bias, so both are derived again after new scales and after a bias update (the li
 `commit_extras` and `refresh_static`: what its release derives differs, `npu_flashrl.lines`)."""
 from __future__ import annotations
 
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
+from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend.description import W8A8
 from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme
@@ -20,10 +20,10 @@ class W8A8StaticLinear(LinearScheme):
         return line.method_classes()[0]
 
     def commit_derived(self, layer) -> None:
-        line = _layout.current()
+        line = lines.current()
         line.commit_extras(layer)
         line.refresh_static(layer)
 
     def after_bias_update(self, layer) -> None:
         # it computes with quant_bias, not bias: fold the new bias in
-        _layout.current().refresh_static(layer)
+        lines.current().refresh_static(layer)
