@@ -1,4 +1,4 @@
-"""Bad-input catalogue (issue 14): every bad input gets a clear error naming the file, variable, key or
+"""Bad-input catalogue: every bad input gets a clear error naming the file, variable, key or
 parameter, and nothing is written or changed.
 
 Each case asserts (1) the exit code or exception type, (2) that the message names what is wrong,

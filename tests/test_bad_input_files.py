@@ -1,4 +1,4 @@
-"""Bad checkpoints and configs (issue 22, items 5 and 6): refused by `setup` and `verify` for every
+"""Bad checkpoints and configs: refused by `setup` and `verify` for every
 fn, naming the file and what was expected, with nothing written.
 
 * corrupt shards (truncated, a header length of 2^40 bytes, data offsets past the end, a file with

@@ -1,4 +1,4 @@
-"""Inputs that fail with a raw traceback or a misleading message (issue 22, item 9): each now gets
+"""Inputs that fail with a raw traceback or a misleading message: each now gets
 one message naming the file, flag or tensor and what was expected, nothing written.
 
 Stand-ins, by name: "unreadable" / "read-only" inputs drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH

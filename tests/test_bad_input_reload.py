@@ -1,4 +1,4 @@
-"""Bad input to a weight reload (issue 14, reload bullet): each is a WeightSyncError naming the
+"""Bad input to a weight reload : each is a WeightSyncError naming the
 parameter and the expected shape or form, and the model is left exactly as it was.
 
 Real vLLM + vllm-ascend code on CPU; stand-ins as in test_vllm_ascend_reload (emulated torch_npu,

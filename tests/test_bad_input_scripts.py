@@ -1,4 +1,4 @@
-"""Bad input to the shell scripts (issue 22, items 7 and 8): every numeric or boolean variable is
+"""Bad input to the shell scripts: every numeric or boolean variable is
 checked by pattern before any arithmetic, a failed check stops the run whatever happens inside the
 check, and paths with non-ASCII or Hydra-special characters reach verl as the same strings.
 

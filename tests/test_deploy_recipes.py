@@ -41,7 +41,7 @@ MOE_INT8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh"
 MOE_BF16 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh"
 MOE_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh"
 MOE_BF16_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh"
-# verl 0.9.1's Megatron / MindSpeed engine (issue 23)
+# verl 0.9.1's Megatron / MindSpeed engine
 MEG32_INT8 = EX / "flash_rl" / "grpo_qwen25_32b_megatron_int8_A2_verl09.sh"
 MEG32_BF16 = EX / "flash_rl" / "grpo_qwen25_32b_megatron_bf16_A2_verl09.sh"
 MEG32_CONFIG = EX / "configs" / "test_grpo_qwen25_32b_megatron_int8_A2_verl09.sh"

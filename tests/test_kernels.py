@@ -526,7 +526,7 @@ def test_format_not_inherited_by_reused_memory():
 @pytest.mark.parametrize("odd", ["output_scale", "input_scale", "weight"])
 def test_with_scales_refuses_operands_on_different_devices(impl, odd):
     """A CPU profile scale times a device weight must be refused by name, not fail inside torch
-    (issue 13 defect 1). Stand-in for the second device: `meta` (no NPU on CPU CI); the kernel
+    (CPU profile scales met device weights at the first sync). Stand-in for the second device: `meta` (no NPU on CPU CI); the kernel
     must refuse the cpu+meta mix exactly as it would refuse cpu+npu."""
     ops = {"weight": torch.ones(2, 3, dtype=torch.bfloat16), "output_scale": torch.ones(2, 1),
            "input_scale": torch.ones(1, 3)}
@@ -552,7 +552,7 @@ def emulated_torch_npu():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_npu_per_channel_refuses_nan_inf_like_the_reference(emulated_torch_npu, bad, dtype):
-    """kernels/npu.py refuses NaN/Inf as the reference does (issue 13 defect 6). Stand-in: the
+    """kernels/npu.py refuses NaN/Inf as the reference does (a NaN weight must never become a finite int8). Stand-in: the
     emulated torch_npu (`npu_dynamic_quant` backed by the reference op), since CI has no NPU; the
     refusal itself runs before any torch_npu op, in the NPU module's own code."""
     from npu_flashrl.kernels import npu

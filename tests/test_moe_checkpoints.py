@@ -1,4 +1,4 @@
-"""MoE checkpoints (issue 15): the compressed-tensors W8A8 writer, the vllm-ascend description and
+"""MoE checkpoints: the compressed-tensors W8A8 writer, the vllm-ascend description and
 the cold load of a tiny Qwen3-MoE.
 
 Real code throughout: transformers builds and saves the tiny Qwen3-MoE (fused experts on

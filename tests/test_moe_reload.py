@@ -162,7 +162,7 @@ def test_missing_expert_shard_is_named_and_blocks_generation_until_a_complete_sy
 
 
 def test_a_sync_leaving_out_a_layers_experts_names_them_and_blocks_generation(va, moe):
-    """Issue 22 (weight syncs 1): a sync without ANY expert of layer 1 staged nothing there, so
+    """A sync without ANY expert of layer 1 staged nothing there, so
     nothing was "missing" and it ended clean with layer 1's experts of the previous sync."""
     dirs, models = moe
     with build(va, dirs[0]) as v:
@@ -182,7 +182,7 @@ def test_a_sync_leaving_out_a_layers_experts_names_them_and_blocks_generation(va
 
 
 def test_an_expert_twice_in_one_call_is_refused_by_name(va, moe):
-    """Issue 22 (weight syncs 4): the second copy re-staged the layer, and the sync was reported
+    """A tensor sent twice: the second copy re-staged the layer, and the sync was reported
     as other experts that "never arrived"."""
     dirs, models = moe
     with build(va, dirs[0]) as v:

@@ -1,4 +1,4 @@
-"""Issue 26: with npu_flashrl active, only the policy rollout's engine (built from a FlashRL config
+"""Policy only: with npu_flashrl active, only the policy rollout's engine (built from a FlashRL config
 entry) is redirected onto vllm-ascend's "ascend" W8A8 path; every other vLLM engine in the process
 (verl's reward / teacher model servers, any engine npu_flashrl's engine patch does not make the
 policy) loads a compressed-tensors checkpoint exactly as vllm-ascend would without npu_flashrl.
@@ -162,7 +162,7 @@ def test_policy_engine_from_the_entry_gets_int8(rig, engine_patch):
 
 def test_reward_server_w4a8_goes_to_vllm_ascend_compressed_tensors(rig, engine_patch, monkeypatch):
     """A verl reward-model server in the same process: left as configured, its compressed-tensors
-    W4A8 checkpoint is vllm-ascend's own (before issue 26: sent to "ascend" and refused,
+    W4A8 checkpoint is vllm-ascend's own (before the policy-only rule: sent to "ascend" and refused,
     UnsupportedScheme)."""
     from npu_flashrl.adapters.verl import server_mode
 

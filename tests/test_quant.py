@@ -19,7 +19,7 @@ def _profile(out=4, inn=3):
 
 
 def test_profile_tensors_move_to_the_weight_device_once_and_stay():
-    """Issue 13 defect 1: on an NPU the CPU profile scales met device weights at the first sync.
+    """On an NPU the CPU profile scales met device weights at the first sync.
     The quantizer must hand the kernel operands on the weight's device (the kernel refuses a
     mix, see test_kernels), cache the moved entry per device, and leave the CPU profile alone."""
     prof = _profile()

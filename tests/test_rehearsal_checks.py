@@ -8,7 +8,7 @@ quantizer is wrapped through the adapter's public `attach`, or the model is tamp
 real bucketed transfer (`--transport auto`: sender process, `update_weights_from_ipc`, shared memory),
 so the checks are proven on that path too. Each run must fail exactly the
 checks that can see its fault (the mismatch metric may or may not also fail: it is NOT able to see
-these faults reliably, which is the point of issue 16), naming the layer and the number.
+these faults reliably, which is the point of these checks), naming the layer and the number.
 
 Stand-ins: torch_npu (emulated by npu_flashrl.kernels.reference, so int8 values must be exact here),
 vLLM attention (plain causal attention, cpu_vllm). Speed: all runs in ONE subprocess (the rehearsal

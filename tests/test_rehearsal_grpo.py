@@ -1,4 +1,4 @@
-"""`npu-flashrl rehearse --grpo` (issue 25): GRPO on the tiny model with verl's own algorithm code,
+"""`npu-flashrl rehearse --grpo`: GRPO on the tiny model with verl's own algorithm code,
 rollouts sampled from the bf16 / INT8 / INT8+fp32head vLLM rollout models.
 
 End to end (current line: vLLM / vllm-ascend 0.23 + verl 0.9.1, syncs through verl's bucketed transfer;

@@ -1,4 +1,4 @@
-"""What ends a weight sync (issue 22, weight syncs 1, 2, 4), on every stack line: a sync is
+"""What ends a weight sync, on every stack line: a sync is
 complete, refused, or the model refuses to generate, whatever interrupts it; no tensor is
 trusted.
 

@@ -1,4 +1,4 @@
-"""verl 51d2104's OWN weight sync into a real INT8 rollout model, ended by npu_flashrl (issue 13, defect 4).
+"""verl 51d2104's OWN weight sync into a real INT8 rollout model, ended by npu_flashrl (verl 51d2104 never ends a sync itself).
 
 What runs for real: verl 51d2104's `vLLMRollout.update_weights` (its `patch_vllm_moe_model_weight_loader`,
 the `model.load_weights` call and vLLM's `process_weights_after_loading` afterwards), fed with the

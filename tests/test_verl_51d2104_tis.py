@@ -1,4 +1,4 @@
-"""TIS at verl 51d2104, driven through verl's OWN code (issue 13, defect 2).
+"""TIS at verl 51d2104, driven through verl's OWN code (the published recipe's TIS computes no IS weights there).
 
 verl 51d2104 has no registry release: these tests use its source tree from ../shared/upstream (the
 `verl_51d2104` fixture puts it first on sys.path and skips, saying how to get it, when it is absent).

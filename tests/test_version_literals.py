@@ -12,7 +12,7 @@ What counts as a version: the releases and their minor series that the lines nam
 `npu_flashrl.lines`, so a new line is covered without editing this test), the verl commit pin,
 and any `N.N[.N]` written right after the name vllm / vLLM / vllm-ascend / verl.
 
-`PENDING`: modules other helpers of issue 21 were rewriting when this test landed (their owners
+`PENDING`: modules that were being rewritten when this test landed (their owners
 clear them; a listed file that is clean fails, so the list only shrinks)."""
 import ast
 import io
@@ -32,7 +32,7 @@ PENDING = {
     # take their release names from npu_flashrl.lines.verl)
     "adapters/verl/__init__.py": "engine",
     "adapters/verl/config_check.py": "engine", "adapters/verl/moe_names.py": "engine",
-    "sim/sync.py": "sim move",  # its test-only helpers move to tests/ (issue 21 item 3)
+    "sim/sync.py": "sim move",  # its test-only helpers move to tests/ (the simulation is fenced off from runtime code)
     "rehearsal/transport.py": "rehearsal",
 }
 

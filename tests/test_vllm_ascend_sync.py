@@ -1,5 +1,5 @@
 """What a weight sync does when it is large, fails part-way, or meets a layout it cannot serve
-(issue 13 defects 5, 7, 8, 9), on real vLLM + vllm-ascend code on CPU.
+(float biases, partial syncs, order, bad tensors), on real vLLM + vllm-ascend code on CPU.
 
 Stand-ins (CPU CI has no NPU): torch_npu is the emulation in npu_flashrl.kernels.emulation
 (reference kernels behind the torch_npu ops vllm-ascend calls); attention is a plain causal SDPA
@@ -234,7 +234,7 @@ def test_profile_missing_an_entry_is_refused_before_any_write(va, pair):
 
 
 def test_profile_missing_a_layernorm_entry_is_refused_at_engine_build_as_verify_does(va, pair):
-    """Issue 22 (weight syncs 3): an int8 profile without one layernorm entry was refused by
+    """An int8 profile without one layernorm entry was refused by
     `setup` / `verify` but accepted when the engine built (the norm left unsmoothed: ~8% logit
     error). Both now run `quant.profile.profile_problems`; an entry of the wrong shape too."""
     from npu_flashrl.profile import check_profile_against_model, compute_int8_profile

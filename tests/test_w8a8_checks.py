@@ -1,4 +1,4 @@
-"""fn int8 needs a real W8A8 checkpoint loaded for real (issue 13, defect 3).
+"""fn int8 needs a real W8A8 checkpoint loaded for real (a dummy load keeps random scales).
 
 `fn: int8` keeps the W8A8 checkpoint's `weight_scale` through every sync (the profile's scales are
 relative to them). So the engine must not be built with `load_format: dummy` (verl's default in sync

@@ -51,7 +51,7 @@ experts) and `checks` (the verdict), `output`, `user_setup` (profile / setup / a
 their library functions, `npu_flashrl.commands`), `transport` (how syncs reach the rollout), `main`
 (the run, one function per phase). The test seam that injects faults is part of the simulation:
 `npu_flashrl.sim.faults`. `grpo` (`--grpo`): GRPO on the rollout models with verl's own advantage,
-TIS and policy-loss code (issue 25).
+TIS and policy-loss code.
 
 Process-global state: vLLM's process group, the torch_npu emulation and npu_flashrl's patches stay
 in the process after `run()` (the FP32 lm-head patches included), and so does verl's sender process

@@ -21,7 +21,7 @@ from npu_flashrl.rehearsal.model import check_model_dir, is_moe
 
 
 def run(args) -> int:
-    if getattr(args, "grpo", False):  # issue 25: a GRPO run instead (npu_flashrl.rehearsal.grpo)
+    if getattr(args, "grpo", False):  # a GRPO run instead (npu_flashrl.rehearsal.grpo)
         from npu_flashrl.rehearsal.grpo import run as run_grpo
 
         return run_grpo(args)

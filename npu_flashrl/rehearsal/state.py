@@ -2,7 +2,7 @@
 quantization of the weights that were pushed, and each quantized layer's output error.
 
 The mismatch metric alone cannot judge an INT8 model: the RMSNorms absorb a uniform scale error,
-so every weight scale at HALF its value still passed at token_mult_prob_error 1.047 (issue 16).
+so every weight scale at HALF its value still passed at token_mult_prob_error 1.047.
 So after each sync, for every vllm-ascend W8A8 layer the INT8 loader targets:
 
 * **int8 values**: the live weight read back (from the device, NZ cast to ND: `kernels.to_host_nd`)

@@ -48,7 +48,7 @@ def override(original):
         # extra arguments: the newest vLLM line (lines.v0_23_0) also passes hf_config=
         chosen = original(hf_quant_cfg, user_quant, *args, **kwargs)
         # Only the policy engine, whose args npu_flashrl set to "ascend" (vllm_engine.apply_entry):
-        # any other engine keeps vllm-ascend's own compressed-tensors method (issue 26).
+        # any other engine keeps vllm-ascend's own compressed-tensors method (policy only).
         if chosen is None and user_quant == "ascend" and engine_choice.policy_in_build() \
                 and isinstance(hf_quant_cfg, dict) \
                 and hf_quant_cfg.get("quant_method") == "compressed-tensors":

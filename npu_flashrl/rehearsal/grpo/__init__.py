@@ -1,5 +1,5 @@
 """`npu-flashrl rehearse --grpo`: "INT8 rollout + TIS trains like bf16", end to end on the tiny model,
-with verl's own GRPO code (issue 25).
+with verl's own GRPO code.
 
 What one run does:
 
