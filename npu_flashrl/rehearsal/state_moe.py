@@ -53,7 +53,7 @@ def _tensors(layer) -> Dict[str, torch.Tensor]:
 
 
 class ExpertLayerCheck:
-    """One fused-MoE layer (an `adapters.vllm_ascend.experts.ExpertTarget`); made right after the
+    """One fused-MoE layer (an `adapters.vllm_ascend.schemes.w8a8_dynamic_moe.ExpertTarget`); made right after the
     cold load, `check(weights, step, problems)` after every sync."""
 
     kind = "experts"
