@@ -1,14 +1,15 @@
 """`npu-flashrl rehearse --grpo`: one run, phase by phase (see the package docstring).
 
 Phases: `_model` (the cached tiny model), `_setup` (npu-flashrl setup, activation, verl's imports),
-`_runs` (every variant on its rollout model), `_report` (summary, verdict, report.json, grpo.png,
-the printed summary).
+`_runs` (every variant and control on its rollout model, each run's held-out score), `_report`
+(statistics, verdict, report.json, grpo.png, the printed summary).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import resource
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -97,10 +98,11 @@ class Setup:
 
 @dataclasses.dataclass
 class Runs:
-    """Phase 3: per variant its runs and rollout info, the INT8 state checks."""
+    """Phase 3: per variant its runs and rollout info, the INT8 state checks, the held-out scores."""
     results: Dict[str, Dict[str, Any]]
     infos: Dict[str, Dict[str, Any]]
     layer_results: Dict[str, List[Dict[str, Any]]]
+    heldout: Dict[str, Any]
 
 
 def _run(r: Run) -> int:
@@ -176,28 +178,34 @@ def _setup(r: Run, model: Model) -> Setup:
 
 
 def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
-    """Every variant on its rollout model; one rollout model per rollout kind serves all its variants
-    and seeds. The fp32-head rollout (process-global patches) last."""
+    """Every variant (and control) on its rollout model, in the order of `plan`; one rollout model per
+    rollout kind serves all its variants and seeds. The fp32-head rollout (process-global patches) last."""
     from npu_flashrl.rehearsal import transport as transport_mod
+    from npu_flashrl.rehearsal.grpo import heldout as heldout_mod
     from npu_flashrl.rehearsal.grpo.loop import RolloutHandle, run_variant_seeds
-    from npu_flashrl.rehearsal.grpo.settings import (VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_TIS,
-                                                     VARIANT_INT8_TIS_FP32HEAD)
     from npu_flashrl.rehearsal.grpo.trainer import GrpoTrainer
     from npu_flashrl.rehearsal.grpo.verl_algo import VerlGrpo
 
+    s = r.settings
     t = time.perf_counter()
-    trainer = GrpoTrainer(model.master_dir, r.device, r.settings.lr)
-    plan = [("bf16", [VARIANT_BF16]), ("int8", [VARIANT_INT8, VARIANT_INT8_TIS]),
-            ("int8+fp32head", [VARIANT_INT8_TIS_FP32HEAD])]
-    if r.args.no_fp32_head:
-        plan.pop()
+    trainer = GrpoTrainer(model.master_dir, r.device, s.lr)
+    prompts, heldout_info = heldout_mod.heldout_prompts(task, s, r.args.seed)
+    trainer.reset()
+    heldout_info["pretrained"] = heldout_mod.score(trainer, task, prompts, False)
+
+    def heldout_score(tr, fp32_head: bool) -> float:
+        return heldout_mod.score(tr, task, prompts, fp32_head)
+
+    variants = [v for v in s.variants() if not (r.args.no_fp32_head and v.fp32_head)]
+    plan = [(kind, [v for v in variants if v.rollout == kind]) for kind in ("bf16", "int8", "int8+fp32head")]
     results: Dict[str, Dict[str, Any]] = {}
     infos: Dict[str, Dict[str, Any]] = {}
     layer_results: Dict[str, List[Dict[str, Any]]] = {}
     sync_counter = [0]
     with transport_mod.make(r.transport, r.args.buckets, r.work, r.device) as sync:
-        for kind, variants in plan:
-            int8 = kind != "bf16"
+        for kind, on_it in plan:
+            if not on_it:
+                continue
             if kind == "int8+fp32head":
                 # FLASHRL_LMHEAD_FP32 on the rollout side: process-global, so this rollout model is built
                 # (and used) last
@@ -206,35 +214,44 @@ def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
                 vllm_fp32.enable_lm_head_fp32()
             t0 = time.perf_counter()
             with setup.builders[kind]() as v:
-                handle = RolloutHandle(v, int8, r.device, r.args.seed, setup.profile, _faults())
+                handle = RolloutHandle(v, kind != "bf16", r.device, r.args.seed, setup.profile, _faults())
                 handle.info["build_s"] = time.perf_counter() - t0
                 sync.attach(v)
-                for variant in variants:
-                    infos[variant] = dict(handle.info, rollout=kind)
+                for variant in on_it:
+                    infos[variant.name] = dict(handle.info, rollout=kind)
                     lr_list: List[Dict[str, Any]] = []
-                    results[variant] = run_variant_seeds(variant, handle, trainer, task, r.settings, sync,
-                                                         model.vocab_size, r.device, r.args.seed, sync_counter,
-                                                         lr_list, r.progress, VerlGrpo)
-                    if int8:
-                        layer_results[variant] = lr_list
+                    results[variant.name] = run_variant_seeds(
+                        variant, handle, trainer, task, s, sync, model.vocab_size, r.device, r.args.seed,
+                        sync_counter, lr_list, r.progress, VerlGrpo, heldout_score)
+                    if variant.int8:
+                        layer_results[variant.name] = lr_list
                 del handle
         r.transport.update(sync.info())
     r.timings["grpo_s"] = time.perf_counter() - t
-    return Runs(results, infos, layer_results)
+    return Runs(results, infos, layer_results, heldout_info)
+
+
+def _cpu_seconds() -> Dict[str, float]:
+    """CPU time of this process and of its finished children (the verl transport's sender): on a shared
+    machine the wall time says little about the run's own cost."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"cpu_s": own.ru_utime + own.ru_stime, "children_cpu_s": kids.ru_utime + kids.ru_stime}
 
 
 def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
-    """Summary, verdict, report.json, grpo.png, the printed summary; the exit code."""
+    """Statistics, verdict, report.json, grpo.png, the summary; the exit code."""
     from npu_flashrl import patches
     from npu_flashrl.config import atomic_write
     from npu_flashrl.rehearsal.grpo import checks as grpo_checks
     from npu_flashrl.rehearsal.grpo import report as grpo_report
+    from npu_flashrl.rehearsal.grpo.settings import ALL
     from npu_flashrl.rehearsal.state import by_type, state_rules
 
     args, s = r.args, r.settings
-    summary = grpo_report.summarize(runs.results, s)
-    checks = grpo_checks.evaluate(runs.results, summary, runs.infos, runs.layer_results, s, r.device,
-                                  args.max_layer_error)
+    summary = grpo_report.summarize(runs.results, s, runs.heldout)
+    checks, controls = grpo_checks.evaluate(runs.results, summary, runs.infos, runs.layer_results, s, r.device,
+                                            args.max_layer_error)
     ok = all(c["ok"] for c in checks)
     plot_path = plot_note = None
     if not args.no_plot:
@@ -243,12 +260,16 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
             plot_note = "matplotlib is not installed: no plot (pip install matplotlib)"
     r.timings["total_s"] = time.perf_counter() - r.t_start
     r.timings["process_s"] = process_seconds()
+    r.timings.update(_cpu_seconds())
     fault = next((i.get("fault_injected") for i in runs.infos.values() if i.get("fault_injected")), None)
     report = {
         "ok": ok, "exit_code": 0 if ok else 1, "mode": "grpo",
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "grpo": {"settings": s.to_dict(), "task": task.to_dict(), "variants": summary["variants"],
-                 "bounds": summary["bounds"], "algorithm": {v: res["algo"] for v, res in runs.results.items()},
+                 "variant_specs": {n: ALL[n].to_dict() for n in runs.results},
+                 "bounds": summary["bounds"], "paired": summary["paired"], "heldout": summary["heldout"],
+                 "controls": controls, "positive_control": grpo_report.POSITIVE_CONTROL,
+                 "algorithm": {v: res["algo"] for v, res in runs.results.items()},
                  "rows": [row for res in runs.results.values() for row in res["rows"]], "stand_ins": STAND_INS},
         "resolved": {"device": r.device, "emulated_torch_npu": r.emulated, "threads": r.threads, "fn": setup.fn},
         "transport": r.transport, "model": {"source": "tiny", "dir": model.bf16_dir, "cache_hit": model.cache_hit},
