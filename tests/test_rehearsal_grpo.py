@@ -499,3 +499,23 @@ def test_smallest_detectable_difference_grows_with_the_seed_spread():
         row["reward"] += 0.05 * (row["seed"] - 1)
     _, loose, _ = _verdict(res)
     assert loose["paired"]["int8+tis"]["curve"]["mdd"] > 2 * tight["paired"]["int8+tis"]["curve"]["mdd"]
+
+
+def test_heldout_prompts_are_none_of_the_training_prompts():
+    import dataclasses
+
+    from npu_flashrl.rehearsal.grpo import heldout
+    from npu_flashrl.rehearsal.grpo.settings import PRESETS
+    from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
+    from npu_flashrl.sim.synthetic_task import MarkovTask
+
+    s = dataclasses.replace(PRESETS["quick"], heldout_prompts=48)
+    task = GreedyChainTask(MarkovTask(), s.prompt_len, s.response_len)
+    prompts, info = heldout.heldout_prompts(task, s, base_seed=0)
+    seen = heldout.training_prompts(task, s, 0, s.seeds, s.steps)
+    rows = [tuple(r) for r in prompts.tolist()]
+    assert len(rows) == len(set(rows)) == 48 and not set(rows) & seen
+    assert info["training_prompts"] == len(seen) > 0
+    # the stream is fixed by the seed: the same prompts for every variant and run
+    again, _ = heldout.heldout_prompts(task, s, base_seed=0)
+    assert torch.equal(prompts, again)

@@ -15,6 +15,7 @@ from typing import Any, Dict, Set, Tuple
 
 import torch
 
+from npu_flashrl.rehearsal.common import RehearsalError
 from npu_flashrl.rehearsal.grpo.loop import prompt_generator
 
 HELDOUT_STREAM = 99_991
@@ -36,7 +37,7 @@ def heldout_prompts(task, s, base_seed: int) -> Tuple[torch.Tensor, Dict[str, An
     while len(kept) < s.heldout_prompts:
         draws += 1
         if draws > 100:
-            raise RuntimeError(f"held-out prompts: fewer than {s.heldout_prompts} prompts of the task are unseen "
+            raise RehearsalError(f"held-out prompts: fewer than {s.heldout_prompts} prompts of the task are unseen "
                                f"by training ({len(seen)} training prompts)")
         for row in task.prompts(s.heldout_prompts, g).tolist():
             if tuple(row) in seen or tuple(row) in {tuple(k) for k in kept}:
