@@ -24,6 +24,13 @@ POSITIVE_CONTROL = {
         "a stress quantizer (the int8 grid coarsened to steps of 16: 15 levels, about 4 bits), 6-token answers, "
         "4 policy updates per batch, 3 seeds x 6 steps (mismatch about 1.020): int8 +0.004, int8+tis +0.002 "
         "over the curve against bf16 (detectable 0.14); held-out +0.008 / +0.009",
+        "the stress quantizer at steps of 42 (7 levels, under 3 bits), 6-token answers, 8 policy updates per "
+        "batch, 3 seeds x 6 steps (mismatch about 1.055): int8 +0.014, int8+tis -0.010 over the curve (the seeds "
+        "scatter: detectable 0.39)",
+        "the stress quantizer at steps of 64 (5 levels, about 2.3 bits), 8-token answers, 4 policy updates per "
+        "batch, 3 seeds x 6 steps (mismatch about 1.10): int8 -0.045 [-0.133, +0.044], int8+tis -0.068 "
+        "[-0.166, +0.030] over the curve, held-out +0.006 / -0.101 [-0.218, +0.016]: no difference detected, "
+        "and int8+tis no better than int8",
     ],
 }
 
