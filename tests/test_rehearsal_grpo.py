@@ -5,13 +5,19 @@ End to end (current line: vLLM / vllm-ascend 0.23 + verl 0.9.1, syncs through ve
 0.11 line: vLLM / vllm-ascend 0.11 + verl 0.6.1, in-process load_weights): one subprocess runs
 `rehearse --grpo --quick` with spies on verl's modules (each spy counts the call and delegates to
 verl's function), then two faulted runs of the rehearsal's fault seam (halved weight scales, a stale
-shard; --seeds 1 --steps 2, in the same process after the healthy run). Asserted: the healthy
-run passes every check (bf16 learns, int8+tis tracks it, TIS weights in the loss, the INT8 state
-after every sync) and writes report.json / grpo.png; verl's functions are what ran, as often as
-the run says; each fault fails the INT8 state check that sees it, naming the layers.
+shard; --seeds 1 --steps 2 --no-controls, in the same process after the healthy run). Asserted: the
+healthy run passes every check of the real variants (bf16 learns, int8+tis trains like bf16 paired
+over seeds on the whole curve and the held-out score, TIS weights in the loss and equal to the
+truncated ratio, rollout log-probs the rollout's own, the INT8 state after every sync), each
+negative control of the rehearsal (inverted TIS ratio, TIS weights forced to 1, rollout log-probs
+from the trainer, stale rollout weights, the slow learner) fails the check it names, and report.json
+/ grpo.png carry rewards, held-out scores, paired differences with intervals and the controls;
+verl's functions are what ran, as often as the run says; each fault fails the INT8 state check that
+sees it, naming the layers.
 
-The checks themselves are also tested on constructed results (each one able to fail), the task's
-reward on hand-written answers, and the batched attention against the harness's per-sequence one.
+The checks and the statistics are also tested on constructed results (each check able to fail; t
+quantiles against published values), the task's reward and answers on hand-written chains, and the
+batched attention against the harness's per-sequence one.
 
 Stand-ins: torch_npu emulated by the reference kernels; vLLM attention replaced by plain causal
 attention (batched per sequence for sampling, `grpo/sampling.py`); verl's device helpers inside the
@@ -31,7 +37,13 @@ from helpers import ROOT, rehearsal_env
 
 from npu_flashrl import lines
 VARIANTS = ("bf16", "int8", "int8+tis", "int8+tis+fp32head")
-QUICK = dict(steps=6, seeds=2, mini_batches=2)  # settings.PRESETS["quick"], checked below
+QUICK = dict(steps=4, seeds=4, mini_batches=2)  # settings.PRESETS["quick"], checked below
+CONTROLS = {"ctl:tis_inverted": "ctl:tis_inverted: TIS weights are the truncated trainer/rollout ratio",
+            "ctl:tis_ones": "ctl:tis_ones: TIS weights in the loss",
+            "ctl:logp_from_trainer": "ctl:logp_from_trainer: rollout log-probs are the rollout model's own",
+            "ctl:stale_rollout": "ctl:stale_rollout state: int8 values equal the reference quantization",
+            "ctl:slow_learner": "ctl:slow_learner: trains like bf16 (paired, whole curve and held-out)"}
+TRACKS = "trains like bf16 (paired, whole curve and held-out)"
 SCALE = "int8+tis state: weight scales match the reference"
 INT8 = "int8+tis state: int8 values equal the reference quantization"
 ALL_LAYERS = {f"model.layers.{i}.{p}" for i in (0, 1) for p in
@@ -93,7 +105,7 @@ spied = {"calls": dict(calls), "weights_passed": sum(weights_passed), "origin": 
 for fault in faults:
     os.environ["NPU_FLASHRL_REHEARSAL_FAULT"] = fault
     print(f"===== {fault}", flush=True)
-    codes[fault] = cli.main(base + ["--seeds", "1", "--steps", "2", "--no-plot", "--output-dir",
+    codes[fault] = cli.main(base + ["--seeds", "1", "--steps", "2", "--no-plot", "--no-controls", "--output-dir",
                                     os.path.join(root, fault)])
 print("SPIED " + json.dumps(spied), flush=True)
 print("CODES " + json.dumps(codes), flush=True)
@@ -124,24 +136,42 @@ def grpo_runs(tmp_path_factory, rehearsal_cache):
 def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
     r = grpo_runs["reports"]["healthy"]
     out = grpo_runs["stdout"]["healthy"]
-    assert grpo_runs["codes"]["healthy"] == 0, out[-4000:]
+    assert grpo_runs["codes"]["healthy"] == 0, out[-6000:]
     assert r["ok"] and r["fault_injected"] is None
     failed = [c for c in r["checks"] if not c["ok"]]
     assert not failed, failed
     names = [c["check"] for c in r["checks"]]
     for must in ("bf16 GRPO learns (final - first reward >= margin)",
-                 "int8+tis final reward within the seed-spread bound of bf16",
+                 "bf16 trained policy beats the pre-trained one on held-out prompts",
+                 f"int8+tis: {TRACKS}", f"int8+tis+fp32head: {TRACKS}",
                  "int8+tis: TIS weights in the loss", "int8+tis+fp32head: TIS weights in the loss",
+                 "int8+tis: TIS weights are the truncated trainer/rollout ratio",
+                 "bf16: rollout log-probs are the rollout model's own",
+                 "int8+tis: rollout log-probs are the rollout model's own",
                  "int8: no TIS weights in the loss", "int8+tis: INT8 state checked after every sync",
                  INT8, SCALE):
         assert must in names, must
     g = r["grpo"]
     assert g["settings"]["steps"] == QUICK["steps"] and g["settings"]["seeds"] == QUICK["seeds"]
     for v in VARIANTS:
-        assert len(g["variants"][v]["reward"]) == QUICK["steps"] == len(g["variants"][v]["reward_std"])
-        assert all(0.0 <= x <= 1.0 for x in g["variants"][v]["reward"])
+        var = g["variants"][v]
+        assert len(var["reward"]) == QUICK["steps"] == len(var["reward_ci95"])
+        assert all(0.0 <= x <= 1.0 for x in var["reward"])
+        # each seed's trained policy scored on the held-out prompts, an exact probability
+        assert len(var["heldout_per_seed"]) == QUICK["seeds"] and all(0 < x < 1 for x in var["heldout_per_seed"])
+    assert g["heldout"]["prompts"] > 0 and 0 < g["heldout"]["pretrained"] < g["variants"]["bf16"]["heldout"]
     bf16 = g["variants"]["bf16"]
     assert bf16["final"] - bf16["first"] >= g["bounds"]["bf16_rise"]["margin"] >= 0.05
+    # paired differences from bf16 with intervals and the smallest detectable difference
+    for v in ("int8", "int8+tis", "int8+tis+fp32head", "ctl:slow_learner"):
+        for key in ("curve", "heldout"):
+            p = g["paired"][v][key]
+            assert p["seeds"] == QUICK["seeds"] and p["ci"][0] <= p["diff"] <= p["ci"][1] and p["mdd"] > 0
+            assert p["per_seed"] == pytest.approx([a - b for a, b in zip(
+                g["variants"][v][f"{key}_per_seed"], bf16[f"{key}_per_seed"])])
+        assert len(g["paired"][v]["per_step"]) == QUICK["steps"]
+    for v in ("int8+tis", "int8+tis+fp32head"):
+        assert not g["paired"][v]["curve"]["detected"] and not g["paired"][v]["heldout"]["detected"]
     # the same prompts per (seed, step) in every variant: identical step-1 rollouts of int8 and int8+tis
     first = {v: [row for row in g["rows"] if row["variant"] == v and row["step"] == 1] for v in VARIANTS}
     assert [x["reward"] for x in first["int8"]] == [x["reward"] for x in first["int8+tis"]]
@@ -151,8 +181,30 @@ def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
     assert all(row["tis_weights"] is None for row in g["rows"] if row["variant"] in ("bf16", "int8"))
     expected = ("verl", "0.9.1") if lines.verl_server_mode() else ("direct", "0.6.1")
     assert (r["transport"]["name"], r["versions"]["verl"]) == expected
+    assert r["timings"]["cpu_s"] > 0
     assert os.path.getsize(r["plot"]) > 10_000
-    assert "rehearsal --grpo passed" in out and "time: total" in out
+    assert "rehearsal --grpo passed" in out and "time: total" in out and "detectable >=" in out
+    assert "positive control (TIS helping): " + g["positive_control"]["claim"] in out
+
+
+@pytest.mark.every_line
+@needs_line
+@pytest.mark.parametrize("control", sorted(CONTROLS))
+def test_each_negative_control_fails_its_check(grpo_runs, control):
+    """Each negative control is a switch of the rehearsal; the healthy run passes only because it
+    failed the check it names (and the real variants passed the same check)."""
+    r = grpo_runs["reports"]["healthy"]
+    c = r["grpo"]["controls"][control]
+    assert c["failed"] is True, c
+    own = {x["check"]: x for x in c["checks"]}
+    assert own[CONTROLS[control]]["ok"] is False, own[CONTROLS[control]]
+    run_check = next(x for x in r["checks"] if x["check"].startswith(f"negative control {control} fails"))
+    assert run_check["ok"] is True
+    assert r["grpo"]["variant_specs"][control]["what"]
+    real = {x["check"]: x["ok"] for x in r["checks"]}
+    same_check = CONTROLS[control].replace(control, "int8+tis", 1)
+    assert real[same_check] is True, same_check
+    assert f"[fails as it must] {control} " in grpo_runs["stdout"]["healthy"]
 
 
 @pytest.mark.every_line
@@ -164,12 +216,15 @@ def test_verl_functions_not_copies_are_what_ran(grpo_runs):
         assert o["module"] == "verl.trainer.ppo.core_algos" or name == "compute_rollout_correction_and_add_to_batch"
         assert o["file"].startswith(verl_dir + os.sep), (name, o["file"])
     assert s["origin"]["vanilla"]["name"] == "compute_policy_loss_vanilla"
-    steps = len(VARIANTS) * QUICK["seeds"] * QUICK["steps"]
+    rows = grpo_runs["reports"]["healthy"]["grpo"]["rows"]
+    specs = grpo_runs["reports"]["healthy"]["grpo"]["variant_specs"]
+    steps = len(rows)
+    assert steps == len(VARIANTS) * QUICK["seeds"] * QUICK["steps"] + sum(
+        1 for row in rows if row["variant"].startswith("ctl:"))
     c = s["calls"]
     assert c["compute_grpo_outcome_advantage"] == steps
     assert c["compute_rollout_correction_and_add_to_batch"] == steps
-    tis_variants = 2
-    weighted = tis_variants * QUICK["seeds"] * QUICK["steps"] * QUICK["mini_batches"]
+    weighted = sum(1 for row in rows if specs[row["variant"]]["tis"]) * QUICK["mini_batches"]
     # one loss per mini-batch, plus (TIS variants) the same loss without the weights for the check
     assert c["vanilla"] == steps * QUICK["mini_batches"] + weighted
     assert c["agg_loss"] >= c["vanilla"]
@@ -256,46 +311,94 @@ def test_batched_attention_equals_per_sequence_attention():
     assert not torch.allclose(batched, cpu_vllm._plain_attention_forward(Layer(), q, k, v))
 
 
+def test_task_answers_are_the_rewarded_chain():
+    from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
+    from npu_flashrl.sim.synthetic_task import MarkovTask
+
+    task = GreedyChainTask(MarkovTask(), prompt_len=4, response_len=5)
+    prompts = task.prompts(20, torch.Generator().manual_seed(1))
+    answers = task.answers(prompts)
+    assert answers.shape == (20, 5) and task.reward(prompts, answers).tolist() == [1.0] * 20
+    wrong = answers.clone()
+    wrong[:, 4] = answers[:, 3]  # a token is not its own most likely successor on this chain
+    assert task.reward(prompts, wrong).sum() < 20
+
+
 def test_quick_preset_matches_this_test():
     from npu_flashrl.rehearsal.grpo.settings import PRESETS
 
     q = PRESETS["quick"]
     assert (q.steps, q.seeds, q.mini_batches) == (QUICK["steps"], QUICK["seeds"], QUICK["mini_batches"])
+    assert PRESETS["default"].seeds >= 5
 
 
 def test_grpo_options_are_refused_without_grpo(tmp_path):
     from npu_flashrl import cli
 
-    for extra in (["--quick"], ["--seeds", "2"]):
+    for extra in (["--quick"], ["--seeds", "2"], ["--no-controls"]):
         code = cli.main(["rehearse", *extra, "--output-dir", str(tmp_path)])
         assert code != 0
 
 
+# ---------------------------------------------------------------------------------- the statistics
+
+def test_t_quantiles_match_published_values():
+    from npu_flashrl.rehearsal.grpo.stats import t_quantile
+
+    # Student's t table: (p, df) -> quantile
+    for (p, df), q in {(0.975, 1): 12.706, (0.975, 4): 2.776, (0.995, 2): 9.925, (0.8, 4): 0.941,
+                       (0.975, 30): 2.042, (0.9, 10): 1.372}.items():
+        assert t_quantile(p, df) == pytest.approx(q, abs=1e-3), (p, df)
+    with pytest.raises(ValueError):
+        t_quantile(0.4, 3)
+
+
+def test_paired_detects_a_consistent_shift_and_not_noise():
+    from npu_flashrl.rehearsal.grpo.stats import paired
+
+    ref = [0.40, 0.55, 0.47, 0.62, 0.50]
+    shifted = paired([x - 0.05 + d for x, d in zip(ref, (0.004, -0.003, 0.002, -0.001, 0.0))], ref, 0.99)
+    assert shifted["detected"] and shifted["ci"][1] < 0 and shifted["mdd"] < 0.05
+    noise = paired([x + d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
+    assert not noise["detected"] and noise["ci"][0] < 0 < noise["ci"][1]
+    # a larger spread of the differences: a larger smallest detectable difference
+    wide = paired([x + 3 * d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
+    assert wide["mdd"] == pytest.approx(3 * noise["mdd"])
+    with pytest.raises(ValueError):
+        paired([1.0, 2.0], [1.0], 0.95)
+
+
 # ---------------------------------------------------------------------------------- the checks
 
-def _results(rewards, tis_weights=None, loss_delta=1e-3, mismatch=None, seeds=3, steps=6):
+def _results(rewards, tis_weights=None, loss_delta=1e-3, mismatch=None, seeds=3, steps=6, heldout=None):
     """Constructed per-variant rows: rewards[variant] = per-step reward (the same for every seed,
-    +-0.02 by seed)."""
+    +-0.02 by seed, +-0.003 by variant and seed so that paired differences are not all equal);
+    heldout[variant] = held-out score (default 0.6, by seed as the rewards)."""
     from npu_flashrl.rehearsal.grpo.settings import VARIANT_SPEC
 
     out = {}
-    for v, curve in rewards.items():
+    for i, (v, curve) in enumerate(rewards.items()):
         tis = VARIANT_SPEC[v][1]
         rows = []
         for seed in range(seeds):
+            jitter = 0.003 * ((seed + i) % 3 - 1)
             for step in range(1, steps + 1):
                 w = None
                 if tis:
                     w = (tis_weights or {"mean": 1.0, "min": 0.9, "max": 1.1, "frac_not_1": 0.9, "clip_frac": 0.0,
                                          "n": 100})
-                row = {"variant": v, "seed": seed, "step": step, "reward": curve[step - 1] + 0.02 * (seed - 1),
+                row = {"variant": v, "seed": seed, "step": step,
+                       "reward": curve[step - 1] + 0.02 * (seed - 1) + jitter,
                        "token_correct": 0.5, "token_mult_prob_error": (mismatch or {}).get(v, 1.01 if "int8" in v
                                                                                            else 1.002),
-                       "kl_k3": 1e-4, "tis": tis, "tis_weights": w, "loss": 0.01, "sync_s": 0.1}
+                       "kl_k3": 1e-4, "tis": tis, "tis_weights": w, "loss": 0.01, "sync_s": 0.1,
+                       "own_logp_max_diff": 0.0, "own_logp_rows": 8, "tis_ratio_max_err": 1e-8 if tis else None}
                 if w is not None:
                     row["loss_without_tis"] = 0.01 + loss_delta
                 rows.append(row)
-        out[v] = {"rows": rows, "algo": {}}
+        h = (heldout or {}).get(v, 0.6)
+        out[v] = {"rows": rows, "algo": {}, "seeds": seeds, "steps": steps,
+                  "heldout": [h + 0.05 * (seed - 1) + 0.002 * ((seed + i) % 3 - 1) for seed in range(seeds)]}
     return out
 
 
@@ -306,8 +409,9 @@ def _verdict(results, steps=6, seeds=3):
     from npu_flashrl.rehearsal.grpo.settings import PRESETS
 
     s = dataclasses.replace(PRESETS["default"], steps=steps, seeds=seeds, window=2)
-    summary = report.summarize(results, s)
-    return {c["check"]: c for c in checks.evaluate(results, summary, {}, {}, s, "cpu", 0.05)}, summary
+    summary = report.summarize(results, s, {"pretrained": 0.3, "prompts": 8})
+    found, controls = checks.evaluate(results, summary, {}, {}, s, "cpu", 0.05)
+    return {c["check"]: c for c in found}, summary, controls
 
 
 LEARNING = [0.35, 0.45, 0.55, 0.65, 0.75, 0.8]
@@ -315,12 +419,14 @@ LEARNING = [0.35, 0.45, 0.55, 0.65, 0.75, 0.8]
 
 def test_checks_pass_on_a_learning_run_that_int8_tis_tracks():
     res = _results({v: LEARNING for v in VARIANTS})
-    checks, _ = _verdict(res)
+    checks, _, controls = _verdict(res)
     assert all(c["ok"] for c in checks.values()), [c for c in checks.values() if not c["ok"]]
+    assert f"int8+tis: {TRACKS}" in checks and not controls
 
 
-@pytest.mark.parametrize("case", ["flat", "starts_solved", "int8_tis_lags", "weights_all_1", "weights_absent",
-                                  "loss_unchanged", "weights_in_int8"])
+@pytest.mark.parametrize("case", ["flat", "starts_solved", "int8_tis_lags", "int8_tis_heldout_lags",
+                                  "weights_all_1", "weights_absent", "loss_unchanged", "weights_in_int8",
+                                  "weights_not_the_ratio", "logp_not_own", "heldout_unchanged"])
 def test_each_check_can_fail(case):
     curves = {v: LEARNING for v in VARIANTS}
     kw = {}
@@ -332,8 +438,14 @@ def test_each_check_can_fail(case):
         curves = {v: [0.97, 0.98, 0.99, 1.0, 1.0, 1.0] for v in VARIANTS}
         expect = "task starts neither solved nor hopeless (bf16 first reward)"
     elif case == "int8_tis_lags":
-        curves["int8+tis"] = [0.35, 0.4, 0.42, 0.45, 0.45, 0.46]
-        expect = "int8+tis final reward within the seed-spread bound of bf16"
+        curves["int8+tis"] = [x - 0.05 for x in LEARNING]
+        expect = f"int8+tis: {TRACKS}"
+    elif case == "int8_tis_heldout_lags":
+        kw["heldout"] = {"int8+tis": 0.5}
+        expect = f"int8+tis: {TRACKS}"
+    elif case == "heldout_unchanged":
+        kw["heldout"] = {v: 0.3 for v in VARIANTS}
+        expect = "bf16 trained policy beats the pre-trained one on held-out prompts"
     elif case == "weights_all_1":
         kw["tis_weights"] = {"mean": 1.0, "min": 1.0, "max": 1.0, "frac_not_1": 0.0, "clip_frac": 0.0, "n": 100}
         expect = "int8+tis: TIS weights in the loss"
@@ -350,19 +462,59 @@ def test_each_check_can_fail(case):
         for row in res["int8"]["rows"]:
             row["tis_weights"] = {"mean": 1.0, "min": 0.9, "max": 1.1, "frac_not_1": 0.9, "clip_frac": 0.0, "n": 1}
         expect = "int8: no TIS weights in the loss"
-    checks, _ = _verdict(res)
+    elif case == "weights_not_the_ratio":
+        res["int8+tis"]["rows"][3]["tis_ratio_max_err"] = 0.2
+        expect = "int8+tis: TIS weights are the truncated trainer/rollout ratio"
+    elif case == "logp_not_own":
+        res["int8+tis"]["rows"][2]["own_logp_max_diff"] = 0.03
+        expect = "int8+tis: rollout log-probs are the rollout model's own"
+    checks, _, _ = _verdict(res)
     assert checks[expect]["ok"] is False, checks[expect]
     # kw applies to both TIS variants: the fp32-head one fails the same way
     others = [c for name, c in checks.items() if not c["ok"] and name != expect
-              and not (kw and name == "int8+tis+fp32head: TIS weights in the loss")]
-    if case not in ("starts_solved",):  # an already solved task cannot rise either
+              and not (kw and name.replace("int8+tis+fp32head", "int8+tis") == expect)]
+    if case not in ("starts_solved", "heldout_unchanged"):  # an already solved task cannot rise either
         assert not others, others
 
 
-def test_tracking_bound_grows_with_the_seed_spread():
+def test_a_control_passes_the_run_only_by_failing_its_check():
+    """A negative control's results: the run's check on it passes when the control fails its own
+    check, and fails (naming the check) when the control slips through."""
+    lagging = [x - 0.1 for x in LEARNING]
+    res = _results({**{v: LEARNING for v in VARIANTS}, "ctl:slow_learner": lagging})
+    checks, _, controls = _verdict(res)
+    run_check = "negative control ctl:slow_learner fails 'trains like bf16 (paired, whole curve and held-out)'"
+    assert checks[run_check]["ok"] is True and controls["ctl:slow_learner"]["failed"] is True
+    assert f"ctl:slow_learner: {TRACKS}" not in checks  # a control's own checks are not the run's
+    res = _results({v: LEARNING for v in (*VARIANTS, "ctl:slow_learner")})
+    checks, _, controls = _verdict(res)
+    assert checks[run_check]["ok"] is False and controls["ctl:slow_learner"]["failed"] is False
+
+
+def test_smallest_detectable_difference_grows_with_the_seed_spread():
     res = _results({v: LEARNING for v in VARIANTS})
-    _, tight = _verdict(res)
+    _, tight, _ = _verdict(res)
     for row in res["int8+tis"]["rows"]:
-        row["reward"] += 0.15 * (row["seed"] - 1)
-    _, loose = _verdict(res)
-    assert loose["bounds"]["int8+tis_vs_bf16"]["bound"] > 2 * tight["bounds"]["int8+tis_vs_bf16"]["bound"]
+        row["reward"] += 0.05 * (row["seed"] - 1)
+    _, loose, _ = _verdict(res)
+    assert loose["paired"]["int8+tis"]["curve"]["mdd"] > 2 * tight["paired"]["int8+tis"]["curve"]["mdd"]
+
+
+def test_heldout_prompts_are_none_of_the_training_prompts():
+    import dataclasses
+
+    from npu_flashrl.rehearsal.grpo import heldout
+    from npu_flashrl.rehearsal.grpo.settings import PRESETS
+    from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
+    from npu_flashrl.sim.synthetic_task import MarkovTask
+
+    s = dataclasses.replace(PRESETS["quick"], heldout_prompts=48)
+    task = GreedyChainTask(MarkovTask(), s.prompt_len, s.response_len)
+    prompts, info = heldout.heldout_prompts(task, s, base_seed=0)
+    seen = heldout.training_prompts(task, s, 0, s.seeds, s.steps)
+    rows = [tuple(r) for r in prompts.tolist()]
+    assert len(rows) == len(set(rows)) == 48 and not set(rows) & seen
+    assert info["training_prompts"] == len(seen) > 0
+    # the stream is fixed by the seed: the same prompts for every variant and run
+    again, _ = heldout.heldout_prompts(task, s, base_seed=0)
+    assert torch.equal(prompts, again)

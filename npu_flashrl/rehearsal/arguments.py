@@ -62,7 +62,7 @@ def add_arguments(p) -> None:
                         "torch_npu kernels; auto (default): npu when torch_npu works, else cpu")
     p.add_argument("--steps", type=_number(int, 1), default=None,
                    help="simulated training steps (weight syncs); default 4 (--grpo: GRPO steps per run, default "
-                        "10, --quick 6)")
+                        "6, --quick 4)")
     p.add_argument("--buckets", type=_number(int, 1), default=4,
                    help="each sync arrives in (about) this many buckets, the weights in a shuffled order; "
                         "default 4")
@@ -112,10 +112,13 @@ def add_arguments(p) -> None:
                    help="instead of the weight-path rehearsal: GRPO on a task with a verifiable reward, rollouts "
                         "sampled from the bf16 / INT8 / INT8+fp32-head rollout models, verl's own GRPO advantage, "
                         "TIS and policy loss; variants bf16, int8, int8+tis, int8+tis+fp32head; writes grpo.png; "
-                        "fails unless bf16 learns and int8+tis tracks it (about 3 min on 2 CPU cores)")
-    g.add_argument("--quick", action="store_true", help="--grpo: the CI size (2 seeds x 6 steps, under 60 s)")
+                        "fails unless bf16 learns, int8+tis trains like it (paired over seeds) and each negative "
+                        "control fails its check (within 5 min of CPU time on 2 cores)")
+    g.add_argument("--quick", action="store_true", help="--grpo: the CI size (4 seeds x 4 steps)")
     g.add_argument("--seeds", type=_number(int, 1), default=None,
-                   help="--grpo: runs per variant (default 3, --quick 2)")
+                   help="--grpo: runs per variant (default 5, --quick 4)")
+    g.add_argument("--no-controls", action="store_true",
+                   help="--grpo: skip the negative controls (the run then shows no check able to fail)")
 
 
 # Options of the weight-path rehearsal only, with their defaults there: `None` on the command line
@@ -128,7 +131,8 @@ WEIGHT_PATH_ONLY = {
     "seq_len": ("--seq-len", 48, "the evaluation sequences' length"),
     "inner_iters": ("--inner-iters", 2, "the AdamW iterations per simulated step"),
 }
-GRPO_CHECKS = ("--grpo checks its own results (bf16 learns, int8+tis tracks it; sizes from --quick / "
+GRPO_CHECKS = ("--grpo checks its own results (bf16 learns, int8+tis trains like it paired over seeds, each "
+               "negative control fails its check; sizes from --quick / "
                "--steps / --seeds) and the INT8 state after every sync (--max-layer-error)")
 
 
@@ -142,7 +146,8 @@ def check_arguments(args) -> None:
                 raise RehearsalError(f"{flag} {value}: not a --grpo option ({what}, the rehearsal without "
                                      f"--grpo); {GRPO_CHECKS}. Drop {flag}, or run without --grpo", code=2)
     else:
-        for flag, value in (("--quick", getattr(args, "quick", False)), ("--seeds", getattr(args, "seeds", None))):
+        for flag, value in (("--quick", getattr(args, "quick", False)), ("--seeds", getattr(args, "seeds", None)),
+                            ("--no-controls", getattr(args, "no_controls", False))):
             if value:
                 raise RehearsalError(f"{flag} is a --grpo option")
         if args.steps is None:

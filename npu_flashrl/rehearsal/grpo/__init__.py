@@ -1,5 +1,5 @@
 """`npu-flashrl rehearse --grpo`: "INT8 rollout + TIS trains like bf16", end to end on the tiny model,
-with verl's own GRPO code.
+with verl's own GRPO code, as an experiment with controls.
 
 What one run does:
 
@@ -16,12 +16,20 @@ What one run does:
    pushed through the line's transport and, for INT8, the INT8 state checked after every sync.
    verl's functions are called from verl's modules (`verl_algo.py`), never copied.
 4. **Variants** (`settings.py`): `bf16` (the reference), `int8` (no TIS), `int8+tis`,
-   `int8+tis+fp32head`; `--seeds K` runs of each; the same prompts (and sampling stream) per
-   (seed, step) in every variant.
-5. **Verdict** (`checks.py`) and **output** (`report.py`): the per-step table, report.json
-   (`grpo.variants.<name>.reward` / `.reward_std` per step, the bounds), grpo.png.
+   `int8+tis+fp32head`; `--seeds K` runs of each (default 5); the same prompts (and sampling
+   stream) per (seed, step) in every variant. **Negative controls** (`settings.CONTROLS`, named
+   switches of the loop): inverted TIS ratio, TIS weights forced to 1, rollout log-probs from the
+   trainer, stale rollout weights, int8+tis at a quarter of the learning rate; each must fail the
+   check it names, or the run fails.
+5. **Held-out score** (`heldout.py`): each run's trained policy (the trainer's weights) scored on
+   prompts no run trained on, as the exact probability of the right answer.
+6. **Verdict** (`checks.py`, `stats.py`) and **output** (`report.py`): paired per-seed differences
+   from bf16 over the whole curve and of the held-out score, with t intervals and the smallest
+   detectable difference; the per-step table, report.json (`grpo.variants.<name>.reward` per step,
+   `.heldout`, `grpo.paired`, `grpo.controls`), grpo.png (curves with 95% intervals).
 
-Sizes: `settings.PRESETS` (default <= 3 min, `--quick` < 60 s on 2 CPU cores, tiny model cached).
+Sizes: `settings.PRESETS` (default within 5 min of CPU time, `--quick` about 2 min, on 2 CPU cores
+with the tiny model cached). Phases of one run: `run.py`.
 Lines: the verl of every stack line (`npu_flashrl.lines`) has these functions with the same names
 and arguments; the run is verified on the current line and the primary line (server-mode verl with its
 bucketed transfer, sync-mode verl with in-process `load_weights`), not yet on the pinned line.

@@ -7,7 +7,14 @@ One step (as verl's trainer does it, `ray_trainer.fit` in decoupled mode):
 3. the trainer's log-probs of the responses (`old_log_prob`), verl's rollout correction (TIS weights
    in the TIS variants), verl's vanilla policy loss per mini-batch, AdamW on the fp32 masters;
 4. the bf16 weights pushed into the rollout model through the line's transport (`transport.py`),
-   and for INT8 the rollout model's INT8 state checked against the pushed weights (`state.py`).
+   and for INT8 the rollout model's INT8 state checked against the trainer's weights (`state.py`).
+
+Recorded per step for the checks: the largest difference between the rollout log-probs verl is
+handed and a replay of some sampled rows through the rollout model (are they the rollout's own?),
+and between the TIS weights the loss got and min(pi_trainer / pi_rollout, 2) from the two models' own
+log-probs. After a run's last step the trainer's policy is scored on the held-out prompts
+(`heldout.py`). A negative control (`settings.CONTROLS`) switches one thing wrong inside `_step` or
+`push`, by name.
 
 A run (variant, seed) starts from the pre-trained weights: the trainer is reset and its weights are
 pushed into the rollout model first (sync 0 of the run, checked like the others), so one rollout
@@ -24,7 +31,9 @@ import torch
 
 from npu_flashrl.rehearsal.common import RehearsalError, progress_bar
 from npu_flashrl.rehearsal.grpo import sampling
-from npu_flashrl.rehearsal.grpo.settings import VARIANT_SPEC, GrpoSettings
+from npu_flashrl.rehearsal.grpo.settings import GrpoSettings, Variant
+from npu_flashrl.rehearsal.grpo.verl_algo import TIS_THRESHOLD
+from npu_flashrl.rehearsal.state import summarize_step
 
 
 def prompt_generator(base_seed: int, seed: int, step: int) -> torch.Generator:
@@ -63,21 +72,23 @@ class RolloutHandle:
         self.info["fault_injected"] = self.fault.name if self.fault else None
 
 
-def run_variant_seeds(variant: str, handle: RolloutHandle, trainer, task, settings: GrpoSettings, sync,
+def run_variant_seeds(variant: Variant, handle: RolloutHandle, trainer, task, settings: GrpoSettings, sync,
                       vocab_size: int, device: str, base_seed: int, sync_counter: List[int],
                       layer_results: List[Dict[str, Any]], progress: bool,
-                      algo_factory: Callable[..., Any]) -> Dict[str, Any]:
-    """All seeds of one variant on `handle`'s rollout model. Returns {"rows": [...], "algo": info}."""
-    from npu_flashrl.metrics import mismatch_metrics
-    from npu_flashrl.rehearsal.state import summarize_step
-
-    _, tis, fp32_head = VARIANT_SPEC[variant]
+                      algo_factory: Callable[..., Any],
+                      heldout_score: Optional[Callable[[Any, bool], float]] = None) -> Dict[str, Any]:
+    """All seeds of one variant on `handle`'s rollout model, its negative control (if any) switched on.
+    Returns {"rows": [...], "algo": info, "heldout": [score of each seed's trained policy]}."""
     s = settings
+    seeds, steps = s.size_of(variant)
     batch = s.prompts * s.group
-    algo = algo_factory(tis=tis, mini_batch_size=-(-batch // s.mini_batches), group_size=s.group)
+    algo = algo_factory(tis=variant.tis, mini_batch_size=-(-batch // s.mini_batches), group_size=s.group)
     rows: List[Dict[str, Any]] = []
+    scores: List[float] = []
 
-    def push(snap, rng) -> Dict[str, Any]:
+    def push(snap, current, rng) -> Dict[str, Any]:
+        """Push `snap` into the rollout model; the INT8 state is checked against `current`, the trainer's
+        weights now (the same tensors unless the stale-rollout control holds `snap` back a step)."""
         prepared = sync.prepare(snap, rng)
         t = time.perf_counter()
         n_buckets = sync.push(handle.v, prepared, handle.int8)
@@ -88,51 +99,86 @@ def run_variant_seeds(variant: str, handle: RolloutHandle, trainer, task, settin
                 handle.fault.after_sync()
             sync_counter[0] += 1
             t = time.perf_counter()
-            results = handle.checker.check(dict(snap), sync_counter[0])
+            results = handle.checker.check(dict(current), sync_counter[0])
             check_s = time.perf_counter() - t
             for r in results:
-                r["variant"] = variant
+                r["variant"] = variant.name
             layer_results.extend(results)
             state = summarize_step(results)
         return {"sync_s": sync_s, "buckets": n_buckets, "int8_state": state, "state_check_s": check_s}
 
-    with progress_bar(s.seeds * s.steps, f"GRPO {variant}", progress) as bar:
-        for seed in range(s.seeds):
-            trainer.reset()
+    with progress_bar(seeds * steps, f"GRPO {variant.name}", progress) as bar:
+        for seed in range(seeds):
+            trainer.reset(lr_scale=variant.lr_scale)
             rng = random.Random(base_seed * 1000 + seed)
-            initial = push(trainer.snapshot(), rng)  # the run starts from the pre-trained weights
-            for step in range(1, s.steps + 1):
-                prompts = task.prompts(s.prompts, prompt_generator(base_seed, seed, step))
-                t0 = time.perf_counter()
-                rows_p, responses, rollout_logp = sampling.sample(
-                    handle.model, prompts, s.group, s.response_len, sample_generator(base_seed, seed, step),
-                    vocab_size, device)
-                rollout_s = time.perf_counter() - t0
-                reward = task.reward(rows_p, responses)
-                ids = torch.cat([rows_p, responses], dim=1)
-                mask = torch.ones(responses.shape, dtype=torch.float32)
-                t0 = time.perf_counter()
-                old = trainer.logp(ids, s.prompt_len, fp32_head, grad=False)
-                group_index = [i // s.group for i in range(batch)]
-                adv = algo.advantages(reward, mask, group_index)
-                weights, loss_mask, rc_metrics = algo.rollout_correction(old, rollout_logp, mask)
-                upd = trainer.update(algo, ids, s.prompt_len, fp32_head, old, adv, loss_mask, weights,
-                                     s.mini_batches)
-                train_s = time.perf_counter() - t0
-                synced = push(trainer.snapshot(), rng)
-                m = mismatch_metrics(old, rollout_logp, mask, tis_threshold=2.0, prefix="")
-                row = {"variant": variant, "seed": seed, "step": step, "reward": float(reward.mean()),
-                       "token_correct": float(task.token_correct(rows_p, responses).float().mean()),
-                       "token_mult_prob_error": m["token_mult_prob_error"], "kl_k3": m["kl_k3"],
-                       "tis": tis, "tis_weights": _weight_stats(weights, mask), "verl_rollout_corr": {
-                           k: v for k, v in rc_metrics.items() if isinstance(v, float)},
-                       "rollout_s": rollout_s, "train_s": train_s, **upd, **synced}
+            snap = trainer.snapshot()
+            initial = push(snap, snap, rng)  # the run starts from the pre-trained weights
+            for step in range(1, steps + 1):
+                rows.append(_step(variant, handle, trainer, task, s, algo, vocab_size, device, base_seed, seed, step))
+                before, snap = snap, trainer.snapshot()
+                rows[-1].update(push(before if variant.control == "stale_rollout" else snap, snap, rng))
                 if step == 1:
-                    row["initial_sync"] = initial
-                rows.append(row)
-                bar.set_postfix_str(f"seed {seed} reward {row['reward']:.2f}")
+                    rows[-1]["initial_sync"] = initial
+                bar.set_postfix_str(f"seed {seed} reward {rows[-1]['reward']:.2f}")
                 bar.update(1)
-    return {"rows": rows, "algo": algo.info()}
+            if heldout_score is not None:
+                scores.append(heldout_score(trainer, variant.fp32_head))
+    return {"rows": rows, "algo": algo.info(), "heldout": scores, "seeds": seeds, "steps": steps}
+
+
+def _step(variant: Variant, handle: RolloutHandle, trainer, task, s: GrpoSettings, algo, vocab_size: int,
+          device: str, base_seed: int, seed: int, step: int) -> Dict[str, Any]:
+    """One GRPO step (rollout, reward, advantages, rollout correction, update); its row."""
+    from npu_flashrl.metrics import mismatch_metrics
+
+    batch = s.prompts * s.group
+    prompts = task.prompts(s.prompts, prompt_generator(base_seed, seed, step))
+    t0 = time.perf_counter()
+    rows_p, responses, own_logp = sampling.sample(handle.model, prompts, s.group, s.response_len,
+                                                  sample_generator(base_seed, seed, step), vocab_size, device)
+    rollout_s = time.perf_counter() - t0
+    reward = task.reward(rows_p, responses)
+    ids = torch.cat([rows_p, responses], dim=1)
+    mask = torch.ones(responses.shape, dtype=torch.float32)
+    t0 = time.perf_counter()
+    old = trainer.logp(ids, s.prompt_len, variant.fp32_head, grad=False)
+    rollout_logp = own_logp
+    if variant.control == "logp_from_trainer":
+        rollout_logp = trainer.logp(ids, s.prompt_len, variant.fp32_head, grad=False, autocast=False)
+    # the rollout's own log-probs: a sample of rows replayed through the rollout model now (its weights
+    # are those it sampled with), against what verl is handed
+    n = min(s.replay_rows, batch)
+    replayed = sampling.replay(handle.model, rows_p[:n], responses[:n], vocab_size, device)
+    own_diff = float((replayed - rollout_logp[:n]).abs().max())
+    adv = algo.advantages(reward, mask, [i // s.group for i in range(batch)])
+    if variant.control == "tis_inverted":
+        weights, loss_mask, rc_metrics = algo.rollout_correction(rollout_logp, old, mask)
+    else:
+        weights, loss_mask, rc_metrics = algo.rollout_correction(old, rollout_logp, mask)
+    if variant.control == "tis_ones" and weights is not None:
+        weights = torch.ones_like(weights)
+    upd = trainer.update(algo, ids, s.prompt_len, variant.fp32_head, old, adv, loss_mask, weights, s.mini_batches)
+    train_s = time.perf_counter() - t0
+    m = mismatch_metrics(old, own_logp, mask, tis_threshold=TIS_THRESHOLD, prefix="")
+    return {"variant": variant.name, "seed": seed, "step": step, "reward": float(reward.mean()),
+            "token_correct": float(task.token_correct(rows_p, responses).float().mean()),
+            "token_mult_prob_error": m["token_mult_prob_error"], "kl_k3": m["kl_k3"],
+            "tis": variant.tis, "tis_weights": _weight_stats(weights, mask),
+            "tis_ratio_max_err": _ratio_error(weights, old, own_logp, mask),
+            "own_logp_max_diff": own_diff, "own_logp_rows": n,
+            "verl_rollout_corr": {k: v for k, v in rc_metrics.items() if isinstance(v, float)},
+            "rollout_s": rollout_s, "train_s": train_s, **upd}
+
+
+def _ratio_error(weights: Optional[torch.Tensor], old: torch.Tensor, rollout: torch.Tensor,
+                 mask: torch.Tensor) -> Optional[float]:
+    """Largest |w - min(pi_trainer / pi_rollout, C)| over the response tokens: what token-level TIS is,
+    from the trainer's and the rollout model's own log-probs (verl clamps the log ratio to +-20 first)."""
+    if weights is None:
+        return None
+    expected = torch.exp((old.double() - rollout.double()).clamp(-20, 20)).clamp(max=TIS_THRESHOLD)
+    valid = mask.bool()
+    return float((weights.double()[valid] - expected[valid]).abs().max())
 
 
 def _weight_stats(weights: Optional[torch.Tensor], mask: torch.Tensor) -> Optional[Dict[str, float]]:
@@ -143,4 +189,4 @@ def _weight_stats(weights: Optional[torch.Tensor], mask: torch.Tensor) -> Option
     w = weights[valid].double()
     return {"mean": float(w.mean()), "min": float(w.min()), "max": float(w.max()),
             "frac_not_1": float(((w - 1).abs() > 1e-6).double().mean()),
-            "clip_frac": float((w >= 2.0 - 1e-9).double().mean()), "n": int(w.numel())}
+            "clip_frac": float((w >= TIS_THRESHOLD - 1e-9).double().mean()), "n": int(w.numel())}

@@ -6,25 +6,38 @@ import math
 import sys
 from typing import Any, Dict, List, Optional
 
-from npu_flashrl.rehearsal.grpo.settings import VARIANT_BF16, VARIANTS, GrpoSettings
+from npu_flashrl.rehearsal.grpo import stats
+from npu_flashrl.rehearsal.grpo.settings import ALL, TRACKED, VARIANT_BF16, GrpoSettings
 from npu_flashrl.rehearsal.output import print_fault_and_checks
 from npu_flashrl.rehearsal.plotting import pyplot, save_png
+
+# What the search for a positive control (a setting where INT8 without TIS measurably trains worse than
+# INT8 + TIS) found; the claim the rehearsal makes follows from it.
+POSITIVE_CONTROL = {
+    "shown": False,
+    "claim": "not shown on this CPU task: no setting tried made int8 without TIS train measurably worse than "
+             "int8+tis, so the rehearsal claims only that TIS does not hurt at this mismatch (int8+tis trains like "
+             "bf16 within the printed detectable difference), not that it helps",
+    "tried": [
+        "the default INT8 rollout (token_mult_prob_error about 1.008): int8 without TIS trains like bf16 "
+        "(whole-curve difference +0.000, detectable 0.021 at 5 seeds)",
+        "a stress quantizer (the int8 grid coarsened to steps of 16: 15 levels, about 4 bits), 6-token answers, "
+        "4 policy updates per batch, 3 seeds x 6 steps (mismatch about 1.020): int8 +0.004, int8+tis +0.002 "
+        "over the curve against bf16 (detectable 0.14); held-out +0.008 / +0.009",
+        "the stress quantizer at steps of 42 (7 levels, under 3 bits), 6-token answers, 8 policy updates per "
+        "batch, 3 seeds x 6 steps (mismatch about 1.055): int8 +0.014, int8+tis -0.010 over the curve (the seeds "
+        "scatter: detectable 0.39)",
+        "the stress quantizer at steps of 64 (5 levels, about 2.3 bits), 8-token answers, 4 policy updates per "
+        "batch, 3 seeds x 6 steps (mismatch about 1.10): int8 -0.045 [-0.133, +0.044], int8+tis -0.068 "
+        "[-0.166, +0.030] over the curve, held-out +0.006 / -0.101 [-0.218, +0.016]: no difference detected, "
+        "and int8+tis no better than int8",
+    ],
+}
 
 # The rise bf16 must show at least, whatever the noise estimate says (reward is a 0/1 rate).
 MIN_RISE = 0.05
 Z = 3.0  # bounds are Z standard errors: a run without the effect passes a check by chance < 0.2%
-
-
-def _mean(xs: List[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _std(xs: List[float]) -> float:
-    """Sample std (n - 1); 0 for one value."""
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+BAND_LEVEL = 0.95  # the plot's and the table's per-step intervals
 
 
 def _binomial_se(p: float, n: int) -> float:
@@ -34,12 +47,21 @@ def _binomial_se(p: float, n: int) -> float:
     return math.sqrt(p * (1 - p) / n)
 
 
-def summarize(results: Dict[str, Dict[str, Any]], s: GrpoSettings) -> Dict[str, Any]:
-    """Per variant: per-step means / stds over seeds, first and final rewards (means over the first /
-    last `window` steps, per seed and over seeds); the bounds of the learning and tracking checks."""
+def _ci_half(xs: List[float], level: float = BAND_LEVEL) -> float:
+    """Half-width of the t interval of the mean of xs (0 for one value)."""
+    if len(xs) < 2:
+        return 0.0
+    return stats.t_quantile(1 - (1 - level) / 2, len(xs) - 1) * stats.std(xs) / math.sqrt(len(xs))
+
+
+def summarize(results: Dict[str, Dict[str, Any]], s: GrpoSettings,
+              heldout: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Per variant: per-step means over seeds with their 95% intervals, first / final rewards (means
+    over the first / last `window` steps), each seed's whole-curve mean and held-out score; the
+    margin of the learning check; the paired comparisons with bf16 (`stats.paired`)."""
     batch = s.prompts * s.group
     variants: Dict[str, Dict[str, Any]] = {}
-    for name in [v for v in VARIANTS if v in results]:
+    for name in [n for n in ALL if n in results]:
         rows = results[name]["rows"]
         seeds = sorted({r["seed"] for r in rows})
         steps = sorted({r["step"] for r in rows})
@@ -59,20 +81,26 @@ def summarize(results: Dict[str, Dict[str, Any]], s: GrpoSettings) -> Dict[str, 
             return out
 
         reward = per_step("reward")
-        first_seed = [_mean([at[(sd, st)]["reward"] for st in steps[:s.window]]) for sd in seeds]
-        final_seed = [_mean([at[(sd, st)]["reward"] for st in steps[-s.window:]]) for sd in seeds]
+        mean = stats.mean
+        first_seed = [mean([at[(sd, st)]["reward"] for st in steps[:s.window]]) for sd in seeds]
+        final_seed = [mean([at[(sd, st)]["reward"] for st in steps[-s.window:]]) for sd in seeds]
+        curve_seed = [mean([at[(sd, st)]["reward"] for st in steps]) for sd in seeds]
         tis_mean = per_step("tis_weights", "mean")
         variants[name] = {
-            "reward": [_mean(v) for v in reward], "reward_std": [_std(v) for v in reward],
-            "token_correct": [_mean(v) for v in per_step("token_correct")],
-            "token_mult_prob_error": [_mean(v) for v in per_step("token_mult_prob_error")],
-            "kl_k3": [_mean(v) for v in per_step("kl_k3")],
-            "tis_weight_mean": [_mean(v) if v else None for v in tis_mean],
-            "tis_clip_frac": [_mean(v) if v else None for v in per_step("tis_weights", "clip_frac")],
-            "sync_s": [_mean(v) for v in per_step("sync_s")],
-            "first_per_seed": first_seed, "final_per_seed": final_seed,
-            "first": _mean(first_seed), "final": _mean(final_seed), "final_std": _std(final_seed),
-            "mismatch_mean": _mean([r["token_mult_prob_error"] for r in rows]),
+            "reward": [mean(v) for v in reward], "reward_std": [stats.std(v) for v in reward],
+            "reward_ci95": [_ci_half(v) for v in reward],
+            "token_correct": [mean(v) for v in per_step("token_correct")],
+            "token_mult_prob_error": [mean(v) for v in per_step("token_mult_prob_error")],
+            "kl_k3": [mean(v) for v in per_step("kl_k3")],
+            "tis_weight_mean": [mean(v) if v else None for v in tis_mean],
+            "tis_clip_frac": [mean(v) if v else None for v in per_step("tis_weights", "clip_frac")],
+            "sync_s": [mean(v) for v in per_step("sync_s")],
+            "first_per_seed": first_seed, "final_per_seed": final_seed, "curve_per_seed": curve_seed,
+            "first": mean(first_seed), "final": mean(final_seed), "final_std": stats.std(final_seed),
+            "curve": mean(curve_seed),
+            "heldout_per_seed": list(results[name].get("heldout") or []),
+            "heldout": mean(results[name].get("heldout") or []),
+            "mismatch_mean": mean([r["token_mult_prob_error"] for r in rows]),
             "seeds": len(seeds), "steps": len(steps),
         }
     bounds: Dict[str, Any] = {}
@@ -86,32 +114,64 @@ def summarize(results: Dict[str, Dict[str, Any]], s: GrpoSettings) -> Dict[str, 
             "rule": (f"bf16 final - first >= max({MIN_RISE}, {Z:g} x SE), SE = the binomial standard error of "
                      f"the difference of two means of {s.window} steps x {batch} responses x {k} seeds (what an "
                      "unchanged policy would show)")}
-        for name, v in variants.items():
-            if name == VARIANT_BF16:
-                continue
+    paired, held = _paired(variants, results, s), {}
+    if heldout is not None:
+        held = dict(heldout)
+        if base is not None and base["heldout_per_seed"]:
+            pre = [heldout["pretrained"]] * len(base["heldout_per_seed"])
+            held["bf16_vs_pretrained"] = stats.paired(base["heldout_per_seed"], pre, paired_level(s, results))
+    return {"variants": variants, "bounds": bounds, "paired": paired, "heldout": held}
 
-            def spread(var):
-                return max(var["final_std"], _binomial_se(var["final"], batch * s.window))
-            kk = min(v["seeds"], base["seeds"])
-            se = math.sqrt((spread(base) ** 2 + spread(v) ** 2) / kk)
-            bounds[f"{name}_vs_bf16"] = {
-                "bound": Z * se, "diff": v["final"] - base["final"], "se": se, "z": Z,
-                "spread_bf16": spread(base), "spread": spread(v),
-                "rule": (f"|final - bf16 final| <= {Z:g} x sqrt((s_bf16^2 + s^2) / K), s = the std over the K seeds "
-                         f"of a variant's final reward, at least the binomial SE of one seed's final "
-                         f"({s.window} steps x {batch} responses)")}
-    return {"variants": variants, "bounds": bounds}
+
+def paired_level(s: GrpoSettings, results) -> float:
+    """Per-comparison confidence: the family level split (Bonferroni) over the verdicts on real
+    variants (two per tracked variant: whole curve, held-out), so that a run with nothing wrong fails
+    one of them by chance with probability at most 1 - s.confidence."""
+    family = 2 * max(1, sum(1 for n in TRACKED if n in results and ALL[n].control is None))
+    return 1 - (1 - s.confidence) / family
+
+
+def _paired(variants, results, s: GrpoSettings) -> Dict[str, Any]:
+    """Each full-size variant against bf16, seed by seed: whole-curve mean reward, held-out score, and
+    per step the reward difference with its 95% interval (the plot's band)."""
+    base = variants.get(VARIANT_BF16)
+    if base is None or base["seeds"] < 1:
+        return {}
+    level = paired_level(s, results)
+    out: Dict[str, Any] = {}
+    b_rows = {(r["seed"], r["step"]): r["reward"] for r in results[VARIANT_BF16]["rows"]}
+    for name, v in variants.items():
+        if name == VARIANT_BF16 or (v["seeds"], v["steps"]) != (base["seeds"], base["steps"]):
+            continue
+        rows = {(r["seed"], r["step"]): r["reward"] for r in results[name]["rows"]}
+        per_step, band = [], []
+        for st in range(1, v["steps"] + 1):
+            d = [rows[(sd, st)] - b_rows[(sd, st)] for sd in range(v["seeds"])]
+            per_step.append(stats.mean(d))
+            band.append(_ci_half(d))
+        entry = {"curve": stats.paired(v["curve_per_seed"], base["curve_per_seed"], level),
+                 "per_step": per_step, "per_step_ci95": band}
+        if v["heldout_per_seed"] and base["heldout_per_seed"]:
+            entry["heldout"] = stats.paired(v["heldout_per_seed"], base["heldout_per_seed"], level)
+        out[name] = entry
+    return out
+
+
+def _full_size(summary) -> Dict[str, Dict[str, Any]]:
+    v = summary["variants"]
+    steps = max((x["steps"] for x in v.values()), default=0)
+    return {n: x for n, x in v.items() if x["steps"] == steps}
 
 
 def format_table(summary: Dict[str, Any]) -> str:
-    header = ("step", "variant", "reward", "+-std", "token_mult_prob_error", "tis_w_mean", "tis_clip", "sync_s")
+    header = ("step", "variant", "reward", "+-95%", "token_mult_prob_error", "tis_w_mean", "tis_clip", "sync_s")
     body = []
-    variants = summary["variants"]
+    variants = _full_size(summary)
     steps = max((v["steps"] for v in variants.values()), default=0)
     for i in range(steps):
         for name, v in variants.items():
             tw, tc = v["tis_weight_mean"][i], v["tis_clip_frac"][i]
-            body.append((str(i + 1), name, f"{v['reward'][i]:.3f}", f"{v['reward_std'][i]:.3f}",
+            body.append((str(i + 1), name, f"{v['reward'][i]:.3f}", f"{v['reward_ci95'][i]:.3f}",
                          f"{v['token_mult_prob_error'][i]:.5f}", "-" if tw is None else f"{tw:.4f}",
                          "-" if tc is None else f"{tc:.4f}", f"{v['sync_s'][i]:.3f}"))
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
@@ -123,22 +183,46 @@ def format_table(summary: Dict[str, Any]) -> str:
 
 
 def write_plot(summary: Dict[str, Any], s: GrpoSettings, path: str) -> Optional[str]:
-    """grpo.png: reward vs step per variant (mean over seeds, band +-1 std), mismatch vs step."""
+    """grpo.png: reward per step (mean over seeds, 95% interval band), the paired difference from bf16
+    per step (95% band), the rollout / trainer mismatch per step."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, v in summary["variants"].items():
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colors = {}
+    for name, v in _full_size(summary).items():
         steps = list(range(1, len(v["reward"]) + 1))
-        lo = [m - d for m, d in zip(v["reward"], v["reward_std"])]
-        hi = [m + d for m, d in zip(v["reward"], v["reward_std"])]
-        line, = axes[0].plot(steps, v["reward"], marker="o", label=name)
-        axes[0].fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
-        axes[1].plot(steps, v["token_mult_prob_error"], marker="o", label=name)
-    axes[0].set_title(f"GRPO reward (mean over {s.seeds} seeds, band +-1 std)")
+        lo = [m - d for m, d in zip(v["reward"], v["reward_ci95"])]
+        hi = [m + d for m, d in zip(v["reward"], v["reward_ci95"])]
+        style = "--" if ALL[name].control else "-"
+        line, = axes[0].plot(steps, v["reward"], style, marker="o", label=name)
+        colors[name] = line.get_color()
+        axes[0].fill_between(steps, lo, hi, color=line.get_color(), alpha=0.12)
+        axes[2].plot(steps, v["token_mult_prob_error"], style, marker="o", label=name, color=line.get_color())
+    for name, p in summary["paired"].items():
+        steps = list(range(1, len(p["per_step"]) + 1))
+        c = colors.get(name)
+        axes[1].plot(steps, p["per_step"], "--" if ALL[name].control else "-", marker="o", label=name, color=c)
+        axes[1].fill_between(steps, [m - d for m, d in zip(p["per_step"], p["per_step_ci95"])],
+                             [m + d for m, d in zip(p["per_step"], p["per_step_ci95"])], color=c, alpha=0.12)
+    axes[1].axhline(0.0, color="black", linewidth=0.8)
+    axes[0].set_title(f"GRPO reward (mean over {s.seeds} seeds, 95% interval)")
     axes[0].set_ylabel("reward (batch mean)")
-    axes[1].set_title("token_mult_prob_error, rollout vs trainer (1.0 = exact)")
+    axes[1].set_title("reward - bf16's, paired by seed (95% interval)")
+    axes[2].set_title("token_mult_prob_error, rollout vs trainer (1.0 = exact)")
     return save_png(plt, fig, axes, "GRPO step", path)
+
+
+def _verdict_line(name: str, p: Dict[str, Any]) -> str:
+    parts = []
+    for label, key in (("curve", "curve"), ("held-out", "heldout")):
+        c = p.get(key)
+        if c is None:
+            continue
+        lo, hi = c["ci"]
+        parts.append(f"{label} {c['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+                     f"{'DIFFERENT' if c['detected'] else 'same'} (detectable >= {c['mdd']:.4f})")
+    return f"{name:>22} - bf16: " + "; ".join(parts)
 
 
 def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, report_path: str) -> None:
@@ -159,21 +243,40 @@ def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, repor
     print("", file=out)
     print(format_table(summary), file=out)
     print("", file=out)
-    bounds = summary["bounds"]
     for name, v in summary["variants"].items():
-        extra = ""
-        b = bounds.get(f"{name}_vs_bf16")
-        if b:
-            extra = f"; vs bf16 {b['diff']:+.3f} (bound +-{b['bound']:.3f})"
-        print(f"{name:>18}: reward first {v['first']:.3f} -> final {v['final']:.3f} +- {v['final_std']:.3f} "
-              f"(per seed {', '.join(f'{x:.3f}' for x in v['final_per_seed'])}); token_mult_prob_error mean "
-              f"{v['mismatch_mean']:.5f}{extra}", file=out)
+        print(f"{name:>22}: reward first {v['first']:.3f} -> final {v['final']:.3f} (per seed "
+              f"{', '.join(f'{x:.3f}' for x in v['final_per_seed'])}); curve mean {v['curve']:.4f}; held-out "
+              f"{v['heldout']:.4f}; token_mult_prob_error mean {v['mismatch_mean']:.5f}", file=out)
+    h = summary["heldout"]
+    if h:
+        print(f"held-out: {h['prompts']} prompts never trained on ({h['dropped_as_seen_or_repeated']} drawn ones "
+              f"dropped as seen); pre-trained policy {h['pretrained']:.4f}; {h['score']}", file=out)
+    print("", file=out)
+    if summary["paired"]:
+        lvl = next(iter(summary["paired"].values()))["curve"]["level"]
+        print(f"paired differences from bf16 (per seed, {lvl:.2%} t intervals: the family's "
+              f"{st['confidence']:.0%} split over its comparisons; detectable = the smallest true difference "
+              f"found with {stats.POWER:.0%} power):", file=out)
+        for name, p in summary["paired"].items():
+            print(_verdict_line(name, p), file=out)
+        print("", file=out)
+    if g["controls"]:
+        print("negative controls (each must fail its check):", file=out)
+        for name, c in g["controls"].items():
+            print(f"  {'[fails as it must]' if c['failed'] else '[PASSED - the check cannot see it]'} {name} "
+                  f"({c['control']}) -> {c['must_fail']}: {c['detail']}", file=out)
+        print("", file=out)
+    pc = g["positive_control"]
+    print(f"positive control (TIS helping): {pc['claim']}", file=out)
+    for t in pc["tried"]:
+        print(f"  tried: {t}", file=out)
     print("", file=out)
     print_fault_and_checks(report, checks, out)
     tm = report["timings"]
     proc = f"; process wall time {tm['process_s']:.1f}s" if tm.get("process_s") else ""
-    print(f"time: total {tm['total_s']:.1f}s{proc} (model {tm['model_s']:.1f}s, setup {tm['setup_s']:.1f}s, "
-          f"GRPO runs {tm['grpo_s']:.1f}s)", file=out)
+    print(f"time: total {tm['total_s']:.1f}s{proc}; CPU {tm['cpu_s']:.1f}s (+ {tm['children_cpu_s']:.1f}s in child "
+          f"processes) (model {tm['model_s']:.1f}s, setup {tm['setup_s']:.1f}s, GRPO runs {tm['grpo_s']:.1f}s)",
+          file=out)
     print(f"report: {report_path}" + (f"; plot: {report['plot']}" if report["plot"] else
                                       (f"; {report['plot_note']}" if report["plot_note"] else "")), file=out)
     print("rehearsal --grpo " + ("passed" if report["ok"] else "FAILED"), file=out)

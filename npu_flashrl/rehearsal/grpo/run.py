@@ -1,10 +1,17 @@
-"""`npu-flashrl rehearse --grpo`: one run, phase by phase (see the package docstring)."""
+"""`npu-flashrl rehearse --grpo`: one run, phase by phase (see the package docstring).
+
+Phases: `_model` (the cached tiny model), `_setup` (npu-flashrl setup, activation, verl's imports),
+`_runs` (every variant and control on its rollout model, each run's held-out score), `_report`
+(statistics, verdict, report.json, grpo.png, the printed summary).
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import resource
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from npu_flashrl.rehearsal.common import RehearsalError, default_cache_root, json_safe, process_seconds, versions
 
@@ -49,66 +56,109 @@ def run(args) -> int:
     transport = transport_mod.resolve(args.transport)
     prepare_environment(device, args.verbose)
     with quiet_logs(args.verbose):
-        return _run(args, settings, device, emulated, t_start, transport)
+        return _run(Run(args, settings, device, emulated, t_start, transport))
 
 
-def _run(args, settings, device: str, emulated: bool, t_start: float, transport: Dict[str, Any]) -> int:
+@dataclasses.dataclass
+class Run:
+    """One GRPO rehearsal: the checked arguments, and what the phases found (filled in as they go)."""
+    args: Any
+    settings: Any
+    device: str
+    emulated: bool
+    t_start: float
+    transport: Dict[str, Any]
+    timings: Dict[str, float] = dataclasses.field(default_factory=dict)
+    threads: Optional[int] = None
+    output_dir: str = ""
+    work: str = ""
+
+    @property
+    def progress(self) -> bool:
+        return not self.args.no_progress
+
+
+@dataclasses.dataclass
+class Model:
+    """Phase 1: the cached tiny model."""
+    bf16_dir: str
+    master_dir: str
+    cache_hit: bool
+    vocab_size: int
+
+
+@dataclasses.dataclass
+class Setup:
+    """Phase 2: the written config, what activation applied, the FlashRL profile, the rollout builders."""
+    fn: str
+    applied: Any
+    builders: Dict[str, Callable[[], Any]]
+    profile: Any = None
+
+
+@dataclasses.dataclass
+class Runs:
+    """Phase 3: per variant its runs and rollout info, the INT8 state checks, the held-out scores."""
+    results: Dict[str, Dict[str, Any]]
+    infos: Dict[str, Dict[str, Any]]
+    layer_results: Dict[str, List[Dict[str, Any]]]
+    heldout: Dict[str, Any]
+
+
+def _run(r: Run) -> int:
     import torch
 
-    from npu_flashrl import patches
-    from npu_flashrl.config import atomic_write
-    from npu_flashrl.rehearsal import transport as transport_mod
-    from npu_flashrl.rehearsal.user_setup import activate_entry, prepare_config
-    from npu_flashrl.rehearsal.common import progress_bar
-    from npu_flashrl.rehearsal.grpo import checks as grpo_checks
-    from npu_flashrl.rehearsal.grpo import report as grpo_report
-    from npu_flashrl.rehearsal.grpo.loop import RolloutHandle, run_variant_seeds
-    from npu_flashrl.rehearsal.grpo.settings import (VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_TIS,
-                                                     VARIANT_INT8_TIS_FP32HEAD)
     from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
-    from npu_flashrl.rehearsal.grpo.trainer import GrpoTrainer
-    from npu_flashrl.rehearsal.grpo.verl_algo import VerlGrpo
-    from npu_flashrl.rehearsal.model import ensure_tiny_model, tiny_settings
-    from npu_flashrl.rehearsal.rollout import make_rollout
     from npu_flashrl.sim.synthetic_task import MarkovTask
 
-    faults = _faults()
-    progress = not args.no_progress
-    threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
-    timings: Dict[str, float] = {}
-    output_dir = os.path.abspath(args.output_dir)
-    work = os.path.join(output_dir, "work")
-    os.makedirs(work, exist_ok=True)
+    r.threads = r.args.threads if r.args.threads is not None else (1 if r.device == "cpu" else None)
+    if r.threads:
+        torch.set_num_threads(r.threads)
+    r.output_dir = os.path.abspath(r.args.output_dir)
+    r.work = os.path.join(r.output_dir, "work")
+    os.makedirs(r.work, exist_ok=True)
     markov = MarkovTask()
-    task = GreedyChainTask(markov, settings.prompt_len, settings.response_len)
+    task = GreedyChainTask(markov, r.settings.prompt_len, r.settings.response_len)
+    model = _model(r, markov)
+    setup = _setup(r, model)
+    runs = _runs(r, task, model, setup)
+    return _report(r, task, model, setup, runs)
 
-    # ---------------------------------------------------------------- 1. model (the default rehearsal's)
+
+def _model(r: Run, markov) -> Model:
+    """The default rehearsal's pre-trained tiny Qwen2 (cached)."""
+    from npu_flashrl.rehearsal.model import ensure_tiny_model, tiny_settings
+
     t = time.perf_counter()
-    cache_root = os.path.abspath(os.path.expanduser(args.cache_dir or default_cache_root()))
-    tiny = ensure_tiny_model(cache_root, tiny_settings(args, markov), markov, progress)
-    bf16_dir = tiny["bf16_dir"]
-    timings["model_s"] = time.perf_counter() - t
-    with open(os.path.join(bf16_dir, "config.json")) as f:
+    cache_root = os.path.abspath(os.path.expanduser(r.args.cache_dir or default_cache_root()))
+    tiny = ensure_tiny_model(cache_root, tiny_settings(r.args, markov), markov, r.progress)
+    r.timings["model_s"] = time.perf_counter() - t
+    with open(os.path.join(tiny["bf16_dir"], "config.json")) as f:
         vocab_size = int(json.load(f)["vocab_size"])
+    return Model(tiny["bf16_dir"], tiny["master_dir"], tiny["cache_hit"], vocab_size)
 
-    # ---------------------------------------------------------------- 2. setup + activation
+
+def _setup(r: Run, model: Model) -> Setup:
+    """`npu-flashrl setup` and activation as a user runs them; verl's imports once, before the timed runs."""
+    import npu_flashrl
+    from npu_flashrl.rehearsal.common import progress_bar
+    from npu_flashrl.rehearsal.grpo.verl_algo import VerlGrpo
+    from npu_flashrl.rehearsal.rollout import make_rollout
+    from npu_flashrl.rehearsal.user_setup import activate_entry, prepare_config
+
     t = time.perf_counter()
-    with progress_bar(3, "setup / activate / verl", progress) as bar:
-        if device == "cpu":
+    with progress_bar(3, "setup / activate / verl", r.progress) as bar:
+        if r.device == "cpu":
             from npu_flashrl.sim import cpu_vllm
 
             cpu_vllm.prepare_process()
         bar.update(1)
-        setup = prepare_config(args, bf16_dir, work, progress=False)
-        import npu_flashrl
-
+        setup = prepare_config(r.args, model.bf16_dir, r.work, progress=False)
         applied = npu_flashrl.activate(setup["config"])
         bar.update(1)
-        VerlGrpo(tis=True, mini_batch_size=1, group_size=1)  # verl's imports, once, before the timed runs
+        VerlGrpo(tis=True, mini_batch_size=1, group_size=1)
         bar.update(1)
-    timings["setup_s"] = time.perf_counter() - t
+    r.timings["setup_s"] = time.perf_counter() - t
     profile = None
     if setup.get("profile"):
         from npu_flashrl.profile import load_profile
@@ -116,81 +166,123 @@ def _run(args, settings, device: str, emulated: bool, t_start: float, transport:
         profile = load_profile(setup["profile"])
 
     def bf16_build():  # an engine without npu_flashrl's choice: vLLM's own bf16 model
-        return make_rollout(device, bf16_dir, None)
+        return make_rollout(r.device, model.bf16_dir, None)
 
     def int8_build():
-        engine_args, _, _, _ = activate_entry(setup["config"], bf16_dir)
-        return make_rollout(device, engine_args.model, engine_args.quantization, engine_args.load_format or "auto",
+        engine_args, _, _, _ = activate_entry(setup["config"], model.bf16_dir)
+        return make_rollout(r.device, engine_args.model, engine_args.quantization, engine_args.load_format or "auto",
                             additional_config=getattr(engine_args, "additional_config", None))
 
-    # ---------------------------------------------------------------- 3. GRPO runs
+    builders = {"bf16": bf16_build, "int8": int8_build, "int8+fp32head": int8_build}
+    return Setup(setup["fn"], applied, builders, profile)
+
+
+def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
+    """Every variant (and control) on its rollout model, in the order of `plan`; one rollout model per
+    rollout kind serves all its variants and seeds. The fp32-head rollout (process-global patches) last."""
+    from npu_flashrl.rehearsal import transport as transport_mod
+    from npu_flashrl.rehearsal.grpo import heldout as heldout_mod
+    from npu_flashrl.rehearsal.grpo.loop import RolloutHandle, run_variant_seeds
+    from npu_flashrl.rehearsal.grpo.trainer import GrpoTrainer
+    from npu_flashrl.rehearsal.grpo.verl_algo import VerlGrpo
+
+    s = r.settings
     t = time.perf_counter()
-    trainer = GrpoTrainer(tiny["master_dir"], device, settings.lr)
+    trainer = GrpoTrainer(model.master_dir, r.device, s.lr)
+    prompts, heldout_info = heldout_mod.heldout_prompts(task, s, r.args.seed)
+    trainer.reset()
+    heldout_info["pretrained"] = heldout_mod.score(trainer, task, prompts, False)
+
+    def heldout_score(tr, fp32_head: bool) -> float:
+        return heldout_mod.score(tr, task, prompts, fp32_head)
+
+    variants = [v for v in s.variants() if not (r.args.no_fp32_head and v.fp32_head)]
+    plan = [(kind, [v for v in variants if v.rollout == kind]) for kind in ("bf16", "int8", "int8+fp32head")]
     results: Dict[str, Dict[str, Any]] = {}
     infos: Dict[str, Dict[str, Any]] = {}
     layer_results: Dict[str, List[Dict[str, Any]]] = {}
     sync_counter = [0]
-    plan = [("bf16", bf16_build, False, [VARIANT_BF16]),
-            ("int8", int8_build, True, [VARIANT_INT8, VARIANT_INT8_TIS]),
-            ("int8+fp32head", int8_build, True, [VARIANT_INT8_TIS_FP32HEAD])]
-    if args.no_fp32_head:
-        plan.pop()
-    with transport_mod.make(transport, args.buckets, work, device) as sync:
-        for rollout_name, build, int8, variants in plan:
-            if rollout_name == "int8+fp32head":
+    with transport_mod.make(r.transport, r.args.buckets, r.work, r.device) as sync:
+        for kind, on_it in plan:
+            if not on_it:
+                continue
+            if kind == "int8+fp32head":
                 # FLASHRL_LMHEAD_FP32 on the rollout side: process-global, so this rollout model is built
                 # (and used) last
                 from npu_flashrl.adapters import vllm as vllm_fp32
 
                 vllm_fp32.enable_lm_head_fp32()
             t0 = time.perf_counter()
-            with build() as v:
-                handle = RolloutHandle(v, int8, device, args.seed, profile, faults)
+            with setup.builders[kind]() as v:
+                handle = RolloutHandle(v, kind != "bf16", r.device, r.args.seed, setup.profile, _faults())
                 handle.info["build_s"] = time.perf_counter() - t0
                 sync.attach(v)
-                for variant in variants:
-                    infos[variant] = dict(handle.info, rollout=rollout_name)
+                for variant in on_it:
+                    infos[variant.name] = dict(handle.info, rollout=kind)
                     lr_list: List[Dict[str, Any]] = []
-                    results[variant] = run_variant_seeds(variant, handle, trainer, task, settings, sync, vocab_size,
-                                                         device, args.seed, sync_counter, lr_list, progress, VerlGrpo)
-                    if int8:
-                        layer_results[variant] = lr_list
+                    results[variant.name] = run_variant_seeds(
+                        variant, handle, trainer, task, s, sync, model.vocab_size, r.device, r.args.seed,
+                        sync_counter, lr_list, r.progress, VerlGrpo, heldout_score)
+                    if variant.int8:
+                        layer_results[variant.name] = lr_list
                 del handle
-        transport.update(sync.info())
-    timings["grpo_s"] = time.perf_counter() - t
+        r.transport.update(sync.info())
+    r.timings["grpo_s"] = time.perf_counter() - t
+    return Runs(results, infos, layer_results, heldout_info)
 
-    # ---------------------------------------------------------------- 4. verdict + output
-    summary = grpo_report.summarize(results, settings)
-    checks = grpo_checks.evaluate(results, summary, infos, layer_results, settings, device, args.max_layer_error)
+
+def _cpu_seconds() -> Dict[str, float]:
+    """CPU time of this process and of its finished children (the verl transport's sender): on a shared
+    machine the wall time says little about the run's own cost."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"cpu_s": own.ru_utime + own.ru_stime, "children_cpu_s": kids.ru_utime + kids.ru_stime}
+
+
+def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
+    """Statistics, verdict, report.json, grpo.png, the summary; the exit code."""
+    from npu_flashrl import patches
+    from npu_flashrl.config import atomic_write
+    from npu_flashrl.rehearsal.grpo import checks as grpo_checks
+    from npu_flashrl.rehearsal.grpo import report as grpo_report
+    from npu_flashrl.rehearsal.grpo.settings import ALL
+    from npu_flashrl.rehearsal.state import by_type, state_rules
+
+    args, s = r.args, r.settings
+    summary = grpo_report.summarize(runs.results, s, runs.heldout)
+    checks, controls = grpo_checks.evaluate(runs.results, summary, runs.infos, runs.layer_results, s, r.device,
+                                            args.max_layer_error)
     ok = all(c["ok"] for c in checks)
     plot_path = plot_note = None
     if not args.no_plot:
-        plot_path = grpo_report.write_plot(summary, settings, os.path.join(output_dir, "grpo.png"))
+        plot_path = grpo_report.write_plot(summary, s, os.path.join(r.output_dir, "grpo.png"))
         if plot_path is None:
             plot_note = "matplotlib is not installed: no plot (pip install matplotlib)"
-    timings["total_s"] = time.perf_counter() - t_start
-    timings["process_s"] = process_seconds()
-    status = patches.status()
-    fault = next((i.get("fault_injected") for i in infos.values() if i.get("fault_injected")), None)
-    from npu_flashrl.rehearsal.state import by_type, state_rules
-
+    r.timings["total_s"] = time.perf_counter() - r.t_start
+    r.timings["process_s"] = process_seconds()
+    r.timings.update(_cpu_seconds())
+    fault = next((i.get("fault_injected") for i in runs.infos.values() if i.get("fault_injected")), None)
     report = {
         "ok": ok, "exit_code": 0 if ok else 1, "mode": "grpo",
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
-        "grpo": {"settings": settings.to_dict(), "task": task.to_dict(), "variants": summary["variants"],
-                 "bounds": summary["bounds"], "algorithm": {v: r["algo"] for v, r in results.items()},
-                 "rows": [r for res in results.values() for r in res["rows"]], "stand_ins": STAND_INS},
-        "resolved": {"device": device, "emulated_torch_npu": emulated, "threads": threads, "fn": setup["fn"]},
-        "transport": transport, "model": {"source": "tiny", "dir": bf16_dir, "cache_hit": tiny["cache_hit"]},
-        "rollouts": infos, "checks": checks,
-        "int8_state": {v: {"by_type": by_type(rs), "syncs": len({r["step"] for r in rs})}
-                       for v, rs in layer_results.items()},
-        "int8_state_rules": state_rules(device, args.max_layer_error),
-        "fault_injected": fault, "timings": timings,
-        "patches": {"applied": [p["name"] for p in status if p["applied"]], "activation_result": applied},
+        "grpo": {"settings": s.to_dict(), "task": task.to_dict(), "variants": summary["variants"],
+                 "variant_specs": {n: ALL[n].to_dict() for n in runs.results},
+                 "bounds": summary["bounds"], "paired": summary["paired"], "heldout": summary["heldout"],
+                 "controls": controls, "positive_control": grpo_report.POSITIVE_CONTROL,
+                 "algorithm": {v: res["algo"] for v, res in runs.results.items()},
+                 "rows": [row for res in runs.results.values() for row in res["rows"]], "stand_ins": STAND_INS},
+        "resolved": {"device": r.device, "emulated_torch_npu": r.emulated, "threads": r.threads, "fn": setup.fn},
+        "transport": r.transport, "model": {"source": "tiny", "dir": model.bf16_dir, "cache_hit": model.cache_hit},
+        "rollouts": runs.infos, "checks": checks,
+        "int8_state": {v: {"by_type": by_type(rs), "syncs": len({x["step"] for x in rs})}
+                       for v, rs in runs.layer_results.items()},
+        "int8_state_rules": state_rules(r.device, args.max_layer_error),
+        "fault_injected": fault, "timings": r.timings,
+        "patches": {"applied": [p["name"] for p in patches.status() if p["applied"]],
+                    "activation_result": setup.applied},
         "versions": versions(), "plot": plot_path, "plot_note": plot_note,
     }
-    report_path = os.path.join(output_dir, "report.json")
+    report_path = os.path.join(r.output_dir, "report.json")
     atomic_write(report_path, lambda f: json.dump(json_safe(report), f, indent=2))
     grpo_report.print_summary(report, summary, checks, report_path)
     return 0 if ok else 1

@@ -86,3 +86,17 @@ def sample(model, prompts: torch.Tensor, n: int, response_len: int, generator: t
             ids = torch.cat([ids, tok.to(device)], dim=1)
     return rows, torch.cat(tokens, dim=1), torch.cat(logps, dim=1)
 
+
+
+def replay(model, rows: torch.Tensor, responses: torch.Tensor, vocab_size: int, device: str) -> torch.Tensor:
+    """The rollout model's log-probs [B, L] (fp32) of given responses, computed as `sample` computes
+    them (one forward per position), without sampling: what the rollout log-probs of these rows must
+    be if they are the rollout model's own."""
+    ids = torch.cat([rows, responses], dim=1).to(device)
+    tp = rows.shape[1]
+    out = []
+    with torch.no_grad():
+        for t in range(responses.shape[1]):
+            logp = torch.log_softmax(forward_last_logits(model, ids[:, :tp + t], vocab_size), dim=-1).cpu()
+            out.append(logp.gather(1, responses[:, t:t + 1].cpu()))
+    return torch.cat(out, dim=1)

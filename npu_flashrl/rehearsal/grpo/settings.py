@@ -1,18 +1,87 @@
-"""The run sizes of `rehearse --grpo` (default) and `--grpo --quick` (CI), chosen for the time budget:
-default <= 3 min, quick < 60 s on a 2-core CPU with the tiny model cached (see the README)."""
+"""The variants, the controls and the run sizes of `rehearse --grpo` (default) and `--grpo --quick` (CI).
+
+A **variant** is a way to train: which rollout model samples, whether verl's TIS weights enter the
+loss, the fp32 lm head. A **negative control** is a variant with one thing deliberately wrong (a
+named switch of the rehearsal, `Variant.control`) and the check it must fail: the run passes only
+when each control fails its check, so every check shown to pass is one that can fail. Controls whose
+check is structural (it sees the fault in every step) run at `CONTROL_SIZE`; the slow learner needs
+the statistics of the full size.
+
+Sizes are chosen for the time budget (default within 5 min of CPU time on a 2-core machine,
+`--quick` within about 2 min, the tiny model cached; see the README).
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 VARIANT_BF16 = "bf16"
 VARIANT_INT8 = "int8"
 VARIANT_INT8_TIS = "int8+tis"
 VARIANT_INT8_TIS_FP32HEAD = "int8+tis+fp32head"
-VARIANTS = (VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_TIS, VARIANT_INT8_TIS_FP32HEAD)
+
+# the check names a control is meant to fail (checks.py builds them with these phrases)
+CHECK_TIS_RATIO = "TIS weights are the truncated trainer/rollout ratio"
+CHECK_TIS_IN_LOSS = "TIS weights in the loss"
+CHECK_OWN_LOGP = "rollout log-probs are the rollout model's own"
+CHECK_STATE_INT8 = "state: int8 values equal the reference quantization"
+CHECK_TRACKS = "trains like bf16 (paired, whole curve and held-out)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    rollout: str                    # the rollout model: "bf16", "int8" or "int8+fp32head"
+    tis: bool                       # verl's TIS weights in the loss
+    fp32_head: bool = False         # the fp32 lm head on both sides
+    control: Optional[str] = None   # negative control: what is deliberately wrong (see CONTROL_EFFECTS)
+    lr_scale: float = 1.0
+    fails: Optional[str] = None     # negative control: the check it must fail (name with `name: ` before it)
+    full_size: bool = True          # False: runs at CONTROL_SIZE
+
+    @property
+    def int8(self) -> bool:
+        return self.rollout != "bf16"
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.control:
+            d["what"] = CONTROL_EFFECTS[self.control]
+        return d
+
+
+CONTROL_EFFECTS = {
+    "tis_inverted": "verl's rollout correction called with the trainer's and the rollout's log-probs swapped: "
+                    "weights min(pi_rollout / pi_trainer, 2) instead of min(pi_trainer / pi_rollout, 2)",
+    "tis_ones": "TIS weights replaced by 1 after verl computed them (TIS switched on, doing nothing)",
+    "logp_from_trainer": "the rollout log-probs handed to verl recomputed by the trainer in fp32 (no bf16 "
+                         "autocast): the rollout / trainer mismatch hidden",
+    "stale_rollout": "the rollout model gets the trainer's weights one step late (each sync pushes the weights "
+                     "from before the step's update)",
+    "slow_learner": "int8+tis at a quarter of the learning rate: a learner that lags bf16",
+}
+
+REAL = (
+    Variant(VARIANT_BF16, "bf16", tis=False),
+    Variant(VARIANT_INT8, "int8", tis=False),
+    Variant(VARIANT_INT8_TIS, "int8", tis=True),
+    Variant(VARIANT_INT8_TIS_FP32HEAD, "int8+fp32head", tis=True, fp32_head=True),
+)
+CONTROLS = (
+    Variant("ctl:tis_inverted", "int8", tis=True, control="tis_inverted", fails=CHECK_TIS_RATIO, full_size=False),
+    Variant("ctl:tis_ones", "int8", tis=True, control="tis_ones", fails=CHECK_TIS_IN_LOSS, full_size=False),
+    Variant("ctl:logp_from_trainer", "int8", tis=True, control="logp_from_trainer", fails=CHECK_OWN_LOGP,
+            full_size=False),
+    Variant("ctl:stale_rollout", "int8", tis=True, control="stale_rollout", fails=CHECK_STATE_INT8,
+            full_size=False),
+    Variant("ctl:slow_learner", "int8", tis=True, control="slow_learner", lr_scale=0.25, fails=CHECK_TRACKS),
+)
+ALL = {v.name: v for v in REAL + CONTROLS}
+VARIANTS = tuple(v.name for v in REAL)
+# the variants whose tracking of bf16 is a verdict (int8 without TIS is shown, compared, not required)
+TRACKED = (VARIANT_INT8_TIS, VARIANT_INT8_TIS_FP32HEAD, "ctl:slow_learner")
 # variant -> (rollout model, TIS in the loss, fp32 lm head on both sides)
-VARIANT_SPEC = {VARIANT_BF16: ("bf16", False, False), VARIANT_INT8: ("int8", False, False),
-                VARIANT_INT8_TIS: ("int8", True, False), VARIANT_INT8_TIS_FP32HEAD: ("int8+fp32head", True, True)}
+VARIANT_SPEC = {v.name: (v.rollout, v.tis, v.fp32_head) for v in ALL.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,16 +95,29 @@ class GrpoSettings:
     lr: float             # AdamW on the fp32 masters
     mini_batches: int     # optimizer steps per GRPO step (one PPO epoch)
     window: int           # steps averaged for "first" and "final" rewards
+    heldout_prompts: int = 64   # prompts never trained on, scoring each trained policy
+    replay_rows: int = 8        # sampled rows per step replayed through the rollout model (own log-probs)
+    confidence: float = 0.95    # of the family of tracking comparisons (split over them, Bonferroni)
+    controls: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def size_of(self, v: Variant) -> Tuple[int, int]:
+        """(seeds, steps) of variant `v`'s runs."""
+        return (self.seeds, self.steps) if v.full_size else CONTROL_SIZE
+
+    def variants(self) -> Tuple[Variant, ...]:
+        return REAL + (CONTROLS if self.controls else ())
+
+
+CONTROL_SIZE = (1, 2)  # (seeds, steps) of the controls whose check is structural
 
 PRESETS = {
-    "default": GrpoSettings(steps=12, seeds=3, prompts=16, group=8, prompt_len=4, response_len=3, lr=3e-3,
-                            mini_batches=2, window=3),
-    "quick": GrpoSettings(steps=6, seeds=2, prompts=16, group=8, prompt_len=4, response_len=3, lr=3e-3,
-                          mini_batches=2, window=2),
+    "default": GrpoSettings(steps=6, seeds=5, prompts=16, group=8, prompt_len=4, response_len=3, lr=3e-3,
+                            mini_batches=2, window=2),
+    "quick": GrpoSettings(steps=4, seeds=4, prompts=16, group=8, prompt_len=4, response_len=3, lr=3e-3,
+                          mini_batches=2, window=2, heldout_prompts=32, replay_rows=4),
 }
 
 
@@ -49,6 +131,8 @@ def resolve(args) -> GrpoSettings:
         changes["seeds"] = args.seeds
     if getattr(args, "step_lr", None) is not None:
         changes["lr"] = args.step_lr
+    if getattr(args, "no_controls", False):
+        changes["controls"] = False
     s = dataclasses.replace(s, **changes)
     if s.window * 2 > s.steps:
         s = dataclasses.replace(s, window=max(1, s.steps // 2))

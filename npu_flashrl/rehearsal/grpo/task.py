@@ -46,6 +46,19 @@ class GreedyChainTask:
         expected = torch.where(content, top[offset.clamp(0, m.n_tokens - 1)], torch.full_like(prev, -1))
         return content & (responses.cpu() == expected)
 
+    def answers(self, prompts: torch.Tensor) -> torch.Tensor:
+        """[B, response_len] the exact answers: the chain of most likely successors after each prompt."""
+        m = self.markov
+        top = m.successors[:, 0] + m.base
+        prev, out = prompts[:, -1].cpu(), []
+        for _ in range(self.response_len):
+            offset = prev - m.base
+            if ((offset < 0) | (offset >= m.n_tokens)).any():
+                raise ValueError("GreedyChainTask.answers: a prompt ends in a special token (no successor)")
+            prev = top[offset]
+            out.append(prev)
+        return torch.stack(out, dim=1)
+
     def reward(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """[B] float32: 1.0 when the whole response follows the chain's most likely successors."""
         return self.token_correct(prompts, responses).all(dim=1).float()

@@ -25,10 +25,11 @@ class GrpoTrainer:
         self._initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.opt = None
 
-    def reset(self) -> None:
-        """Back to the pre-trained weights with a fresh optimizer (a new seed's run)."""
+    def reset(self, lr_scale: float = 1.0) -> None:
+        """Back to the pre-trained weights with a fresh optimizer (a new seed's run) at `lr_scale` x lr."""
         self.model.load_state_dict(self._initial)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=(0.9, 0.999), weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr * lr_scale, betas=(0.9, 0.999),
+                                     weight_decay=0.0)
 
     @contextlib.contextmanager
     def _head(self, fp32_head: bool):
@@ -43,11 +44,15 @@ class GrpoTrainer:
         finally:
             hf_fp32.disable_fp32_lm_head(self.model)
 
-    def logp(self, ids: torch.Tensor, prompt_len: int, fp32_head: bool, grad: bool) -> torch.Tensor:
-        """Log-probs [B, L] of the response tokens ids[:, prompt_len:] (fp32 log-softmax of the logits)."""
+    def logp(self, ids: torch.Tensor, prompt_len: int, fp32_head: bool, grad: bool,
+             autocast: bool = True) -> torch.Tensor:
+        """Log-probs [B, L] of the response tokens ids[:, prompt_len:] (fp32 log-softmax of the logits);
+        `autocast=False`: the fp32 masters in fp32 throughout (a negative control's stand-in rollout)."""
         ids = ids.to(self.device)
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
-        with ctx, self._head(fp32_head), torch.autocast(device_type=self.device, dtype=torch.bfloat16):
+        cast = (torch.autocast(device_type=self.device, dtype=torch.bfloat16) if autocast
+                else contextlib.nullcontext())
+        with ctx, self._head(fp32_head), cast:
             logits = self.model(input_ids=ids).logits
         logp = torch.log_softmax(logits[:, prompt_len - 1:-1].float(), dim=-1)
         return logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1).cpu()
