@@ -131,7 +131,7 @@ _PRELUDE = textwrap.dedent("""
     from npu_flashrl import patches
     from npu_flashrl.sim import ascend_harness
     cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm as va
+    from npu_flashrl.adapters import vllm_lm_head as va
     MODEL_DIR = %r
     R = {}
     def err(a, ref):

@@ -1,5 +1,5 @@
 """One module per outside system: vllm_ascend (INT8 layers, reload), vllm_engine (engine config),
-vllm (FP32 lm-head), flashrl (coexistence), verl (TIS, metrics; sync ends: verl.sync_mode, and
+vllm_lm_head (FP32 lm-head), flashrl (coexistence), verl (TIS, metrics; sync ends: verl.sync_mode, and
 verl.server_mode for the server-mode verl lines, verl.checkpoint_engine for its checkpoint engines and
 the INT8 wire), transformers (trainer lm-head),
 megatron (MindSpeed / Megatron trainer side)."""

@@ -235,7 +235,7 @@ def _rollouts(r: Run, model: Model, trained: Trained, eval_ids, setup: Dict[str,
         if not args.no_fp32_head:
             # FLASHRL_LMHEAD_FP32 on the rollout side: the patches are process-global, so this variant
             # runs last (the models above were built and measured without them).
-            from npu_flashrl.adapters import vllm as vllm_fp32
+            from npu_flashrl.adapters import vllm_lm_head as vllm_fp32
 
             vllm_fp32.enable_lm_head_fp32()
             variant_rows, infos[VARIANT_INT8_FP32HEAD], layer_results[VARIANT_INT8_FP32HEAD] = run_variant(

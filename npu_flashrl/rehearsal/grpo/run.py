@@ -209,7 +209,7 @@ def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
             if kind == "int8+fp32head":
                 # FLASHRL_LMHEAD_FP32 on the rollout side: process-global, so this rollout model is built
                 # (and used) last
-                from npu_flashrl.adapters import vllm as vllm_fp32
+                from npu_flashrl.adapters import vllm_lm_head as vllm_fp32
 
                 vllm_fp32.enable_lm_head_fp32()
             t0 = time.perf_counter()
