@@ -105,121 +105,152 @@ def pair_problem(name: str, weight: torch.Tensor, int8_weight: torch.Tensor, ent
     return None
 
 
-def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) -> Dict[str, dict]:
-    """FlashRL's int8 profile from a bf16 checkpoint and its compressed-tensors W8A8 checkpoint."""
-    from tqdm.auto import tqdm
+class _CheckpointPair:
+    """The bf16 checkpoint (-m) and its W8A8 checkpoint (-q) a profile is computed from, read one
+    decoder layer at a time; each of FlashRL's passes over a layer is one method."""
 
-    bf16 = SafetensorsCheckpoint(bf16_dir)
-    int8_in_bf16 = sorted((n for n in bf16.names() if _PROJECTION.search(n) and bf16.dtype(n) == "I8"),
-                          key=_order_key)
-    if int8_in_bf16:
-        bf16.close()
-        first = int8_in_bf16[0]
-        same = os.path.realpath(bf16_dir) == os.path.realpath(w8a8_dir)
-        raise ProfileError(f"-m {bf16_dir}: {bf16.files[first]}: {first} is int8: -m must be the original "
-                           f"bf16/fp16 checkpoint, not a W8A8 one"
-                           + (" (-m and -q are the same dir)" if same else f" (-q {w8a8_dir} is the W8A8 one)"))
-    quant = SafetensorsCheckpoint(w8a8_dir)
-    ln_entries: Dict[str, dict] = {}
-    lin_entries: Dict[str, dict] = {}
-    out_entries: Dict[str, dict] = {}
+    def __init__(self, bf16_dir: str, w8a8_dir: str):
+        self.bf16_dir, self.w8a8_dir = bf16_dir, w8a8_dir
+        self.bf16 = SafetensorsCheckpoint(bf16_dir)
+        self._refuse_int8_base()
+        self.quant = SafetensorsCheckpoint(w8a8_dir)
+        self.ln_entries: Dict[str, dict] = {}
+        self.lin_entries: Dict[str, dict] = {}
+        self.out_entries: Dict[str, dict] = {}
 
-    def qget(name: str, what: str) -> torch.Tensor:
-        if name not in quant:
-            raise ProfileError(f"{w8a8_dir}: tensor {name!r} ({what}) not found; -q must be the "
-                               f"compressed-tensors W8A8 checkpoint of the model given with -m ({bf16_dir})")
-        return quant.get(name)
+    def close(self) -> None:
+        self.bf16.close()
+        self.quant.close()
 
-    def scale_of(name: str, rows: int) -> torch.Tensor:
-        scale = qget(name + "_scale", "per-channel weight scale")
+    def _refuse_int8_base(self) -> None:
+        bf16 = self.bf16
+        int8_in_bf16 = sorted((n for n in bf16.names() if _PROJECTION.search(n) and bf16.dtype(n) == "I8"),
+                              key=_order_key)
+        if int8_in_bf16:
+            bf16.close()
+            first = int8_in_bf16[0]
+            same = os.path.realpath(self.bf16_dir) == os.path.realpath(self.w8a8_dir)
+            raise ProfileError(f"-m {self.bf16_dir}: {bf16.files[first]}: {first} is int8: -m must be the original "
+                               f"bf16/fp16 checkpoint, not a W8A8 one"
+                               + (" (-m and -q are the same dir)" if same else f" (-q {self.w8a8_dir} is the W8A8 one)"))
+
+    def qget(self, name: str, what: str) -> torch.Tensor:
+        if name not in self.quant:
+            raise ProfileError(f"{self.w8a8_dir}: tensor {name!r} ({what}) not found; -q must be the "
+                               f"compressed-tensors W8A8 checkpoint of the model given with -m ({self.bf16_dir})")
+        return self.quant.get(name)
+
+    def scale_of(self, name: str, rows: int) -> torch.Tensor:
+        scale = self.qget(name + "_scale", "per-channel weight scale")
         if scale.numel() != rows:
-            raise ProfileError(f"{w8a8_dir}: {name}_scale has {scale.numel()} values, expected one per "
+            raise ProfileError(f"{self.w8a8_dir}: {name}_scale has {scale.numel()} values, expected one per "
                                f"output row ({rows}); only per-channel W8A8 checkpoints are supported")
-        problem = weight_scale_problem(scale, f"{quant.files[name + '_scale']}: {name}_scale")
+        problem = weight_scale_problem(scale, f"{self.quant.files[name + '_scale']}: {name}_scale")
         if problem:  # the checkpoint's fault, said before any profile entry is made from it
             raise ProfileError(f"-q {problem}")
         return scale.view(-1, 1)
 
-    def check_int8(name: str) -> None:
-        dt = quant.dtype_str(name) if name in quant else None
+    def check_int8(self, name: str) -> None:
+        dt = self.quant.dtype_str(name) if name in self.quant else None
         if dt is not None and dt != "I8":
-            raise ProfileError(f"{w8a8_dir}: {name} is {dt}, expected int8 (I8): is -q a W8A8 checkpoint?")
+            raise ProfileError(f"{self.w8a8_dir}: {name} is {dt}, expected int8 (I8): is -q a W8A8 checkpoint?")
 
+    def layernorm_pass(self, group: List[str], input_scale: Dict[str, torch.Tensor]) -> None:
+        """FlashRL pass 1: layernorm smoothing ratios."""
+        for k in group:
+            if LAYERNORM_KEY not in k:
+                continue
+            ln = self.bf16.get(k)
+            lnq = self.qget(k, "layernorm weight")
+            if lnq.shape != ln.shape:
+                raise ProfileError(f"{k}: shape {tuple(lnq.shape)} in {self.w8a8_dir} but "
+                                   f"{tuple(ln.shape)} in {self.bf16_dir}: not the same model")
+            if bool((ln == 0).any()) or not bool(torch.isfinite(ln.float()).all()):
+                bad = int(((ln == 0) | ~torch.isfinite(ln.float())).sum())
+                raise ProfileError(f"-m {self.bf16.files[k]}: {k} has {bad} zero or non-finite value(s): the "
+                                   f"smoothing ratio (W8A8 layernorm / bf16 layernorm) is undefined there")
+            ratio = lnq / ln.float()
+            self.ln_entries[k] = {"input_scale": ratio, "output_scale": 1.0, "type": lnq.dtype}
+            input_scale[k] = ratio
+
+    def _input_of(self, k: str, balance: str, smooth: str, input_scale: Dict[str, torch.Tensor]) -> torch.Tensor:
+        input_name = k.replace(balance, smooth)
+        if input_name not in input_scale:
+            raise ProfileError(f"{self.bf16_dir}: {k} needs {input_name}, which is missing")
+        return input_scale[input_name].view(1, -1)
+
+    def input_linear_pass(self, group: List[str], input_scale: Dict[str, torch.Tensor]) -> None:
+        """Pass 2: linears fed by a layernorm (and o_proj)."""
+        for k in group:
+            for balance, smooth in INPUT_LINEAR_MAP.items():
+                if balance not in k:
+                    continue
+                self.check_int8(k)
+                original_output_scale = self.scale_of(k, self.bf16.shape(k)[0])
+                if smooth is None:
+                    self.lin_entries[k] = {"input_scale": 1.0,
+                                           "output_scale": 1.0 / original_output_scale.float(),
+                                           "type": torch.int8}
+                else:
+                    input_scale_k = self._input_of(k, balance, smooth, input_scale)
+                    if any(e in k for e in EXTRA_OUTPUT):
+                        w = self.bf16.get(k)
+                        wq = self.qget(k, "int8 weight")
+                        beta = _least_square(
+                            (w.float() / input_scale_k / original_output_scale).view(w.shape[0], -1),
+                            wq.view(w.shape[0], -1)).view(-1, 1)
+                        del w, wq
+                        input_scale[k] = beta
+                        original_output_scale = original_output_scale.float() / beta
+                    self.lin_entries[k] = {"input_scale": 1.0 / input_scale_k,
+                                           "output_scale": 1.0 / original_output_scale.float(),
+                                           "type": torch.int8}
+                break
+
+    def output_linear_pass(self, group: List[str], input_scale: Dict[str, torch.Tensor]) -> None:
+        """Pass 3: down_proj takes 1/beta of up_proj."""
+        for k in group:
+            for balance, smooth in OUTPUT_LINEAR_MAP.items():
+                if balance not in k:
+                    continue
+                self.check_int8(k)
+                input_scale_k = self._input_of(k, balance, smooth, input_scale)
+                original_output_scale = self.scale_of(k, self.bf16.shape(k)[0])
+                self.out_entries[k] = {"input_scale": 1.0 / input_scale_k,
+                                       "output_scale": 1.0 / original_output_scale.float(),
+                                       "type": torch.int8}
+                break
+
+    def pair_pass(self, group: List[str]) -> None:
+        """Pass 4: -m and -q must be one model (base vs Instruct gives garbage)."""
+        for k in group:
+            entry = self.lin_entries.get(k) or self.out_entries.get(k)
+            if entry is None:
+                continue
+            for field in ("input_scale", "output_scale"):
+                _check_scale(entry[field], f"{k} {field}")
+            problem = pair_problem(k, self.bf16.get(k), self.qget(k, "int8 weight"), entry)
+            if problem:
+                raise ProfileError(f"-m {self.bf16_dir} and -q {self.w8a8_dir} are not a bf16 model and its "
+                                   f"W8A8 checkpoint; first offending tensor {problem}")
+
+
+def compute_int8_profile(bf16_dir: str, w8a8_dir: str, progress: bool = True) -> Dict[str, dict]:
+    """FlashRL's int8 profile from a bf16 checkpoint and its compressed-tensors W8A8 checkpoint."""
+    from tqdm.auto import tqdm
+
+    pair = _CheckpointPair(bf16_dir, w8a8_dir)
     try:
-        groups = _layer_groups(bf16.names())
+        groups = _layer_groups(pair.bf16.names())
         for group in tqdm(groups, desc="npu-flashrl profile (int8)", unit="layer", disable=not progress):
             input_scale: Dict[str, torch.Tensor] = {}
-            for k in group:  # FlashRL pass 1: layernorm smoothing ratios
-                if LAYERNORM_KEY in k:
-                    ln = bf16.get(k)
-                    lnq = qget(k, "layernorm weight")
-                    if lnq.shape != ln.shape:
-                        raise ProfileError(f"{k}: shape {tuple(lnq.shape)} in {w8a8_dir} but "
-                                           f"{tuple(ln.shape)} in {bf16_dir}: not the same model")
-                    if bool((ln == 0).any()) or not bool(torch.isfinite(ln.float()).all()):
-                        bad = int(((ln == 0) | ~torch.isfinite(ln.float())).sum())
-                        raise ProfileError(f"-m {bf16.files[k]}: {k} has {bad} zero or non-finite value(s): the "
-                                           f"smoothing ratio (W8A8 layernorm / bf16 layernorm) is undefined there")
-                    ratio = lnq / ln.float()
-                    ln_entries[k] = {"input_scale": ratio, "output_scale": 1.0, "type": lnq.dtype}
-                    input_scale[k] = ratio
-            for k in group:  # pass 2: linears fed by a layernorm (and o_proj)
-                for balance, smooth in INPUT_LINEAR_MAP.items():
-                    if balance not in k:
-                        continue
-                    check_int8(k)
-                    rows = bf16.shape(k)[0]
-                    original_output_scale = scale_of(k, rows)
-                    if smooth is None:
-                        lin_entries[k] = {"input_scale": 1.0,
-                                          "output_scale": 1.0 / original_output_scale.float(),
-                                          "type": torch.int8}
-                    else:
-                        input_name = k.replace(balance, smooth)
-                        if input_name not in input_scale:
-                            raise ProfileError(f"{bf16_dir}: {k} needs {input_name}, which is missing")
-                        input_scale_k = input_scale[input_name].view(1, -1)
-                        if any(e in k for e in EXTRA_OUTPUT):
-                            w = bf16.get(k)
-                            wq = qget(k, "int8 weight")
-                            beta = _least_square(
-                                (w.float() / input_scale_k / original_output_scale).view(w.shape[0], -1),
-                                wq.view(w.shape[0], -1)).view(-1, 1)
-                            del w, wq
-                            input_scale[k] = beta
-                            original_output_scale = original_output_scale.float() / beta
-                        lin_entries[k] = {"input_scale": 1.0 / input_scale_k,
-                                          "output_scale": 1.0 / original_output_scale.float(),
-                                          "type": torch.int8}
-                    break
-            for k in group:  # pass 3: down_proj takes 1/beta of up_proj
-                for balance, smooth in OUTPUT_LINEAR_MAP.items():
-                    if balance not in k:
-                        continue
-                    check_int8(k)
-                    input_name = k.replace(balance, smooth)
-                    if input_name not in input_scale:
-                        raise ProfileError(f"{bf16_dir}: {k} needs {input_name}, which is missing")
-                    input_scale_k = input_scale[input_name].view(1, -1)
-                    original_output_scale = scale_of(k, bf16.shape(k)[0])
-                    out_entries[k] = {"input_scale": 1.0 / input_scale_k,
-                                      "output_scale": 1.0 / original_output_scale.float(),
-                                      "type": torch.int8}
-                    break
-            for k in group:  # pass 4: -m and -q must be one model (base vs Instruct gives garbage)
-                entry = lin_entries.get(k) or out_entries.get(k)
-                if entry is None:
-                    continue
-                for field in ("input_scale", "output_scale"):
-                    _check_scale(entry[field], f"{k} {field}")
-                problem = pair_problem(k, bf16.get(k), qget(k, "int8 weight"), entry)
-                if problem:
-                    raise ProfileError(f"-m {bf16_dir} and -q {w8a8_dir} are not a bf16 model and its "
-                                       f"W8A8 checkpoint; first offending tensor {problem}")
+            pair.layernorm_pass(group, input_scale)
+            pair.input_linear_pass(group, input_scale)
+            pair.output_linear_pass(group, input_scale)
+            pair.pair_pass(group)
     finally:
-        bf16.close()
-        quant.close()
-    profile = {**ln_entries, **lin_entries, **out_entries}
+        pair.close()
+    profile = {**pair.ln_entries, **pair.lin_entries, **pair.out_entries}
     if not any(v["type"] == torch.int8 for v in profile.values()):
         raise ProfileError(f"{bf16_dir}: no q/k/v/o/gate/up/down projection weights found; only dense "
                            f"Llama/Qwen2-style checkpoints are supported")
