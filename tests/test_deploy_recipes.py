@@ -74,8 +74,9 @@ def inputs(tmp_path):
     # VLLM_PLUGINS (often "none" in test runs), VLLM_ASCEND_ENABLE_NZ: refused by the verl09 preflight
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
+    # PYTHON: the recipes run `npu-flashrl preflight` with the stack's interpreter
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data),
-               RUN_DIR=str(tmp_path / "run"))
+               RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable)
     return {"tmp": tmp_path, "model": model, "quant": quant, "data": data, "env": env}
 
 

@@ -18,6 +18,25 @@ VERL_LINES = (SYNC, SERVER)
 # accepted spellings: releases, and the CPU test-stack line names (pinned, 0.11, current)
 VERL_ALIASES = {"51d2104": SYNC, "pinned": SYNC, "0.6": SYNC, "0.6.1": SYNC, "0.11": SYNC,
                 "0.9": SERVER, "0.9.1": SERVER, "current": SERVER}
+# What the server-mode line's verl (0.9.1) registers in CheckpointEngineRegistry
+# (verl/checkpoint_engine/*.py, `@CheckpointEngineRegistry.register(...)`): the names
+# `actor_rollout_ref.rollout.checkpoint_engine.backend` takes. On Ascend `nccl` is verl's
+# HCCLCheckpointEngine (it registers that name); there is no `hccl` backend name.
+CHECKPOINT_ENGINES = ("naive", "nccl", "nixl", "delta_sharded", "kimi_ckpt_engine", "mooncake")
+# verl's trainer entry points: the plain PPO trainer and the server-mode line's experimental ones
+# (a rollout pool of its own), each with the YAML merged over ppo_trainer (relative to verl/).
+ENTRY_MAIN = "verl.trainer.main_ppo"
+ENTRY_EXPERIMENTAL = {
+    "verl.experimental.one_step_off_policy.main_ppo":
+        ("experimental", "one_step_off_policy", "config", "one_step_off_ppo_trainer.yaml"),
+    "verl.experimental.fully_async_policy.fully_async_main":
+        ("experimental", "fully_async_policy", "config", "fully_async_ppo_trainer.yaml"),
+}
+# the dtypes verl hands to vLLM as `rollout.dtype` (vLLM's ModelConfig takes these float types;
+# an integer type such as int8 is not a model dtype: INT8 rollouts come from FLASHRL_CONFIG)
+ROLLOUT_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+# the verl releases each config line's rules were read from, for messages
+RELEASES = {SYNC: "verl 51d2104", SERVER: "verl 0.9.1"}
 # the file verl's server-mode (bucketed IPC) sync lives in
 _SERVER_SYNC_FILE = ("workers", "rollout", "vllm_rollout", "bucketed_weight_transfer.py")
 

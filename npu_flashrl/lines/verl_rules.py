@@ -46,6 +46,68 @@ def hydra_value(v: Any) -> str:
     return str(v)
 
 
+MISSING = object()
+
+
+def select(config: Any, dotted: str, default: Any = MISSING) -> Any:
+    """Read ``a.b.c`` from an OmegaConf DictConfig, a dict, or an attribute object."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or hasattr(node, "keys"):
+            try:
+                if part not in node:
+                    return default
+                node = node[part]
+                continue
+            except Exception:  # noqa: BLE001 - e.g. omegaconf MissingMandatoryValue
+                return default
+        if hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def overrides_to_config(overrides) -> Dict[str, Any]:
+    """A nested dict from Hydra override strings (``a.b=v``, ``+a.b=v``; ``~a.b`` deletes), values read
+    as YAML (``True``, ``null``, ``2.0``). Later overrides win, as in Hydra."""
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for ov in overrides:
+        key, sep, raw = ov.partition("=")
+        delete = key.startswith("~")
+        key = key.lstrip("+~")
+        if not key or (not sep and not delete):
+            continue
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if delete:
+            node.pop(parts[-1], None)
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except (yaml.YAMLError, RecursionError):  # a value nested thousands deep stays a string
+            value = raw
+        node[parts[-1]] = value
+    return out
+
+
+def _lmhead_fp32(environ: Mapping[str, str], given: Optional[bool]) -> bool:
+    if given is not None:
+        return given
+    from npu_flashrl.config import lmhead_fp32_requested
+
+    return lmhead_fp32_requested(environ)
+
+
 def _optional(pairs) -> List[str]:
     """`RC<key>=<value>` for the options set (None: not written, verl's default stays)."""
     return [f"{RC}{k}={hydra_value(v)}" for k, v in pairs if v is not None]
@@ -68,9 +130,10 @@ class VerlLine:
         ``select(key, default)`` reads a dotted key, returning ``missing`` when it is absent."""
         raise NotImplementedError
 
-    def rollout_mode_problem(self, select: Callable[[str], Any],
-                             environ: Mapping[str, str]) -> Optional[str]:
-        """Why this rollout cannot run a FlashRL config (FLASHRL_CONFIG set), or None."""
+    def rollout_mode_problem(self, select: Callable[[str], Any], environ: Mapping[str, str],
+                             lmhead_fp32: Optional[bool] = None) -> Optional[str]:
+        """Why this rollout cannot run a FlashRL config (FLASHRL_CONFIG set), or None.
+        ``lmhead_fp32``: FLASHRL_LMHEAD_FP32 already read (None: read it from ``environ``)."""
         raise NotImplementedError
 
     def tis_settings(self, level: Optional[str], bypass_mode: bool,
@@ -122,7 +185,7 @@ class Sync51d2104(VerlLine):
                 "threshold, level and batch normalisation do nothing")
         return problems
 
-    def rollout_mode_problem(self, select, environ) -> Optional[str]:
+    def rollout_mode_problem(self, select, environ, lmhead_fp32=None) -> Optional[str]:
         mode = select("actor_rollout_ref.rollout.mode")
         if mode is not None and str(mode).strip().lower() == "sync":
             return None
@@ -216,16 +279,14 @@ class Server09(VerlLine):
                 "batch's rollout_is_weights and takes the trainer's old_log_probs for the rollout's")
         return out
 
-    def rollout_mode_problem(self, select, environ) -> Optional[str]:
+    def rollout_mode_problem(self, select, environ, lmhead_fp32=None) -> Optional[str]:
         """verl's own quantized rollout next to FLASHRL_CONFIG is refused before any Ray actor
         starts, naming the key to drop; so is FLASHRL_LMHEAD_FP32=1 with verl's fused kernels
         (they bypass lm_head / output_layer), on the FSDP and the Megatron engine alike. A Megatron
         actor is accepted: its engine-side checks run where verl builds it
         (adapters/megatron/engine_patches.py). Server mode is the only mode there: nothing to demand
         of `rollout.mode` (verl itself refuses `sync`)."""
-        from npu_flashrl.config import lmhead_fp32_requested
-
-        if lmhead_fp32_requested(environ) and is_true(select("actor_rollout_ref.model.use_fused_kernels")):
+        if _lmhead_fp32(environ, lmhead_fp32) and is_true(select("actor_rollout_ref.model.use_fused_kernels")):
             # verl 0.9's apply_monkey_patch swaps the model's forward for a fused linear+log-prob
             # one after the model is built: lm_head never runs, the fp32 head would do nothing
             return ("FLASHRL_LMHEAD_FP32=1 with actor_rollout_ref.model.use_fused_kernels=True: verl's "

@@ -5,7 +5,7 @@ overrides) is in :mod:`npu_flashrl.lines.verl_rules`; this module names no line.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional
 
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
@@ -27,28 +27,9 @@ class TisConfigError(NpuFlashrlError, ValueError):
 
 # --------------------------------------------------------------------------------- config checking
 
-_MISSING = object()
-
-
-def _select(config: Any, dotted: str, default: Any = _MISSING) -> Any:
-    """Read ``a.b.c`` from an OmegaConf DictConfig, a dict, or an attribute object."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "keys"):
-            try:
-                if part not in node:
-                    return default
-                node = node[part]
-                continue
-            except Exception:  # noqa: BLE001 - e.g. omegaconf MissingMandatoryValue
-                return default
-        if hasattr(node, part):
-            node = getattr(node, part)
-        else:
-            return default
-    return node
+_MISSING = verl_rules.MISSING
+_select = verl_rules.select
+overrides_to_config = verl_rules.overrides_to_config  # the one reading of Hydra overrides
 
 
 def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
@@ -76,36 +57,6 @@ def check_tis(config: Any, verl: Optional[str] = None) -> None:
     problems = line.tis_problems(lambda key, default: _select(config, key, default), _MISSING)
     if problems:
         raise TisConfigError("; ".join(problems) + f". Fix: {line.FIX}")
-
-
-def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
-    """A nested dict from Hydra override strings (``a.b=v``, ``+a.b=v``; ``~a.b`` deletes), values read
-    as YAML (``True``, ``null``, ``2.0``). Later overrides win, as in Hydra."""
-    import yaml
-
-    out: Dict[str, Any] = {}
-    for ov in overrides:
-        key, sep, raw = ov.partition("=")
-        delete = key.startswith("~")
-        key = key.lstrip("+~")
-        if not key or (not sep and not delete):
-            continue
-        parts = key.split(".")
-        node = out
-        for part in parts[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        if delete:
-            node.pop(parts[-1], None)
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except (yaml.YAMLError, RecursionError):  # a value nested thousands deep stays a string
-            value = raw
-        node[parts[-1]] = value
-    return out
 
 
 def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
