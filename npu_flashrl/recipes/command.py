@@ -98,7 +98,7 @@ def read_command(text: str) -> Command:
         if at is not None:
             config_name, overrides = _after_entry(words[at + 1:])
             return Command(words[at], _env_of(words[:at]), config_name, overrides)
-    words = shlex.split(" ".join(_logical_lines(text)), comments=True)
+    words = [w for line in _logical_lines(text) for w in shlex.split(line, comments=True)]
     overrides = [w for w in words if ("=" in w or w.startswith("~")) and not w.startswith("-")]
     return Command(None, {}, "ppo_trainer", overrides)
 

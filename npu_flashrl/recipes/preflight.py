@@ -44,6 +44,9 @@ EPLB = {"dynamic_eplb": "dynamic EPLB moves experts between ranks and slots at r
         "enable_eplb": "dynamic EPLB moves experts between ranks and slots at run time",
         "expert_map_path": "an expert map turns vllm-ascend's dynamic EPLB on",
         "num_redundant_experts": "redundant experts give a logical expert several physical copies"}
+# the `fn` names that quantize with FlashRL's int8 profile (npu_flashrl.config: FN_INT8 and its
+# FlashRL aliases; tests/test_recipe_preflight.py holds the two together); the profile has no MoE experts
+PROFILE_FNS = ("int8", "int8_wo_prune", "int8_fast")
 # what to set in the recipe for the combination that works, per verl line
 TIS_RECIPE_FIX = {verl_lines.SYNC: "TIS_BYPASS_MODE=False TIS_USE_POLICY_GRADIENT=False",
                   verl_lines.SERVER: "TIS_BYPASS_MODE=False"}
@@ -226,9 +229,10 @@ class Checker:
                 self.problems.append(
                     f"{ov}: {EPLB[leaf]}, which npu_flashrl's in-place INT8 expert reload does not track (it "
                     "refuses such an engine at build, docs/moe.md); drop it for INT8 rollouts")
-        if "moe" in self.features and "int8" in (self.flashrl_fns() or []):
+        profiled = [fn for fn in self.flashrl_fns() or [] if fn in PROFILE_FNS]
+        if "moe" in self.features and profiled:
             self.problems.append(
-                f"FLASHRL_CONFIG {self.flashrl_config()} has fn: int8: FlashRL's int8 profile has no entries for "
+                f"FLASHRL_CONFIG {self.flashrl_config()} has fn: {profiled[0]}: FlashRL's int8 profile has no entries for "
                 "MoE experts and npu_flashrl refuses it for a MoE model; use fn: int8_profile_free "
                 "(npu-flashrl setup -m $MODEL_PATH --fn int8_profile_free) or a W8A8 MoE checkpoint (docs/moe.md)")
 
@@ -353,7 +357,7 @@ def vars_phase(environ: Mapping[str, str], features: Sequence[str]) -> Tuple[Lis
         problems.append(f"TIS_USE_POLICY_GRADIENT={pg}: {verl_lines.RELEASES[verl_lines.SERVER]} has no "
                         f"{RC}use_policy_gradient (replaced by {removed}). Fix: {TIS_RECIPE_FIX[verl_lines.SERVER]} "
                         "and leave TIS_USE_POLICY_GRADIENT unset")
-    if "moe" in features and "entry" in features and environ.get("FLASHRL_FN") == "int8":
+    if "moe" in features and "entry" in features and environ.get("FLASHRL_FN") in PROFILE_FNS:
         problems.append("FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts and npu_flashrl "
                         "refuses it for a MoE model; use FLASHRL_FN=int8_profile_free (docs/moe.md)")
     return problems, notes, values
