@@ -102,3 +102,28 @@ def test_help_is_its_own():
     proc = subprocess.run(["bash", str(RECIPES[("bf16", "fully_async")]), "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "fully_async twin" in proc.stdout
+
+
+@pytest.mark.parametrize("key", list(RECIPES), ids=lambda k: "-".join(k))
+def test_entry_scripts_prepare_the_config_and_run_their_launch(inputs, key):  # noqa: F811
+    """flash_rl/ has an entry for every scale-out launch: `npu-flashrl setup` when the config is
+    missing, then the launch through the experimental trainer with that config."""
+    precision, mode = key
+    entry = EX / "flash_rl" / f"grpo_qwen25_7b_fsdp_{precision}_A2_{mode}.sh"
+    proc = run(entry, dict(inputs["env"], FLASHRL_FN="int8_profile_free", SETUP_EXTRA="wire=int8"), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    fn = "bf16" if precision == "bf16" else "int8_profile_free"
+    config = inputs["tmp"] / "run" / "configs" / f"Qwen2.5-7B-Instruct.{fn}.yaml"
+    assert f"npu-flashrl setup -m {inputs['model']} --fn {fn} -o {config} wire=int8" in \
+        proc.stdout.replace(" \\\n    ", " ")
+    ov = _overrides(proc.stdout, ENTRY[mode])
+    assert ov["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"] == f"'{config}'"
+    assert ov["trainer.experiment_name"] == f"qwen25_7b_fsdp_{mode}_{precision}_A2_verl09"
+
+
+def test_readme_lists_every_recipe():
+    readme = (EX / "README.md").read_text()
+    for script in sorted((EX / "flash_rl").glob("*.sh")) + sorted((EX / "configs").glob("*.sh")):
+        assert f"`{script.name}`" in readme, script.name
+    for config in sorted((EX / "configs").glob("*.sh")):  # every launch has an entry script
+        assert (EX / "flash_rl" / config.name.replace("test_grpo_", "grpo_")).exists(), config.name

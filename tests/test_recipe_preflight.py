@@ -384,3 +384,26 @@ def test_preflight_does_not_import_torch():
                           env=dict(os.environ, NPU_FLASHRL_NO_AUTOACTIVATE="1"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ------------------------------------------------------------------------------------ verify --verl-overrides
+
+@pytest.mark.parametrize("prefix", ["python3 -m", "FLASHRL_LMHEAD_FP32=0 python3 -m", "env HOME=/x python3 -m",
+                                    "env -u HOME VAR='a b' /usr/bin/python3 -m"])
+@pytest.mark.parametrize("entry", [verl_lines.ENTRY_MAIN, *verl_lines.ENTRY_EXPERIMENTAL])
+def test_verify_reads_every_entry_point_and_prefix_alike(tmp_path, prefix, entry):
+    """verify --verl-overrides finds the overrides whatever the entry point and whatever comes
+    before it, and refuses what cannot run (rollout.dtype=int8) whatever it is."""
+    from npu_flashrl import verify
+
+    good = ("algorithm.rollout_correction.rollout_is=token actor_rollout_ref.rollout.calculate_log_probs=True "
+            "algorithm.rollout_correction.bypass_mode=False")
+    for extra, status in (("", verify.OK), (f" {RO}dtype=int8", verify.FAIL), (f" {RO}mode=sync", verify.FAIL)):
+        f = tmp_path / "cmd.txt"
+        f.write_text(f"{prefix} {entry} \\\n  {good}{extra}\n")
+        rows = verify.verl_rows(str(f), verl=SERVER)
+        assert [r["status"] for r in rows] == [status], rows
+        if status == verify.OK:
+            assert rows[0]["detail"].startswith("3 overrides"), rows
+        else:
+            assert extra.strip() in rows[0]["detail"], rows

@@ -36,7 +36,7 @@ COMMON_RULES = {
 VALUE_RULES = {  # per line: a set of allowed values, or a predicate
     verl_lines.SYNC: dict(COMMON_RULES, **{
         "actor_rollout_ref.rollout.mode": {"sync"},
-        # True never reaches the Ray workers on the sync line (lines.verl_rules.Sync51d2104)
+        # True never reaches the Ray workers on the sync line (lines.verl, its tis_problems)
         "algorithm.rollout_correction.use_policy_gradient": {"False", "false"},
     }),
     verl_lines.SERVER: dict(COMMON_RULES, **{

@@ -28,7 +28,6 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from npu_flashrl.lines import verl as verl_lines
-from npu_flashrl.lines import verl_rules
 from npu_flashrl.recipes import variables as V
 from npu_flashrl.recipes.command import Command, read_words
 from npu_flashrl.values import is_null, is_true
@@ -59,10 +58,10 @@ class Checker:
                  features: Sequence[str] = (), node_npus: Optional[int] = None):
         self.cmd = cmd
         self.line = line
-        self.rules = verl_rules.for_line(line)
+        self.rules = verl_lines.for_line(line)
         self.features = set(features)
         self.recipe = bool(self.features)
-        self.cfg = verl_rules.overrides_to_config(cmd.overrides)
+        self.cfg = verl_lines.overrides_to_config(cmd.overrides)
         self.environ = dict(environ)
         self.environ.update(cmd.env)
         self.node_npus = node_npus
@@ -71,7 +70,7 @@ class Checker:
 
     # ------------------------------------------------------------------ reading
     def get(self, key: str, default: Any = None) -> Any:
-        return verl_rules.select(self.cfg, key, default)
+        return verl_lines.select(self.cfg, key, default)
 
     def name(self, key: str, value: Any = None) -> str:
         """`VAR=value (key)` in a recipe, `key=value` otherwise."""
@@ -137,7 +136,7 @@ class Checker:
                 "rollout dtype left at bfloat16")
 
     def tis(self) -> None:
-        problems = self.rules.tis_problems(lambda key, default: self.get(key, default), verl_rules.MISSING)
+        problems = self.rules.tis_problems(lambda key, default: self.get(key, default), verl_lines.MISSING)
         if problems:
             fix = self.rules.FIX + (f"; in the recipe: {TIS_RECIPE_FIX[self.line]}" if self.recipe else "")
             self.problems.append("; ".join(problems) + f". Fix: {fix}")
@@ -353,7 +352,7 @@ def vars_phase(environ: Mapping[str, str], features: Sequence[str]) -> Tuple[Lis
     problems, notes, values = V.check_variables(environ, features)
     pg = environ.get("TIS_USE_POLICY_GRADIENT", "")
     if "current" in features and pg.strip().lower() in V.BOOL_TRUE:
-        removed = verl_rules.for_line(verl_lines.SERVER).REMOVED["use_policy_gradient"]
+        removed = verl_lines.for_line(verl_lines.SERVER).REMOVED["use_policy_gradient"]
         problems.append(f"TIS_USE_POLICY_GRADIENT={pg}: {verl_lines.RELEASES[verl_lines.SERVER]} has no "
                         f"{RC}use_policy_gradient (replaced by {removed}). Fix: {TIS_RECIPE_FIX[verl_lines.SERVER]} "
                         "and leave TIS_USE_POLICY_GRADIENT unset")

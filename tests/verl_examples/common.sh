@@ -19,12 +19,7 @@ print_header() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//';
 
 # recipe_help "$@": --help/-h anywhere prints the calling script's header and exits; for the scripts
 # that hand over to another one with exec (which would print its own header instead).
-recipe_help() {
-  local a
-  for a in "$@"; do
-    case "$a" in -h|--help) print_header; exit 0 ;; esac
-  done
-}
+recipe_help() { local a; for a in "$@"; do case "$a" in -h|--help) print_header; exit 0 ;; esac; done; }
 
 # parse_recipe_args "$@": --dry-run / -n, --help / -h (prints the header comment); any other word
 # starting with '-' is refused (a typo such as --dryrun must not launch the real job; Hydra overrides
@@ -44,7 +39,7 @@ parse_recipe_args() {
 
 # Recipe features for the preflight (fsdp | megatron, async; RECIPE_MOE=1 adds moe) and its extra
 # options (--node-npus for a separate rollout pool); set by the config scripts.
-FEATURES="${FEATURES:-}"
+FEATURES=""
 PREFLIGHT_ARGS=()
 
 # run_preflight PHASE [-- COMMAND...]: `npu-flashrl preflight PHASE` with the recipe's interpreter
@@ -70,55 +65,40 @@ run_preflight() {
 recipe_vars() { run_preflight vars; }
 # recipe_preflight COMMAND...: the assembled verl command (and, on a real run, the installed verl).
 recipe_preflight() { run_preflight launch -- "$@"; }
+
+
 # hydra_value VALUE: VALUE as one Hydra override value that reads back as the same string. Plain
 # paths and names stay as they are; anything else (non-ASCII, spaces, ( ) = # [ ] { } ~ & ' " $ \ ,
 # or a word Hydra would type, such as null or 1e5) is double-quoted the way Hydra's override grammar
-# takes quoted values: a backslash before each '"', backslashes doubled where they end the value or
-# precede a quote, and '${' written '\${' (else OmegaConf would interpolate it).
+# takes quoted values: a backslash before each quote, backslashes doubled where they end the value
+# or precede a quote, and '${' written '\${' (else OmegaConf would interpolate it).
+# hydra_str VALUE: the same, always single-quoted (Ray's runtime env takes strings only: '3000').
 hydra_value() {
-  local s="$1" out="" run="" c i
-  if [[ "$s" =~ ^[A-Za-z_/.][A-Za-z0-9_/.@%+-]*$ && ! "${s,,}" =~ ^(true|false|null|nan|inf)$ ]]; then
-    printf '%s' "$s"
-    return 0
+  if [[ "$1" =~ ^[A-Za-z_/.][A-Za-z0-9_/.@%+-]*$ && ! "${1,,}" =~ ^(true|false|null|nan|inf)$ ]]; then
+    printf '%s' "$1"
+  else
+    hydra_quote '"' "$1"
   fi
-  for (( i = 0; i < ${#s}; i++ )); do
-    c="${s:i:1}"
-    case "$c" in
-      \\) run+="\\" ;;
-      '"') out+="$run$run"'\"'; run="" ;;
-      '$') if [[ "${s:i+1:1}" == '{' ]]; then out+="$run"'\$'; else out+="$run$c"; fi; run="" ;;
-      *) out+="$run$c"; run="" ;;
-    esac
-  done
-  printf '"%s"' "$out$run$run"
 }
-
-# hydra_str VALUE: VALUE as a Hydra single-quoted string, always (Ray's runtime env takes strings
-# only: '3000', never the int 3000); escaped as hydra_value does, for "'".
-hydra_str() {
-  local s="$1" out="" run="" c i
+hydra_str() { hydra_quote "'" "$1"; }
+hydra_quote() {
+  local q="$1" s="$2" out="" run="" c i
   for (( i = 0; i < ${#s}; i++ )); do
     c="${s:i:1}"
     case "$c" in
       \\) run+="\\" ;;
-      "'") out+="$run$run\\'"; run="" ;;
+      "$q") out+="$run$run\\$q"; run="" ;;
       '$') if [[ "${s:i+1:1}" == '{' ]]; then out+="$run"'\$'; else out+="$run$c"; fi; run="" ;;
       *) out+="$run$c"; run="" ;;
     esac
   done
-  printf "'%s'" "$out$run$run"
+  printf '%s%s%s' "$q" "$out$run$run" "$q"
 }
 
 # require_dir NAME VALUE / require_file NAME VALUE: stop with a message naming the variable and path.
-require_dir() {
-  [[ -n "$2" && -d "$2" ]] || recipe_die "$1 not found: '$2' (set $1=/path/to/dir)"
-}
-require_file() {
-  [[ -n "$2" && -f "$2" ]] || recipe_die "$1 not found: '$2' (set $1=/path/to/file)"
-}
-require_cmd() {
-  command -v "$1" >/dev/null 2>&1 || recipe_die "command '$1' not found on PATH ($2)"
-}
+require_dir() { [[ -n "$2" && -d "$2" ]] || recipe_die "$1 not found: '$2' (set $1=/path/to/dir)"; }
+require_file() { [[ -n "$2" && -f "$2" ]] || recipe_die "$1 not found: '$2' (set $1=/path/to/file)"; }
+require_cmd() { command -v "$1" >/dev/null 2>&1 || recipe_die "command '$1' not found on PATH ($2)"; }
 
 # shell_word WORD: WORD quoted for a POSIX shell. %q, except for a word with non-ASCII characters,
 # which %q writes as $'\346...' in a C locale (neither POSIX sh nor Python's shlex, which

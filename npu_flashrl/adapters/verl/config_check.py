@@ -1,7 +1,7 @@
 """verl config checks and override strings for an INT8 rollout: rollout mode (sync at 51d2104,
 server mode on verl 0.7+), TIS (``algorithm.rollout_correction``) per verl line, Hydra override
 parsing. Re-exported by :mod:`npu_flashrl.adapters.verl`. What differs per verl line (keys, rules,
-overrides) is in :mod:`npu_flashrl.lines.verl_rules`; this module names no line."""
+overrides) is in :mod:`npu_flashrl.lines.verl`; this module names no line."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from typing import Any, List, Mapping, Optional
 
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
-from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines import verl as verl_lines
 from npu_flashrl.lines.verl import is_server_line
 from npu_flashrl.values import is_null, is_true
 
@@ -27,26 +27,26 @@ class TisConfigError(NpuFlashrlError, ValueError):
 
 # --------------------------------------------------------------------------------- config checking
 
-_MISSING = verl_rules.MISSING
-_select = verl_rules.select
-overrides_to_config = verl_rules.overrides_to_config  # the one reading of Hydra overrides
+_MISSING = verl_lines.MISSING
+_select = verl_lines.select
+overrides_to_config = verl_lines.overrides_to_config  # the one reading of Hydra overrides
 
 
 def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
     return bool((environ.get("FLASHRL_CONFIG") or "").strip())
 
 
-def _line(verl: Optional[str]) -> verl_rules.VerlLine:
+def _line(verl: Optional[str]) -> verl_lines.VerlLine:
     from npu_flashrl import compat
 
-    return verl_rules.for_line(compat.verl_line(verl))
+    return verl_lines.for_line(compat.verl_line(verl))
 
 
 def check_tis(config: Any, verl: Optional[str] = None) -> None:
     """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS on the verl line
     ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.compat.verl_line`; None: the
     installed verl's). Raises :class:`TisConfigError` naming the key and the fix. The rules per
-    line, read from each line's source, are in :mod:`npu_flashrl.lines.verl_rules`.
+    line, read from each line's source, are in :mod:`npu_flashrl.lines.verl`.
 
     What works on both lines: decoupled mode (``bypass_mode=False``, at 51d2104 also
     ``use_policy_gradient=False``, ``rollout_is=token|sequence``): the driver computes truncated
@@ -76,7 +76,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       :class:`TisConfigError` (see :func:`check_tis`).
 
     On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
-    server-mode one (`verl_rules.Server09.rollout_mode_problem`). Returns the warning messages (also
+    server-mode one (`verl_lines.Server09.rollout_mode_problem`). Returns the warning messages (also
     logged). ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ

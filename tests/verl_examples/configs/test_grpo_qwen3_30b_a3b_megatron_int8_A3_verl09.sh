@@ -8,7 +8,7 @@
 # everything offloaded, rollout TP 4):
 #   * trainer TP 4, expert parallel 4 (ETP 4), PP 1; parameters and optimizer state offloaded;
 #   * rollout TP 4 per replica with expert parallel (EP = TP x DP), as
-#     test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh; the same MoE preflight (moe_preflight in
+#     test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh; the same MoE checks (npu-flashrl preflight, from
 #     ../common.sh: dynamic EPLB, redundant experts and `fn: int8` refused for INT8 rollouts);
 #   * weights to the rollout through mbridge (vanilla_mbridge=True): per-expert HF names, EP
 #     all-gathered by the bridge (docs/megatron.md).
