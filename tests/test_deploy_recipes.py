@@ -513,7 +513,7 @@ def test_real_run_checks_the_verl_line_first(v09, tmp_path, script, fake_line, n
     (fake / "__init__.py").write_text("")
     if fake_line == "current":
         (fake / "workers" / "rollout" / "vllm_rollout" / "bucketed_weight_transfer.py").write_text("")
-    env = dict(v09["env"], PYTHON=sys.executable, PYTHONPATH=str(tmp_path / "fake"))
+    env = dict(v09["env"], PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(ROOT)]))
     proc = run(script, env)
     assert proc.returncode == 1 and needle in proc.stderr, proc.stderr
 

@@ -98,7 +98,7 @@ def is_server_line(name: str) -> bool:
     return verl_line(name) == SERVER
 
 
-# ------------------------------------------------------------------------------------------------ the rules per line
+# ------------------------------------------------------------------------------ the rules per line
 RC = "algorithm.rollout_correction."
 WORKER_LOSS = "actor_rollout_ref.actor.policy_loss."
 
