@@ -25,6 +25,9 @@ import yaml
 
 from npu_flashrl.lines import verl as verl_lines
 
+# libyaml's loader when PyYAML has it: verl's reference config is large and this runs on every dry run
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 ENTRY_MODULE = verl_lines.ENTRY_MAIN
 # the experimental trainers' Hydra config is ppo_trainer plus the keys of their own YAML
 # (rollout.*, async_training.*), merged into the schema here
@@ -88,11 +91,11 @@ def load_schema(config_name: str, verl_dir: Optional[str] = None,
     config_dir = find_verl_config_dir(verl_dir)
     path = os.path.join(config_dir, f"_generated_{config_name}.yaml")
     with open(path, encoding="utf-8") as fh:
-        schema = flatten(yaml.safe_load(fh))
+        schema = flatten(yaml.load(fh, Loader=_Loader))
     if entry in EXPERIMENTAL_ENTRIES:
         verl_pkg = os.path.dirname(os.path.dirname(config_dir))  # .../verl/trainer/config -> .../verl
         with open(os.path.join(verl_pkg, *EXPERIMENTAL_ENTRIES[entry]), encoding="utf-8") as fh:
-            own = yaml.safe_load(fh)
+            own = yaml.load(fh, Loader=_Loader)
         for key, value in flatten({k: v for k, v in own.items() if k not in ("hydra", "defaults")}).items():
             if key:
                 schema.setdefault(key, value)
