@@ -161,6 +161,8 @@ def test_other_commands_of_a_dry_run_are_not_the_launch():
             "env FLASHRL_CONFIG=/r/c.yaml python3 -m verl.trainer.main_ppo a.b=1\n")
     cmd = read_command(text)
     assert cmd.overrides == ["a.b=1"] and cmd.env == {"FLASHRL_CONFIG": "/r/c.yaml"}
+    below = read_command("FLASHRL_CONFIG=c.yaml python3 -m verl.trainer.main_ppo\na.b=1\n\n~c.d\nmkdir x\ne.f=2\n")
+    assert below.overrides == ["a.b=1", "~c.d"] and below.env == {"FLASHRL_CONFIG": "c.yaml"}
     plain = read_command("a.b=1\n# comment\nc.d=2\n")
     assert plain.entry is None and plain.overrides == ["a.b=1", "c.d=2"]
 

@@ -92,11 +92,18 @@ def _after_entry(rest: List[str]):
 def read_command(text: str) -> Command:
     """A verl command (or a recipe's --dry-run output, or one override per line). ValueError
     when the text does not split into shell words (an unclosed quote)."""
-    for line in _logical_lines(text):
+    lines = _logical_lines(text)
+    for n, line in enumerate(lines):
         words = shlex.split(line, comments=True)
         at = _entry_index(words)
         if at is not None:
-            config_name, overrides = _after_entry(words[at + 1:])
+            rest = words[at + 1:]
+            for more in lines[n + 1:]:  # overrides listed on the lines below the command
+                extra = shlex.split(more, comments=True)
+                if not all("=" in w or w.startswith(("-", "~")) for w in extra):
+                    break  # another command
+                rest += extra
+            config_name, overrides = _after_entry(rest)
             return Command(words[at], _env_of(words[:at]), config_name, overrides)
     words = [w for line in _logical_lines(text) for w in shlex.split(line, comments=True)]
     overrides = [w for w in words if ("=" in w or w.startswith("~")) and not w.startswith("-")]
