@@ -169,6 +169,16 @@ def _run_verify(args) -> int:
     return 1 if failing else 0
 
 
+# ============================================================================ preflight
+
+def _add_preflight(sub) -> None:
+    from npu_flashrl.recipes import preflight
+
+    p = sub.add_parser("preflight", help=preflight.HELP, description=preflight.__doc__.split("\n\n")[0])
+    preflight.add_arguments(p)
+    p.set_defaults(func=preflight.run)
+
+
 # ============================================================================ rehearse (hook)
 
 def _add_rehearse(sub) -> None:
@@ -196,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setup(sub)
     _add_cleanup(sub)
     _add_verify(sub)
+    _add_preflight(sub)
     _add_rehearse(sub)
     return parser
 

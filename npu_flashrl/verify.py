@@ -420,19 +420,12 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
 
 def read_overrides(text: str) -> Tuple[List[str], Dict[str, str]]:
     """(Hydra overrides, environment assignments) of a verl command or an overrides file: one
-    override per line or a recipe's ``--dry-run`` output (backslash continuations, ``env K=V``)."""
-    import shlex
+    override per line or a recipe's ``--dry-run`` output (`npu_flashrl.recipes.command`: any
+    ``verl.*`` entry point, ``VAR=... python3 -m`` and ``env VAR=...`` alike)."""
+    from npu_flashrl.recipes.command import read_command
 
-    words = shlex.split(text.replace("\\\n", " "), comments=True)
-    env: Dict[str, str] = {}
-    entry = "verl.trainer.main_ppo"
-    if entry in words:
-        for w in words[:words.index(entry)]:
-            k, sep, v = w.partition("=")
-            if sep and k.isidentifier():
-                env[k] = v
-        words = words[words.index(entry) + 1:]
-    return [w for w in words if "=" in w and not w.startswith("-")], env
+    cmd = read_command(text)
+    return cmd.overrides, cmd.env
 
 
 def verl_rows(path: str, verl: Optional[str] = None, config_path: Optional[str] = None) -> List[Dict[str, str]]:
@@ -481,9 +474,18 @@ def verl_rows(path: str, verl: Optional[str] = None, config_path: Optional[str] 
     except (RolloutModeError, TisConfigError) as exc:
         msg, _, fix = str(exc).partition(" Fix: ")
         return [_row(label, FAIL, msg, fix)]
+    from npu_flashrl import lines
+    from npu_flashrl.recipes.command import read_command
+    from npu_flashrl.recipes.preflight import check_command
+
+    # the command's own environment and the FlashRL config in play; not this shell's (VLLM_PLUGINS,
+    # VLLM_ASCEND_ENABLE_NZ here say nothing about the job's)
+    job_env = {k: environ[k] for k in (ENV_CONFIG, "FLASHRL_LMHEAD_FP32") if k in environ}
+    problems = check_command(read_command(text), lines.verl_line(verl), job_env)
+    if problems:  # the recipes' rules: dtype, layout, server mode, checkpoint engines, MoE
+        return [_row(label, FAIL, p) for p in problems]
     if warnings:
         return [_row(label, WARN, w) for w in warnings]
-    from npu_flashrl import lines
     return [_row(label, OK, f"{len(overrides)} overrides: rollout mode and TIS settings work at verl "
                  f"{lines.verl_line(verl)}")]
 

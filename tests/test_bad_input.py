@@ -669,9 +669,14 @@ def recipe(tmp_path):
     fake.parent.mkdir()
     fake.write_text(f"#!/bin/sh\necho \"$0 $*\" >> {marker}\n")
     fake.chmod(0o755)
+    # the recipes' interpreter runs npu_flashrl's preflight for real; anything else it would start is recorded
+    python = tmp_path / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nif [ \"$1 $2\" = \"-m npu_flashrl.recipes.preflight\" ]; then exec {sys.executable} \"$@\"; fi\n"
+                      f"echo \"$0 $*\" >> {marker}\n")
+    python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_"))}
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data), RUN_DIR=str(tmp_path / "run"),
-               NPU_FLASHRL_CLI=str(fake), PYTHON=str(fake), ROLLOUT_PRECISION="bf16")
+               NPU_FLASHRL_CLI=str(fake), PYTHON=str(python), ROLLOUT_PRECISION="bf16")
     return {"tmp": tmp_path, "env": env, "marker": marker, "run": tmp_path / "run"}
 
 

@@ -113,7 +113,7 @@ RECIPE_VAR_CASES = {
     # name: (script, env, needles)
     "tis_threshold_word": (FSDP_CONFIG, {"TIS_THRESHOLD": "abc"}, ["TIS_THRESHOLD", "'abc'"]),
     "tis_threshold_negative": (FSDP_CONFIG, {"TIS_THRESHOLD": "-1"}, ["TIS_THRESHOLD", "'-1'"]),
-    "tis_threshold_zero": (FSDP_CONFIG, {"TIS_THRESHOLD": "0"}, ["TIS_THRESHOLD", "positive", "'0'"]),
+    "tis_threshold_zero": (FSDP_CONFIG, {"TIS_THRESHOLD": "0"}, ["TIS_THRESHOLD", "> 0", "'0'"]),
     "dynamic_bsz_maybe": (FSDP_CONFIG, {"USE_DYNAMIC_BSZ": "maybe"}, ["USE_DYNAMIC_BSZ", "'maybe'"]),
     "lmhead_fp32_maybe": (FSDP_CONFIG, {"FLASHRL_LMHEAD_FP32": "maybe"}, ["FLASHRL_LMHEAD_FP32", "'maybe'"]),
     "entry_lmhead_fp32_maybe": (FSDP_INT8, {"FLASHRL_LMHEAD_FP32": "maybe"}, ["FLASHRL_LMHEAD_FP32", "'maybe'"]),

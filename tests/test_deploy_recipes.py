@@ -1,11 +1,15 @@
-"""verl recipes of tests/verl_examples: --dry-run commands, env overrides, preflight errors, Hydra lint.
+"""verl recipes of tests/verl_examples: --dry-run commands, env overrides, that a refusal of
+`npu-flashrl preflight` stops a recipe before anything runs, Hydra lint.
 
 Two lines of recipes: the pinned ones (verl 51d2104, rollout.mode=sync) and the `*_verl09` ones (verl
-0.9.1 server mode), one code path in common.sh switched by RECIPE_LINE. The lint checks every
-override against the config schema of the recipe's verl: 51d2104's yaml from its source tree
-(tests/conftest.py `upstream_tree`, NPU_FLASHRL_UPSTREAM), 0.9.1's from the current line's venv
-(`.venvs/current`, NPU_FLASHRL_VENVS) or an installed verl 0.9. Either missing: those tests skip with
-one line. Line-neutral: only yaml files are read, no verl is imported.
+0.9.1 server mode), one code path in common.sh switched by RECIPE_LINE. The rules themselves (every
+variable's type and range, layouts, the verl lines' TIS / server-mode / MoE rules) are npu_flashrl's
+preflight, tested by calling it directly in tests/test_recipe_preflight.py; here the recipes are
+spawned only to show their commands and that they stop. The lint checks every override against the
+config schema of the recipe's verl: 51d2104's yaml from its source tree (tests/conftest.py
+`upstream_tree`, NPU_FLASHRL_UPSTREAM), 0.9.1's from the current line's venv (`.venvs/current`,
+NPU_FLASHRL_VENVS) or an installed verl 0.9. Either missing: those tests skip with one line.
+Line-neutral: only yaml files are read, no verl is imported.
 """
 
 from __future__ import annotations
@@ -50,14 +54,17 @@ MEGMOE_INT8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_int8_A3_verl09.sh"
 MEGMOE_BF16 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_bf16_A3_verl09.sh"
 MEGMOE_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_int8_A3_verl09.sh"
 MEGMOE_BF16_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_bf16_A3_verl09.sh"
-V09_ENTRIES = [V09_INT8, V09_BF16, MOE_INT8, MOE_BF16, MEG32_INT8, MEG32_BF16, MEGMOE_INT8, MEGMOE_BF16]
+# the rollout on NPUs of its own (verl 0.9.1's experimental trainers; test_deploy_recipes_async.py)
+ASYNC_ENTRIES = [EX / "flash_rl" / f"grpo_qwen25_7b_fsdp_{p}_A2_{m}.sh"
+                 for p in ("int8", "bf16") for m in ("one_step_off", "fully_async")]
+V09_ENTRIES = [V09_INT8, V09_BF16, MOE_INT8, MOE_BF16, MEG32_INT8, MEG32_BF16, MEGMOE_INT8, MEGMOE_BF16, *ASYNC_ENTRIES]
 V09_CONFIGS = [V09_CONFIG, V09_BF16_CONFIG, MOE_CONFIG, MOE_BF16_CONFIG, MEG32_CONFIG,
                MEG32_BF16_CONFIG, MEGMOE_CONFIG, MEGMOE_BF16_CONFIG]
 BUCKET_KEY = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
 
-spec = importlib.util.spec_from_file_location("lint_overrides", EX / "lint_overrides.py")
-lint_overrides = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lint_overrides)
+from npu_flashrl.lines import verl as verl_lines  # noqa: E402
+from npu_flashrl.recipes import lint as lint_overrides  # noqa: E402  (the lint of lint_overrides.py)
+from npu_flashrl.recipes.command import read_command  # noqa: E402
 
 
 @pytest.fixture()
@@ -74,8 +81,9 @@ def inputs(tmp_path):
     # VLLM_PLUGINS (often "none" in test runs), VLLM_ASCEND_ENABLE_NZ: refused by the verl09 preflight
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
+    # PYTHON: the recipes run `npu-flashrl preflight` with the stack's interpreter
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data),
-               RUN_DIR=str(tmp_path / "run"))
+               RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable)
     return {"tmp": tmp_path, "model": model, "quant": quant, "data": data, "env": env}
 
 
@@ -243,12 +251,17 @@ def test_megatron_recipe(inputs):
 
 def test_megatron_rejects_too_much_parallelism(inputs):
     proc = run(MEGATRON_CONFIG, dict(inputs["env"], TRAIN_TP="8", TRAIN_PP="2", FLASHRL_CONFIG=str(inputs["model"] / "config.json")), "--dry-run")
-    assert proc.returncode != 0 and "exceeds" in proc.stderr
+    assert proc.returncode == 1 and "TRAIN_TP=8" in proc.stderr and "must divide the trainer's 8 NPUs" in proc.stderr
+    assert "main_ppo" not in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------- preflight
-@pytest.mark.parametrize("script", ENTRIES + [FSDP_CONFIG, MEGATRON_CONFIG] + V09_ENTRIES + V09_CONFIGS,
-                         ids=lambda p: p.name)
+# one script per code path: the entry's flashrl_entry, the config scripts' grpo_inputs (FSDP, Megatron,
+# the MoE ones that set variables first, the async one)
+INPUT_PATHS = [FSDP_INT8, V09_INT8, MOE_INT8, FSDP_BF16, FSDP_CONFIG, MEGATRON_CONFIG, MOE_CONFIG, MEGMOE_CONFIG]
+
+
+@pytest.mark.parametrize("script", INPUT_PATHS, ids=lambda p: p.name)
 @pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "real"])
 def test_missing_model_path_is_named(inputs, script, dry):
     missing = str(inputs["tmp"] / "no" / "such-model")
@@ -258,7 +271,7 @@ def test_missing_model_path_is_named(inputs, script, dry):
     assert "npu-flashrl" not in proc.stdout and "main_ppo" not in proc.stdout
 
 
-@pytest.mark.parametrize("script", ENTRIES + V09_ENTRIES, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [FSDP_INT8, MOE_INT8, MEGMOE_BF16], ids=lambda p: p.name)
 def test_missing_data_is_named(inputs, script):
     (inputs["data"] / "test.parquet").unlink()
     proc = run(script, inputs["env"], "--dry-run")
@@ -446,25 +459,14 @@ def test_verl09_help_is_its_own(inputs):
 
 @pytest.mark.parametrize("env, extra, needle", [
     ({}, ("actor_rollout_ref.rollout.mode=sync",), "removed the sync rollout mode"),
-    ({}, ("actor_rollout_ref.rollout.quantization=fp8",), "drop actor_rollout_ref.rollout.quantization"),
-    ({}, ("+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=ascend",), "drop actor_rollout_ref.rollout.engine_kwargs.vllm.quantization"),
-    ({}, ("actor_rollout_ref.rollout.qat.enable=True",), "drop actor_rollout_ref.rollout.qat.enable"),
     ({"VLLM_PLUGINS": "other_plugin"}, (), "leaves out npu_flashrl"),
-    ({"VLLM_ASCEND_ENABLE_NZ": "1"}, (), "refuses to wake the engine from sleep mode"),
-    ({}, ("+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_NZ='1'",), "VLLM_ASCEND_ENABLE_NZ=1 reaches"),
-    ({"TIS_BYPASS_MODE": "True"}, (), "for metrics only"),
-    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce"),
-     "DRIVER's config copy only"),
-    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
-          "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"), "DRIVER's config copy only"),
-    ({}, ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",), "ignores the batch's rollout_is_weights"),
-    ({}, ("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=pg"),
-     "takes ppo_clip or reinforce"),
-    ({"TIS_USE_POLICY_GRADIENT": "True"}, (), "verl 0.7+ has no such key"),
+    ({"TIS_BYPASS_MODE": "True"}, (), "in the recipe: TIS_BYPASS_MODE=False"),
+    ({"TIS_USE_POLICY_GRADIENT": "True"}, (), "has no algorithm.rollout_correction.use_policy_gradient"),
     ({"UPDATE_WEIGHTS_BUCKET_MB": "2GB"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
-    ({"UPDATE_WEIGHTS_BUCKET_MB": "0"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
-])
+], ids=["override", "shell-env", "tis", "pinned-only-variable", "variable"])
 def test_verl09_preflight_refusals(v09, env, extra, needle):
+    """A refusal of the preflight (the rules: tests/test_recipe_preflight.py) stops the recipe: exit 1,
+    the message, nothing printed to launch."""
     proc = run(V09_CONFIG, dict(v09["env"], **env), "--dry-run", *extra)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert needle in proc.stderr, proc.stderr
@@ -473,8 +475,6 @@ def test_verl09_preflight_refusals(v09, env, extra, needle):
 
 def test_verl09_preflight_accepts_what_works(v09):
     ok = [((), {"VLLM_PLUGINS": "foo, npu_flashrl", "VLLM_ASCEND_ENABLE_NZ": "0"}),
-          (("actor_rollout_ref.rollout.quantization=null",), {}),
-          (("algorithm.rollout_correction.bypass_mode=True",), {"TIS_LEVEL": "null"}),  # plain bypass PPO
           (("algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
             "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
             "+actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type=reinforce",
@@ -501,7 +501,7 @@ def test_unknown_option_refused_before_anything(v09):
 
 
 @pytest.mark.parametrize("script, fake_line, needle", [
-    (V09_CONFIG, "pinned", "this recipe is for verl 0.9 server mode"),
+    (V09_CONFIG, "pinned", "this recipe is for verl 0.9.1 server mode"),
     (FSDP_CONFIG, "current", "use the _verl09 recipe"),
 ])
 def test_real_run_checks_the_verl_line_first(v09, tmp_path, script, fake_line, needle):
@@ -513,7 +513,7 @@ def test_real_run_checks_the_verl_line_first(v09, tmp_path, script, fake_line, n
     (fake / "__init__.py").write_text("")
     if fake_line == "current":
         (fake / "workers" / "rollout" / "vllm_rollout" / "bucketed_weight_transfer.py").write_text("")
-    env = dict(v09["env"], PYTHON=sys.executable, PYTHONPATH=str(tmp_path / "fake"))
+    env = dict(v09["env"], PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(ROOT)]))
     proc = run(script, env)
     assert proc.returncode == 1 and needle in proc.stderr, proc.stderr
 
@@ -566,18 +566,14 @@ EPLB = "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_con
 @pytest.mark.parametrize("script, env, extra, needle", [
     (MOE_CONFIG, {"ROLLOUT_EP": "2"}, (), "expert_parallel_size = tensor_model_parallel_size x data_parallel_size"),
     (MOE_CONFIG, {"ROLLOUT_EP": "eight"}, (), "ROLLOUT_EP must be an integer >= 1"),
-    (MOE_CONFIG, {}, (EPLB + "dynamic_eplb=True",), "dynamic EPLB moves experts"),
-    (MOE_CONFIG, {}, (EPLB + "expert_map_path=/x/map.json",), "expert map turns vllm-ascend's dynamic EPLB on"),
-    (MOE_CONFIG, {}, (EPLB + "num_redundant_experts=16",), "several physical copies"),
-    (MOE_CONFIG, {}, ("+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_eplb=True",), "dynamic EPLB"),
+    (MEGMOE_CONFIG, {}, (EPLB + "dynamic_eplb=True",), "dynamic EPLB moves experts"),
     (MOE_CONFIG, {"FLASHRL_CONFIG": "int8.yaml"}, (), "has fn: int8"),
     (MOE_INT8, {"FLASHRL_FN": "int8"}, (), "FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts"),
-], ids=["ep-not-tp-x-dp", "ep-not-a-number", "dynamic-eplb", "expert-map", "redundant", "vllm-eplb",
-        "fn-int8-config", "fn-int8-entry"])
+], ids=["ep-not-tp-x-dp", "ep-not-a-number", "megatron-dynamic-eplb", "fn-int8-config", "fn-int8-entry"])
 def test_moe_preflight_refusals(v09, script, env, extra, needle):
     if env.get("FLASHRL_CONFIG") == "int8.yaml":
         cfg = v09["tmp"] / "int8.yaml"
-        cfg.write_text("configs:\n  - fn: int8\n    profile: /x/profile.pt\n")
+        cfg.write_text("configs: [{fn: int8, profile: /x/profile.pt}]\n")  # flow style, read as YAML
         env = dict(env, FLASHRL_CONFIG=str(cfg))
     proc = run(script, dict(v09["env"], **env), "--dry-run", *extra)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -642,25 +638,31 @@ def dry_run_command(script, env):
     return proc.stdout[proc.stdout.index("env \\"):]
 
 
+def parse_command(text):
+    cmd = read_command(text)
+    return cmd.config_name, cmd.overrides
+
+
 @pytest.mark.parametrize("line, script", [(line, s) for line, ss in RECIPES_OF.items() for s in ss],
                          ids=lambda x: x if isinstance(x, str) else x.name)
 def test_every_override_exists_in_its_verl_schema(inputs, line, script):
     vd = SCHEMAS[line]()
-    config_name, overrides = lint_overrides.parse_command(dry_run_command(script, inputs["env"]))
+    cmd = read_command(dry_run_command(script, inputs["env"]))
+    config_name, overrides = cmd.config_name, cmd.overrides
     assert len(overrides) > 50
-    schema = lint_overrides.load_schema(config_name, vd)
-    assert lint_overrides.schema_line(schema) == ("0.7+" if line == "0.9.1" else "51d2104")
+    schema = lint_overrides.load_schema(config_name, vd, cmd.entry)
+    assert lint_overrides.schema_line(schema) == (verl_lines.SERVER if line == "0.9.1" else verl_lines.SYNC)
     assert lint_overrides.lint(overrides, schema) == []
 
 
 def test_each_line_fails_the_other_schema(inputs):
     """The lint tells the lines apart: a pinned recipe against verl 0.9.1, a verl09 one against 51d2104."""
     old, new = schema_dir_51d2104(), schema_dir_091()
-    _, pinned = lint_overrides.parse_command(dry_run_command(FSDP_INT8, inputs["env"]))
+    _, pinned = parse_command(dry_run_command(FSDP_INT8, inputs["env"]))
     problems = lint_overrides.lint(pinned, lint_overrides.load_schema("ppo_trainer", new))
     assert any("use_policy_gradient" in p and "unknown key" in p for p in problems), problems
     assert any(p.startswith("actor_rollout_ref.rollout.mode=sync: value 'sync'") for p in problems), problems
-    _, current = lint_overrides.parse_command(dry_run_command(V09_INT8, inputs["env"]))
+    _, current = parse_command(dry_run_command(V09_INT8, inputs["env"]))
     problems = lint_overrides.lint(current, lint_overrides.load_schema("ppo_trainer", old))
     assert len(problems) == 1 and BUCKET_KEY in problems[0] and "unknown key" in problems[0], problems
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from test_deploy_recipes import (EX, inputs, lint_overrides, overrides_of, run,  # noqa: F401
+from test_deploy_recipes import (EX, inputs, lint_overrides, overrides_of, parse_command, run,  # noqa: F401
                                  schema_dir_091, verl_command)
 
 CFG = EX / "configs"
@@ -47,7 +47,7 @@ def test_dry_run_lints_against_verl_091_experimental_config(env, key):
     assert ov["rollout.n_gpus_per_node"] == "4" and ov["trainer.n_gpus_per_node"] == "4"
     assert ov["trainer.experiment_name"] == f"qwen25_7b_fsdp_{mode}_{precision}_A2_verl09"
     assert ("async_training.partial_rollout" in ov) == (mode == "fully_async")
-    config_name, overrides = lint_overrides.parse_command(proc.stdout[proc.stdout.index("env \\"):])
+    config_name, overrides = parse_command(proc.stdout[proc.stdout.index("env \\"):])
     schema = lint_overrides.load_schema(config_name, schema_dir_091(), ENTRY[mode])
     assert lint_overrides.lint(overrides, schema) == []
     # the experimental keys are not in verl's plain ppo_trainer schema: the lint would catch them
@@ -64,11 +64,15 @@ def test_bf16_twin_differs_only_in_precision(env, mode):
 
 
 @pytest.mark.parametrize("extra_env, args, needle", [
-    ({"CHECKPOINT_ENGINE": "delta_sharded"}, (), "CHECKPOINT_ENGINE=delta_sharded with FLASHRL_CONFIG"),
+    ({"CHECKPOINT_ENGINE": "delta_sharded"}, (), "CHECKPOINT_ENGINE=delta_sharded"),
+    ({"CHECKPOINT_ENGINE": "hccl"}, (), "CHECKPOINT_ENGINE must be one of naive, nccl"),
     ({}, ("actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded",), "delta_sharded"),
     ({"TRAINER_NPUS": "6"}, (), "exceed NPUS_PER_NODE=8"),
-    ({"ASYNC_MODE": "both"}, (), "ASYNC_MODE must be one_step_off or fully_async"),
+    ({"ROLLOUT_TP": "8"}, (), "ROLLOUT_TP=8 (actor_rollout_ref.rollout.tensor_model_parallel_size) must divide ROLLOUT_NPUS=4"),
+    ({"ASYNC_MODE": "both"}, (), "ASYNC_MODE must be one of one_step_off, fully_async"),
     ({"ROLLOUT_NPUS": "4x"}, (), "ROLLOUT_NPUS must be an integer"),
+    ({"STALENESS": "abc"}, (), "STALENESS must be a number"),
+    ({"NPUS_PER_NODE": " 8"}, (), "NPUS_PER_NODE must be an integer"),
     ({}, ("actor_rollout_ref.rollout.quantization=fp8",), "drop actor_rollout_ref.rollout.quantization"),
     ({}, ("--dryrun",), "unknown option"),
 ])
@@ -79,7 +83,47 @@ def test_preflight_refusals(env, extra_env, args, needle):
     assert ENTRY["one_step_off"] not in proc.stdout
 
 
+@pytest.mark.parametrize("layout", [
+    # docs/scale_out.md section 7: a trainer node and rollout nodes of 8 NPUs, on a Ray cluster
+    {"TRAINER_NPUS": "8", "ROLLOUT_NPUS": "8", "ROLLOUT_NNODES": "2", "RAY_ADDRESS": "10.0.0.1:6379"},
+    # the rollout replicas (TP 4) on the rollout pool, whatever the trainer pool's size
+    {"TRAINER_NPUS": "2", "ROLLOUT_NPUS": "4", "ROLLOUT_TP": "4"},
+], ids=["two-node-pools", "small-trainer-pool"])
+def test_valid_layouts_are_accepted(env, layout):
+    proc = run(INT8_OSO, dict(env, **layout), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    ov = _overrides(proc.stdout, ENTRY["one_step_off"])
+    assert ov["trainer.n_gpus_per_node"] == layout["TRAINER_NPUS"]
+    assert ov["rollout.n_gpus_per_node"] == layout["ROLLOUT_NPUS"]
+    assert ov["rollout.nnodes"] == layout.get("ROLLOUT_NNODES", "1")
+
+
 def test_help_is_its_own():
     proc = subprocess.run(["bash", str(RECIPES[("bf16", "fully_async")]), "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "fully_async twin" in proc.stdout
+
+
+@pytest.mark.parametrize("key", list(RECIPES), ids=lambda k: "-".join(k))
+def test_entry_scripts_prepare_the_config_and_run_their_launch(inputs, key):  # noqa: F811
+    """flash_rl/ has an entry for every scale-out launch: `npu-flashrl setup` when the config is
+    missing, then the launch through the experimental trainer with that config."""
+    precision, mode = key
+    entry = EX / "flash_rl" / f"grpo_qwen25_7b_fsdp_{precision}_A2_{mode}.sh"
+    proc = run(entry, dict(inputs["env"], FLASHRL_FN="int8_profile_free", SETUP_EXTRA="wire=int8"), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    fn = "bf16" if precision == "bf16" else "int8_profile_free"
+    config = inputs["tmp"] / "run" / "configs" / f"Qwen2.5-7B-Instruct.{fn}.yaml"
+    assert f"npu-flashrl setup -m {inputs['model']} --fn {fn} -o {config} wire=int8" in \
+        proc.stdout.replace(" \\\n    ", " ")
+    ov = _overrides(proc.stdout, ENTRY[mode])
+    assert ov["+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"] == f"'{config}'"
+    assert ov["trainer.experiment_name"] == f"qwen25_7b_fsdp_{mode}_{precision}_A2_verl09"
+
+
+def test_readme_lists_every_recipe():
+    readme = (EX / "README.md").read_text()
+    for script in sorted((EX / "flash_rl").glob("*.sh")) + sorted((EX / "configs").glob("*.sh")):
+        assert f"`{script.name}`" in readme, script.name
+    for config in sorted((EX / "configs").glob("*.sh")):  # every launch has an entry script
+        assert (EX / "flash_rl" / config.name.replace("test_grpo_", "grpo_")).exists(), config.name

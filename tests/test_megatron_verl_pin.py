@@ -32,7 +32,6 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import textwrap
@@ -42,6 +41,7 @@ import pytest
 
 from npu_flashrl.adapters import megatron as M
 from npu_flashrl.adapters.megatron import import_guard, output_layer, stream
+from npu_flashrl.recipes.command import read_command
 
 pytestmark = pytest.mark.every_line
 
@@ -238,13 +238,12 @@ def recipe_overrides(script, tmp_path):
     for f in ("train.parquet", "test.parquet"):
         (data / f).write_bytes(b"")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_"))}
-    env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data), RUN_DIR=str(tmp_path / "run"))
+    env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data), RUN_DIR=str(tmp_path / "run"),
+               PYTHON=sys.executable)  # the recipes' preflight runs with it
     r = subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    words = shlex.split(r.stdout[r.stdout.index("env \\"):].replace("\\\n", " "), comments=True)
-    rest = words[words.index("verl.trainer.main_ppo") + 1:]
-    name = next((w.split("=", 1)[1] for w in rest if w.startswith("--config-name=")), "ppo_trainer")
-    return name, [w for w in rest if "=" in w and not w.startswith("--")]
+    cmd = read_command(r.stdout)  # npu_flashrl's one reading of a verl command
+    return cmd.config_name, cmd.overrides
 
 
 @pytest.mark.parametrize("script", ["grpo_qwen25_7b_megatron_int8_A2.sh", "grpo_qwen25_7b_fsdp_int8_A2.sh"])

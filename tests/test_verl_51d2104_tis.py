@@ -16,6 +16,7 @@ Megatron-Core + an NPU to import, so its loss path is checked on its source text
 import ast
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def _dry_run(script, tmp_path, *extra, **env_extra):
     cfg = tmp_path / "flashrl.yaml"
     cfg.write_text("configs: []\n")
     env = dict(os.environ, MODEL_PATH=str(model), TRAIN_FILE=str(data), VAL_FILE=str(data),
-               FLASHRL_CONFIG=str(cfg), **env_extra)
+               FLASHRL_CONFIG=str(cfg), PYTHON=sys.executable, **env_extra)
     return subprocess.run(["bash", os.path.join(RECIPES, script), "--dry-run", *extra], env=env,
                           capture_output=True, text=True)
 

@@ -1,10 +1,10 @@
 """verl integration: mismatch metrics in verl's metrics, rollout-mode and TIS checks, TIS override
 strings; the end of every weight sync into the rollout is in :mod:`.sync_mode` (verl 0.7+ server
-mode: :mod:`.server_mode`; what differs per verl line: :mod:`npu_flashrl.lines.verl_rules`).
+mode: :mod:`.server_mode`; what differs per verl line: :mod:`npu_flashrl.lines.verl`).
 
 Written against verl commit 51d2104ecb61563c41123a8f0bce2f06b18387dc (the pin); verl 0.6.1 on PyPI has
 the same ``algorithm.rollout_correction`` schema and the same ``rollout_corr_helper`` functions, verl
-0.9.1 the same function names and argument order (its TIS keys: :mod:`npu_flashrl.lines.verl_rules`).
+0.9.1 the same function names and argument order (its TIS keys: :mod:`npu_flashrl.lines.verl`).
 
 Where the metrics hook attaches (and why)
 -----------------------------------------
@@ -48,7 +48,7 @@ from typing import Any, Dict, Mapping, MutableMapping, Optional, Union
 
 import torch
 
-from npu_flashrl import patches
+from npu_flashrl import lines, patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.metrics import mismatch_metrics
 from npu_flashrl.patches import PatchNotApplicable, register
@@ -56,7 +56,7 @@ from npu_flashrl.adapters.verl.sync_mode import PATCH_SYNC_END  # noqa: F401  (d
 
 logger = get_logger(__name__)
 
-VERL_PIN = "51d2104ecb61563c41123a8f0bce2f06b18387dc"
+VERL_PIN = lines.SYNC_PIN  # the verl commit of the sync-mode line (one home: npu_flashrl.lines.verl)
 PREFIX = "npu_flashrl/"
 ACTOR_PREFIX = "npu_flashrl/actor/"
 WARN_ENV = "NPU_FLASHRL_MISMATCH_WARN"

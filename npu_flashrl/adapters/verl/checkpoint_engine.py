@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
-from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines import verl as verl_lines
 
 logger = get_logger(__name__)
 
@@ -37,7 +37,7 @@ _WORKER = "verl.workers.engine_workers:ActorRolloutRefWorker.update_weights"
 PATCH_REFUSALS = "verl_checkpoint_engine_refusals"
 PATCH_WIRE = "verl_int8_wire"
 PATCHES = (PATCH_REFUSALS, PATCH_WIRE)
-VERSIONS = verl_rules.server_versions()
+VERSIONS = verl_lines.server_versions()
 
 BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 ROLLOUT_NAME_KEY = "actor_rollout_ref.rollout.name"

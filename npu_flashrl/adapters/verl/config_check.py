@@ -1,15 +1,15 @@
 """verl config checks and override strings for an INT8 rollout: rollout mode (sync at 51d2104,
 server mode on verl 0.7+), TIS (``algorithm.rollout_correction``) per verl line, Hydra override
 parsing. Re-exported by :mod:`npu_flashrl.adapters.verl`. What differs per verl line (keys, rules,
-overrides) is in :mod:`npu_flashrl.lines.verl_rules`; this module names no line."""
+overrides) is in :mod:`npu_flashrl.lines.verl`; this module names no line."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional
 
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
-from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines import verl as verl_lines
 from npu_flashrl.lines.verl import is_server_line
 from npu_flashrl.values import is_null, is_true
 
@@ -27,44 +27,25 @@ class TisConfigError(NpuFlashrlError, ValueError):
 
 # --------------------------------------------------------------------------------- config checking
 
-_MISSING = object()
-
-
-def _select(config: Any, dotted: str, default: Any = _MISSING) -> Any:
-    """Read ``a.b.c`` from an OmegaConf DictConfig, a dict, or an attribute object."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "keys"):
-            try:
-                if part not in node:
-                    return default
-                node = node[part]
-                continue
-            except Exception:  # noqa: BLE001 - e.g. omegaconf MissingMandatoryValue
-                return default
-        if hasattr(node, part):
-            node = getattr(node, part)
-        else:
-            return default
-    return node
+_MISSING = verl_lines.MISSING
+_select = verl_lines.select
+overrides_to_config = verl_lines.overrides_to_config  # the one reading of Hydra overrides
 
 
 def _flashrl_config_set(environ: Mapping[str, str]) -> bool:
     return bool((environ.get("FLASHRL_CONFIG") or "").strip())
 
 
-def _line(verl: Optional[str]) -> verl_rules.VerlLine:
+def _line(verl: Optional[str]) -> verl_lines.VerlLine:
     from npu_flashrl import lines
-    return verl_rules.for_line(lines.verl_line(verl))
+    return verl_lines.for_line(lines.verl_line(verl))
 
 
 def check_tis(config: Any, verl: Optional[str] = None) -> None:
     """Refuse the ``algorithm.rollout_correction`` combinations that do no TIS on the verl line
     ``verl`` (``"51d2104"`` or ``"0.9"``, see :func:`npu_flashrl.lines.verl_line`; None: the
     installed verl's). Raises :class:`TisConfigError` naming the key and the fix. The rules per
-    line, read from each line's source, are in :mod:`npu_flashrl.lines.verl_rules`.
+    line, read from each line's source, are in :mod:`npu_flashrl.lines.verl`.
 
     What works on both lines: decoupled mode (``bypass_mode=False``, at 51d2104 also
     ``use_policy_gradient=False``, ``rollout_is=token|sequence``): the driver computes truncated
@@ -75,36 +56,6 @@ def check_tis(config: Any, verl: Optional[str] = None) -> None:
     problems = line.tis_problems(lambda key, default: _select(config, key, default), _MISSING)
     if problems:
         raise TisConfigError("; ".join(problems) + f". Fix: {line.FIX}")
-
-
-def overrides_to_config(overrides: Sequence[str]) -> Dict[str, Any]:
-    """A nested dict from Hydra override strings (``a.b=v``, ``+a.b=v``; ``~a.b`` deletes), values read
-    as YAML (``True``, ``null``, ``2.0``). Later overrides win, as in Hydra."""
-    import yaml
-
-    out: Dict[str, Any] = {}
-    for ov in overrides:
-        key, sep, raw = ov.partition("=")
-        delete = key.startswith("~")
-        key = key.lstrip("+~")
-        if not key or (not sep and not delete):
-            continue
-        parts = key.split(".")
-        node = out
-        for part in parts[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        if delete:
-            node.pop(parts[-1], None)
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except (yaml.YAMLError, RecursionError):  # a value nested thousands deep stays a string
-            value = raw
-        node[parts[-1]] = value
-    return out
 
 
 def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
@@ -124,7 +75,7 @@ def check_rollout_mode(config: Any, *, quantized: Optional[bool] = None,
       :class:`TisConfigError` (see :func:`check_tis`).
 
     On verl 0.7+ (``verl`` line "0.9"; None: the installed verl's) the rollout-mode check is the
-    server-mode one (`verl_rules.Server09.rollout_mode_problem`). Returns the warning messages (also
+    server-mode one (`verl_lines.Server09.rollout_mode_problem`). Returns the warning messages (also
     logged). ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ

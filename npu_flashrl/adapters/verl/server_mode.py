@@ -28,7 +28,7 @@ from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters import vllm_engine
 from npu_flashrl.adapters.verl import sync_end
-from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines import verl as verl_lines
 from npu_flashrl.errors import NpuFlashrlError
 
 logger = get_logger(__name__)
@@ -41,7 +41,7 @@ RECEIVE_TARGET = f"{_TRANSFER}:BucketedWeightReceiver.receive_weights"
 PATCH_SYNC = "verl_server_sync_end"
 PATCH_DRAIN = "verl_server_receiver_drains"
 PATCHES = (PATCH_SYNC, PATCH_DRAIN)
-VERSIONS = verl_rules.server_versions()
+VERSIONS = verl_lines.server_versions()
 REPLICA_ENV = "VERL_REPLICA_RANK"
 LOADER_ATTR = sync_end.LOADER_ATTR
 
@@ -138,9 +138,9 @@ vllm_engine.register_server_engines(_VerlServerEngines())
 
 def check_verl_config(select, environ: Optional[Mapping[str, str]] = None) -> None:
     """Driver-side check of a server-mode verl config with FLASHRL_CONFIG set (`select(dotted_key)` reads
-    it); the rules are the server-mode line's (`verl_rules.Server09.rollout_mode_problem`).
+    it); the rules are the server-mode line's (`verl_lines.Server09.rollout_mode_problem`).
     Raises ServerModeError naming the key to change."""
-    problem = verl_rules.for_line(verl_rules.SERVER).rollout_mode_problem(select, os.environ if environ is None
+    problem = verl_lines.for_line(verl_lines.SERVER).rollout_mode_problem(select, os.environ if environ is None
                                                            else environ)
     if problem is not None:
         raise ServerModeError(problem)

@@ -22,7 +22,7 @@ import functools
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.adapters.verl import sync_end
-from npu_flashrl.lines import verl_rules
+from npu_flashrl.lines import verl as verl_lines
 
 logger = get_logger(__name__)
 
@@ -60,7 +60,7 @@ def _patch_module(module) -> None:
         logger.warning("npu_flashrl: cannot patch %s -> %s: %s", PATCH_SYNC_END, TARGET, exc)
 
 
-@patches.register(PATCH_SYNC_END, TARGET, verl_rules.sync_versions(),
+@patches.register(PATCH_SYNC_END, TARGET, verl_lines.sync_versions(),
                   doc="every verl weight sync into the vLLM rollout ends with end_weight_sync: a layer "
                       "whose shard never arrived fails the sync, naming it")
 def _apply_sync_end() -> None:

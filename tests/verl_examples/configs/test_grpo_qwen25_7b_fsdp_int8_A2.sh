@@ -38,9 +38,10 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 parse_recipe_args "$@"
+FEATURES=fsdp
 
 grpo_defaults qwen25_7b_fsdp
-grpo_preflight
+grpo_inputs
 grpo_worker_env
 grpo_shared_overrides
 
@@ -59,5 +60,6 @@ CMD=(
   "${EXTRA_ARGS[@]}"
 )
 
+recipe_preflight "${CMD[@]}"
 recipe_log "FSDP, line=$RECIPE_LINE rollout=$ROLLOUT_PRECISION model=$MODEL_PATH data=$TRAIN_FILE nodes=$NNODES x $NPUS_PER_NODE NPUs"
 run_or_print "${CMD[@]}"

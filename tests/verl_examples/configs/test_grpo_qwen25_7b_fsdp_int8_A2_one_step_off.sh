@@ -17,9 +17,12 @@
 # Environment: everything listed in test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh, plus
 #   ASYNC_MODE      one_step_off | fully_async [one_step_off]
 #   TRAINER_NPUS    NPUs per node of the trainer pool [4]
-#   ROLLOUT_NPUS    NPUs per node of the rollout pool [4]; TRAINER_NPUS + ROLLOUT_NPUS <= NPUS_PER_NODE
+#   ROLLOUT_NPUS    NPUs per node of the rollout pool [4]; ROLLOUT_TP divides it
+#   NPUS_PER_NODE   NPUs of one node [8]: each pool fits in it; pools that do not fit one node
+#                   together (or ROLLOUT_NNODES > 1) need a Ray cluster (RAY_ADDRESS)
 #   ROLLOUT_NNODES  nodes of the rollout pool [1]
-#   CHECKPOINT_ENGINE  checkpoint_engine.backend [nccl]; delta_sharded is refused with FLASHRL_CONFIG
+#   CHECKPOINT_ENGINE  checkpoint_engine.backend [nccl]: a name of verl 0.9.1's CheckpointEngineRegistry
+#                   (naive, nccl = HCCL on Ascend, nixl, ...); delta_sharded is refused with an INT8 FLASHRL_CONFIG
 #   TRIGGER_SYNC_STEPS  fully_async: async_training.trigger_parameter_sync_step [4]
 #   STALENESS       fully_async: async_training.staleness_threshold [0.1]
 #   TOTAL_ROLLOUT_STEPS  fully_async: rollout.total_rollout_steps [100]
@@ -32,6 +35,7 @@ recipe_help "$@"
 export RECIPE_LINE=current
 parse_recipe_args "$@"
 
+FEATURES=fsdp,async  # every variable is checked in grpo_defaults, before the launch
 ASYNC_MODE="${ASYNC_MODE:-one_step_off}"
 TRAINER_NPUS="${TRAINER_NPUS:-4}"
 ROLLOUT_NPUS="${ROLLOUT_NPUS:-4}"
@@ -40,31 +44,17 @@ CHECKPOINT_ENGINE="${CHECKPOINT_ENGINE:-nccl}"
 TRIGGER_SYNC_STEPS="${TRIGGER_SYNC_STEPS:-4}"
 STALENESS="${STALENESS:-0.1}"
 TOTAL_ROLLOUT_STEPS="${TOTAL_ROLLOUT_STEPS:-100}"
-NPUS_PER_NODE="${NPUS_PER_NODE:-8}"
-for v in TRAINER_NPUS ROLLOUT_NPUS ROLLOUT_NNODES TRIGGER_SYNC_STEPS TOTAL_ROLLOUT_STEPS NPUS_PER_NODE; do
-  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || recipe_die "$v must be an integer >= 1, got '${!v}'"
-done
-case "$ASYNC_MODE" in
-  one_step_off) ENTRY=verl.experimental.one_step_off_policy.main_ppo ;;
-  fully_async) ENTRY=verl.experimental.fully_async_policy.fully_async_main ;;
-  *) recipe_die "ASYNC_MODE must be one_step_off or fully_async, got '$ASYNC_MODE'" ;;
-esac
-if (( TRAINER_NPUS + ROLLOUT_NPUS > NPUS_PER_NODE )); then
-  recipe_die "TRAINER_NPUS=$TRAINER_NPUS + ROLLOUT_NPUS=$ROLLOUT_NPUS exceed NPUS_PER_NODE=$NPUS_PER_NODE: the trainer and rollout pools are separate NPUs"
+PREFLIGHT_ARGS=(--node-npus "${NPUS_PER_NODE:-8}")  # the node's size: each pool's NPUs per node fit in it
+if [[ "$ASYNC_MODE" == fully_async ]]; then
+  ENTRY=verl.experimental.fully_async_policy.fully_async_main
+else
+  ENTRY=verl.experimental.one_step_off_policy.main_ppo
 fi
-if [[ -n "${FLASHRL_CONFIG:-}" && "$CHECKPOINT_ENGINE" == delta_sharded ]]; then
-  recipe_die "CHECKPOINT_ENGINE=delta_sharded with FLASHRL_CONFIG: its bf16 patches would be written into the INT8 rollout's int8 parameters; use nccl (HCCL)"
-fi
-for a in "${EXTRA_ARGS[@]}"; do
-  if [[ -n "${FLASHRL_CONFIG:-}" && "$a" == *checkpoint_engine.backend=delta_sharded ]]; then
-    recipe_die "$a with FLASHRL_CONFIG: delta_sharded writes bf16 patches into the INT8 rollout's int8 parameters; use nccl (HCCL)"
-  fi
-done
 
 # the trainer pool is trainer.n_gpus_per_node (NPUS_PER_NODE of the shared overrides)
 export NPUS_PER_NODE="$TRAINER_NPUS"
 grpo_defaults "qwen25_7b_fsdp_${ASYNC_MODE}"
-grpo_preflight
+grpo_inputs
 grpo_worker_env
 grpo_shared_overrides
 
@@ -97,5 +87,6 @@ CMD=(
   "${EXTRA_ARGS[@]}"
 )
 
+recipe_preflight "${CMD[@]}"
 recipe_log "FSDP $ASYNC_MODE, rollout=$ROLLOUT_PRECISION trainer=$TRAINER_NPUS NPUs rollout=$ROLLOUT_NNODES x $ROLLOUT_NPUS NPUs, checkpoint engine $CHECKPOINT_ENGINE"
 run_or_print "${CMD[@]}"

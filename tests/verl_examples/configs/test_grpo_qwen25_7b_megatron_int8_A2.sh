@@ -32,6 +32,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 parse_recipe_args "$@"
+FEATURES=megatron
 
 grpo_defaults qwen25_7b_megatron
 TRAIN_TP="${TRAIN_TP:-4}"
@@ -40,11 +41,7 @@ TRAIN_CP="${TRAIN_CP:-1}"
 ACTOR_OFFLOAD="${ACTOR_OFFLOAD:-False}"
 USE_DIST_CKPT="${USE_DIST_CKPT:-False}"
 DIST_CKPT_PATH="${DIST_CKPT_PATH:-}"
-if [[ "${RECIPE_LINE:-pinned}" == current ]]; then
-  USE_MBRIDGE="${USE_MBRIDGE:-True}"
-else
-  USE_MBRIDGE="${USE_MBRIDGE:-False}"
-fi
+if [[ "$RECIPE_LINE" == current ]]; then USE_MBRIDGE="${USE_MBRIDGE:-True}"; else USE_MBRIDGE="${USE_MBRIDGE:-False}"; fi
 VANILLA_MBRIDGE="${VANILLA_MBRIDGE:-True}"
 TRAIN_EP="${TRAIN_EP:-1}"
 TRAIN_ETP="${TRAIN_ETP:-1}"
@@ -53,21 +50,8 @@ RECOMPUTE_GRANULARITY="${RECOMPUTE_GRANULARITY:-full}"
 RECOMPUTE_METHOD="${RECOMPUTE_METHOD:-uniform}"
 RECOMPUTE_NUM_LAYERS="${RECOMPUTE_NUM_LAYERS:-1}"
 
-grpo_preflight
-if [[ ! "$TRAIN_EP" =~ ^[1-9][0-9]*$ || ! "$TRAIN_ETP" =~ ^[1-9][0-9]*$ ]]; then
-  recipe_die "TRAIN_EP=$TRAIN_EP / TRAIN_ETP=$TRAIN_ETP must be positive integers"
-fi
-if [[ "$RECIPE_LINE" == current && "$USE_MBRIDGE" != True ]]; then
-  recipe_die "USE_MBRIDGE=$USE_MBRIDGE: verl 0.9's Megatron engine requires actor_rollout_ref.actor.megatron.use_mbridge=True (MegatronEngine.__init__ asserts it)"
-fi
-if (( TRAIN_TP * TRAIN_PP * TRAIN_CP > NPUS_PER_NODE * NNODES )); then
-  recipe_die "TRAIN_TP*TRAIN_PP*TRAIN_CP=$((TRAIN_TP * TRAIN_PP * TRAIN_CP)) exceeds the $((NPUS_PER_NODE * NNODES)) NPUs"
-fi
+grpo_inputs
 if [[ "$USE_DIST_CKPT" == True ]]; then require_dir DIST_CKPT_PATH "$DIST_CKPT_PATH"; fi
-if [[ "$DRY_RUN" == 0 ]]; then
-  "$PYTHON" -c 'import mindspeed.megatron_adaptor' 2>/dev/null \
-    || recipe_die "mindspeed.megatron_adaptor is not importable by $PYTHON: the Megatron backend on NPU needs MindSpeed (scripts/install_pinned.sh --line $RECIPE_LINE --only mindspeed,megatron_core)"
-fi
 grpo_worker_env
 grpo_shared_overrides
 
@@ -128,5 +112,6 @@ CMD=(
   "${EXTRA_ARGS[@]}"
 )
 
+recipe_preflight "${CMD[@]}"
 recipe_log "Megatron TP=$TRAIN_TP PP=$TRAIN_PP CP=$TRAIN_CP, rollout=$ROLLOUT_PRECISION model=$MODEL_PATH nodes=$NNODES x $NPUS_PER_NODE NPUs"
 run_or_print "${CMD[@]}"

@@ -37,20 +37,20 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-parse_recipe_args "$@"  # unknown options refused first; EXTRA_ARGS for the MoE checks below
-export RECIPE_LINE=current
+parse_recipe_args "$@"  # unknown options refused first
+export RECIPE_LINE=current RECIPE_MOE=1
 
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}"
 export NPUS_PER_NODE="${NPUS_PER_NODE:-16}"
 export ROLLOUT_TP="${ROLLOUT_TP:-4}"
 export ROLLOUT_DP="${ROLLOUT_DP:-1}"
-check_numeric_vars  # before the arithmetic below
+FEATURES=fsdp
+recipe_line
+recipe_vars  # before the arithmetic below
 export ROLLOUT_EP="${ROLLOUT_EP:-$((ROLLOUT_TP * ROLLOUT_DP))}"
 export ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-True}"
 export ACTOR_OPTIMIZER_OFFLOAD="${ACTOR_OPTIMIZER_OFFLOAD:-True}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_30b_a3b_fsdp_${ROLLOUT_PRECISION:-int8}_A3_verl09}"
-
-moe_preflight
 
 MOE_OVERRIDES=(
   "actor_rollout_ref.rollout.data_parallel_size=$ROLLOUT_DP"

@@ -8,7 +8,7 @@
 # everything offloaded, rollout TP 4):
 #   * trainer TP 4, expert parallel 4 (ETP 4), PP 1; parameters and optimizer state offloaded;
 #   * rollout TP 4 per replica with expert parallel (EP = TP x DP), as
-#     test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh; the same MoE preflight (moe_preflight in
+#     test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh; the same MoE checks (npu-flashrl preflight, from
 #     ../common.sh: dynamic EPLB, redundant experts and `fn: int8` refused for INT8 rollouts);
 #   * weights to the rollout through mbridge (vanilla_mbridge=True): per-expert HF names, EP
 #     all-gathered by the bridge (docs/megatron.md).
@@ -31,8 +31,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-parse_recipe_args "$@"  # unknown options refused first; EXTRA_ARGS for the MoE checks below
-export RECIPE_LINE=current
+parse_recipe_args "$@"  # unknown options refused first
+export RECIPE_LINE=current RECIPE_MOE=1
 
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}"
 export NPUS_PER_NODE="${NPUS_PER_NODE:-16}"
@@ -43,10 +43,11 @@ export TRAIN_ETP="${TRAIN_ETP:-4}"
 export ACTOR_OFFLOAD="${ACTOR_OFFLOAD:-True}"
 export ROLLOUT_TP="${ROLLOUT_TP:-4}"
 export ROLLOUT_DP="${ROLLOUT_DP:-1}"
-check_numeric_vars  # before the arithmetic below
+FEATURES=megatron
+recipe_line
+recipe_vars  # before the arithmetic below
 export ROLLOUT_EP="${ROLLOUT_EP:-$((ROLLOUT_TP * ROLLOUT_DP))}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_30b_a3b_megatron_${ROLLOUT_PRECISION:-int8}_A3_verl09}"
-moe_preflight
 
 MOE_OVERRIDES=(
   "actor_rollout_ref.rollout.data_parallel_size=$ROLLOUT_DP"

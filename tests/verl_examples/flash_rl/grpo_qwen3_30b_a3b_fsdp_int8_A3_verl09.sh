@@ -21,12 +21,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-(parse_recipe_args "$@")  # unknown options refused before the checks below (flashrl_entry parses again)
-export RECIPE_LINE=current
+export RECIPE_LINE=current RECIPE_MOE=1  # MoE: FlashRL's int8 profile fns are refused (npu-flashrl preflight)
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}"
 export FLASHRL_FN="${FLASHRL_FN:-int8_profile_free}"
-if [[ "$FLASHRL_FN" == int8 ]]; then
-  recipe_die "FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts and npu_flashrl refuses it for a MoE model; use FLASHRL_FN=int8_profile_free (docs/moe.md)"
-fi
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_30b_a3b_fsdp_${FLASHRL_FN}_A3_verl09}"
 flashrl_entry "${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh}" "$@"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bf16 baseline for A/B runs against grpo_qwen25_7b_fsdp_int8_A2_fully_async.sh (verl 0.9.1's fully_async
+# trainer, the rollout on NPUs of its own): grpo_qwen25_7b_fsdp_bf16_A2.sh with RECIPE_LINE=current
+# and ../configs/test_grpo_qwen25_7b_fsdp_bf16_A2_fully_async.sh, so the same launch, FP32 lm-head and
+# logging through an npu_flashrl `--fn bf16` config; only the rollout weights stay bf16. With
+# BASELINE_NPU_FLASHRL=0 npu_flashrl is not activated at all (plain verl).
+#
+# Usage: grpo_qwen25_7b_fsdp_bf16_A2_fully_async.sh [--dry-run] [extra Hydra overrides ...]
+#
+# Environment: as grpo_qwen25_7b_fsdp_int8_A2_fully_async.sh (FLASHRL_FN is fixed to bf16), plus
+#   BASELINE_NPU_FLASHRL  1 | 0 [1]
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=SCRIPTDIR/../common.sh
+source "$HERE/../common.sh"
+recipe_help "$@"
+export RECIPE_LINE=current
+export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen25_7b_fsdp_fully_async_bf16_A2_verl09}"
+export CONFIG_SCRIPT="${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_7b_fsdp_bf16_A2_fully_async.sh}"
+exec bash "$HERE/grpo_qwen25_7b_fsdp_bf16_A2.sh" "$@"
