@@ -183,3 +183,23 @@ def test_only_the_installed_lines_patches_are_declared():
     for other in lines.LINES:
         if other.name != ln.name:
             assert not any(other.name in p["lines"] for p in declared.values())
+
+
+def test_one_table_names_the_lines():
+    """The stack lines' labels are the one vocabulary: pins.yaml's lines, the CPU test stack's
+    requirements files and verl's accepted spellings all use them."""
+    import os
+
+    from npu_flashrl import lines
+    from npu_flashrl.pins import line_names
+
+    labels = [ln.label for ln in lines.LINES]
+    assert len(set(labels)) == len(labels)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for label in labels:
+        assert os.path.isfile(os.path.join(root, "requirements", f"cpu-stack-{label}.txt")), label
+        assert lines.by_label(label).label == label
+        assert lines.verl_line(label) == ("0.9" if lines.by_label(label).verl_mode == "server" else "51d2104")
+    assert set(line_names()) <= set(labels), line_names()  # pins.yaml's lines are stack lines
+    with pytest.raises(lines.UnsupportedVersion, match="pinned, 0.11, current"):
+        lines.by_label("0.7+")

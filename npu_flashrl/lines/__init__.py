@@ -36,6 +36,15 @@ def by_name(name: str) -> StackLine:
     raise UnsupportedVersion(f"no vllm-ascend line {name!r}; npu_flashrl supports {supported()}")
 
 
+def by_label(label: str) -> StackLine:
+    """The line users, pins.yaml and the CPU test stack call `label` ("pinned", "0.11", "current")."""
+    for ln in LINES:
+        if ln.label == label:
+            return ln
+    raise UnsupportedVersion(f"no stack line {label!r}; the lines are "
+                             f"{', '.join(ln.label for ln in LINES)}")
+
+
 def versions(*packages: str, verl_mode: Optional[str] = None) -> str:
     """The releases a patch serving every line (or every line of `verl_mode`: "sync" / "server")
     supports, for `verify`: e.g. versions("vllm") -> "vllm 0.10.1, 0.11.0, 0.23.0";

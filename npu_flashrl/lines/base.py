@@ -59,6 +59,8 @@ class StackLine:
     vllm: str             # the vLLM release it is built against
     verl: str             # the verl release / commit tested with it
     verl_mode: str        # how verl drives the rollout: "sync" or "server"
+    label: str            # the line's one name for users, pins.yaml, the recipes and the CPU test
+    #                       stack ("pinned", "0.11", "current"); releases are the fields above
     layout: str           # quantization package layout family (lines sharing files share it)
     quant_config: str     # "module:Class" of the "ascend" QuantizationConfig
     linear_method: str    # "module:Class" wrapping a scheme for vLLM's LinearBase

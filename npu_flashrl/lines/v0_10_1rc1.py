@@ -36,7 +36,7 @@ class QuantConfigLine(StackLine):
 
 
 LINE = QuantConfigLine(
-    vllm_ascend="0.10.1rc1", vllm="0.10.1", verl="51d2104", verl_mode="sync",
+    vllm_ascend="0.10.1rc1", vllm="0.10.1", verl="51d2104", verl_mode="sync", label="pinned",
     nz="always",  # W8A8 weights are NZ-cast unconditionally
     tree_has=("quantizer.py", "quant_config.py", "w8a8_dynamic.py"),
     tree_lacks=("utils.py", "methods/registry.py"),

@@ -10,7 +10,7 @@ from npu_flashrl.lines.v0_10_1rc1 import QuantConfigLine
 _MOE = "vllm_ascend.ops.common_fused_moe"
 
 LINE = QuantConfigLine(
-    vllm_ascend="0.11.0", vllm="0.11.0", verl="0.6.1", verl_mode="sync",
+    vllm_ascend="0.11.0", vllm="0.11.0", verl="0.6.1", verl_mode="sync", label="0.11",
     nz="utils_flag",
     # 0.13.0 keeps these files and adds compressed_tensors/: not taken for 0.11.0
     tree_has=("quant_config.py", "utils.py", "w8a8_dynamic.py"),

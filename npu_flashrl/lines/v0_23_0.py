@@ -122,7 +122,7 @@ class SchemeRegistryLine(StackLine):
 
 
 LINE = SchemeRegistryLine(
-    vllm_ascend="0.23.0", vllm="0.23.0", verl="0.9.1", verl_mode="server",
+    vllm_ascend="0.23.0", vllm="0.23.0", verl="0.9.1", verl_mode="server", label="current",
     nz="weight_nz_mode",
     tree_has=("methods/registry.py", "modelslim_config.py", "method_adapters.py"),
     tree_lacks=("quant_config.py", "quantizer.py"),

@@ -42,9 +42,23 @@ from npu_flashrl.values import is_null, is_true
 SYNC, SERVER = "51d2104", "0.9"
 SYNC_PIN = "51d2104ecb61563c41123a8f0bce2f06b18387dc"  # the verl commit the sync-mode line pins
 VERL_LINES = (SYNC, SERVER)
-# accepted spellings: releases, and the CPU test-stack line names (pinned, 0.11, current)
-VERL_ALIASES = {"51d2104": SYNC, "pinned": SYNC, "0.6": SYNC, "0.6.1": SYNC, "0.11": SYNC,
-                "0.9": SERVER, "0.9.1": SERVER, "current": SERVER}
+
+
+def _aliases() -> Dict[str, str]:
+    """Accepted spellings of the verl config lines, from the one table of stack lines
+    (`detect.LINES`): each line's label ("pinned", "0.11", "current"), its verl release and that
+    release's minor ("0.9.1", "0.9") name the config line of the verl that line runs."""
+    from npu_flashrl.lines.detect import LINES
+
+    out = {SYNC: SYNC, SERVER: SERVER}
+    for ln in LINES:
+        config_line = SERVER if ln.verl_mode == "server" else SYNC
+        for name in (ln.label, ln.verl, ".".join(ln.verl.split(".")[:2])):
+            out[name] = config_line
+    return out
+
+
+VERL_ALIASES = _aliases()
 # What the server-mode line's verl (0.9.1) registers in CheckpointEngineRegistry
 # (verl/checkpoint_engine/*.py, `@CheckpointEngineRegistry.register(...)`): the names
 # `actor_rollout_ref.rollout.checkpoint_engine.backend` takes. On Ascend `nccl` is verl's
