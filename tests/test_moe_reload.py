@@ -89,6 +89,7 @@ def test_bf16_cold_load_gives_per_channel_int8_experts(va, moe):
     with build(va, dirs[0]) as v:
         loader = v.model._npu_flashrl_loader
         assert len(loader.experts) == LAYERS * EXPERTS * 3
+        assert {t.scheme.key for t in loader.experts.values()} == {("W8A8_DYNAMIC", "moe")}
         check_experts(v.model, models[0])
         # the attention projections are W8A8_DYNAMIC too
         assert v.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
@@ -204,7 +205,7 @@ def test_bad_expert_tensors_are_refused_by_name_before_anything_is_written(va, m
         good = trainer_weights(models[1])
         cases = {
             "shape": (torch.zeros(96, 127, dtype=torch.bfloat16), r"expected shape \(96, 128\)"),
-            "dtype": (torch.zeros(96, 128, dtype=torch.int8), "floating-point"),
+            "dtype": (torch.zeros(96, 128, dtype=torch.int16), "floating-point"),
             "nan": (torch.full((96, 128), float("nan"), dtype=torch.bfloat16), "NaN"),
         }
         for what, (bad, msg) in cases.items():
@@ -216,6 +217,17 @@ def test_bad_expert_tensors_are_refused_by_name_before_anything_is_written(va, m
             assert m._npu_flashrl_loader.inconsistent is None, what
             with pytest.raises(WeightSyncError, match="nothing of it was written"):
                 va.end_weight_sync(m)
+        # an int8 expert weight in a float sync is an INT8-wire half whose scale may come later
+        # (either order): its layer is never committed, and the end of the sync names the scale
+        weights = [(n, torch.zeros(96, 128, dtype=torch.int8) if n == name else t) for n, t in good]
+        m.load_weights(weights)
+        with pytest.raises(WeightSyncError, match="INT8 wire") as info:
+            va.end_weight_sync(m)
+        assert name[: -len("weight")] + "weight_scale" in str(info.value)
+        layer0 = m.model.layers[0].mlp.experts
+        assert torch.equal(layer0.w13_weight, before["model.layers.0.mlp.experts.w13_weight"])
+        m.load_weights(good)
+        assert va.end_weight_sync(m) == []
 
 
 def test_flashrl_int8_profile_is_refused_for_a_moe_model(va, moe):

@@ -9,6 +9,9 @@ trusted.
    Exception) re-raises unchanged and leaves the model refusing to generate.
 4. Odd tensors (a bool norm, a meta tensor, a tensor on another device, a name twice in one
    call) are refused by name before anything is written.
+5. One copy, a sound pair: a tensor twice in one sync (two buckets) is refused by name; an
+   INT8-wire pair is checked as the rollout computes with it, its scale is float32 or the
+   rollout's dtype, and its halves pair in either order; "never arrived" names each tensor once.
 
 Real vLLM Qwen2 + vllm-ascend W8A8 layers on the CPU (`cpu_vllm.CpuVllm`). Stand-ins: torch_npu
 (the reference kernels of npu_flashrl.kernels.emulation), vLLM attention (plain causal SDPA); for
@@ -237,3 +240,150 @@ def test_odd_tensors_are_refused_by_name_before_anything_is_written(va, models, 
         m.load_weights(new)
         assert va.end_weight_sync(m) == []
         assert loader.inconsistent is None
+
+
+# --------------------------------------------------------------------------- 5. one copy, a sound pair
+
+K = "model.layers.1.self_attn.k_proj.weight"
+K_SCALE = "model.layers.1.self_attn.k_proj.weight_scale"
+
+
+def _wire(weights):
+    """The trainer's INT8-wire stream of `weights` (int8 + fp32 scale per projection)."""
+    from npu_flashrl.quant.wire import int8_wire
+
+    return list(int8_wire(weights, torch.bfloat16))
+
+
+def _snapshot(model):
+    from helpers import forward_tensors
+
+    return {n: t.detach().clone() for n, t in forward_tensors(model).items()}
+
+
+@pytest.mark.parametrize("wire,dup", [("float", NORM), ("float", PROJ), ("int8", K), ("int8", K_SCALE)],
+                         ids=["float-norm", "float-projection", "int8-weight", "int8-scale"])
+def test_a_tensor_sent_twice_in_one_sync_is_refused_by_name(va, models, wire, dup):
+    """Two buckets of one sync carry the same tensor. Before: on the float wire the last copy
+    won without a word; on the INT8 wire a weight sent again was refused as "int8 without its
+    weight_scale before it", a scale sent again left a pair that "never arrived"."""
+    cold, new, _ = models
+    sent = new if wire == "float" else _wire(new)
+    half = len(sent) // 2
+    first, second = sent[:half], sent[half:]
+    if not any(n == dup for n, _ in first):
+        first, second = second, first
+    with build(va, cold) as v:
+        m = v.model
+        m.load_weights(first)
+        with pytest.raises(va.WeightSyncError) as info:
+            m.load_weights(second + [(dup, dict(sent)[dup].clone())])
+        msg = str(info.value)
+        assert msg.startswith(f"{dup}: arrived twice in one weight sync"), msg
+        with pytest.raises(va.WeightSyncError, match="refuses to generate"):
+            va.end_weight_sync(m)  # the first bucket was written: the sync failed part-way
+        with pytest.raises(va.WeightSyncError, match="two syncs"):
+            v.logits(IDS)
+        m.load_weights(first)  # separate syncs may send a tensor again, of course
+        m.load_weights(second)
+        assert va.end_weight_sync(m) == []
+        v.logits(IDS)
+
+
+@pytest.mark.parametrize("form", ["list", "stream"])
+def test_an_int8_wire_scale_the_rollout_would_overflow_with_is_refused(va, models, form):
+    """A finite, positive, absurd scale (1e38): before, it was accepted and the next forward
+    gave NaN logits. Now the pair is checked as the rollout computes with it (scale times the
+    row's int8 values, in the rollout's bf16) and refused by name; nothing is written."""
+    cold, new, _ = models
+    sent = _wire(new)
+    tensors = dict(sent)
+    spoiled = tensors[K_SCALE].clone()
+    spoiled[3] = 1e38
+    bad = [(n, spoiled if n == K_SCALE else t) for n, t in sent]
+    if form == "stream":  # the spoiled pair first: nothing was written before it
+        bad = [(K_SCALE, spoiled), (K, tensors[K])] + [(n, t) for n, t in bad if n not in (K, K_SCALE)]
+    with build(va, cold) as v:
+        m = v.model
+        before = _snapshot(m)
+        with pytest.raises(va.WeightSyncError) as info:
+            m.load_weights(bad if form == "list" else iter(bad))
+        msg = str(info.value)
+        assert msg.startswith(f"{K_SCALE}: row 3's scale 1e+38"), msg
+        assert "not finite in bfloat16" in msg, msg
+        after = _snapshot(m)
+        assert all(torch.equal(after[n], before[n]) for n in before)
+        assert m._npu_flashrl_loader.inconsistent is None
+        with pytest.raises(va.WeightSyncError, match="nothing of it was written"):
+            va.end_weight_sync(m)
+        m.load_weights(sent)
+        assert va.end_weight_sync(m) == []
+        assert torch.isfinite(v.logits(IDS)).all()
+
+
+def test_an_int8_wire_scale_is_float32_or_the_rollout_dtype(va, models):
+    """A float16 scale was accepted and rounded twice on the way to the rollout's bf16; now it is
+    refused by name. The rollout's own dtype (bf16) and float32 are accepted."""
+    cold, new, _ = models
+    sent = _wire(new)
+    half = [(n, t.half() if n == K_SCALE else t) for n, t in sent]
+    with build(va, cold) as v:
+        m = v.model
+        with pytest.raises(va.WeightSyncError) as info:
+            m.load_weights(half)
+        msg = str(info.value)
+        assert msg.startswith(f"{K_SCALE}: expected a float32 or bfloat16 (the rollout's dtype) "
+                              "scale, got float16"), msg
+        with pytest.raises(va.WeightSyncError, match="nothing of it was written"):
+            va.end_weight_sync(m)
+        m.load_weights([(n, t.bfloat16() if n.endswith("weight_scale") else t) for n, t in sent])
+        assert va.end_weight_sync(m) == []
+
+
+@pytest.mark.parametrize("split", ["one_call", "weights_then_scales"])
+def test_an_int8_wire_weight_before_its_scale_pairs_as_the_other_order(va, models, split):
+    """Another sender or checkpoint engine may send a weight before its scale (in one call or a
+    bucket earlier). Before: refused as "int8 without its weight_scale before it". Now the state
+    is bit-identical to the scale-first sync's."""
+    cold, new, _ = models
+    sent = _wire(new)
+    with build(va, cold) as v:
+        m = v.model
+        m.load_weights(sent)
+        assert va.end_weight_sync(m) == []
+        want = _snapshot(m)
+    swapped = []
+    for n, t in sent:  # scale, weight -> weight, scale
+        if swapped and swapped[-1][0] == n[: -len("weight")] + "weight_scale":
+            swapped.insert(len(swapped) - 1, (n, t))
+        else:
+            swapped.append((n, t))
+    assert [n for n, _ in swapped].index(K) < [n for n, _ in swapped].index(K_SCALE)
+    with build(va, cold) as v:
+        m = v.model
+        if split == "one_call":
+            m.load_weights(swapped)
+        else:
+            m.load_weights([(n, t) for n, t in swapped if not n.endswith("weight_scale")])
+            assert K in str(m._npu_flashrl_loader.pending())
+            m.load_weights([(n, t) for n, t in swapped if n.endswith("weight_scale")])
+        assert va.end_weight_sync(m) == []
+        got = _snapshot(m)
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n], want[n]), f"{n} differs"
+
+
+def test_never_arrived_names_each_tensor_once(va, models):
+    """An INT8-wire weight that never comes after its scale did: its layer's staging and its
+    wire pair both miss it, and the message listed it twice."""
+    cold, new, _ = models
+    sent = [(n, t) for n, t in _wire(new) if n != K]
+    with build(va, cold) as v:
+        m = v.model
+        m.load_weights(sent)
+        with pytest.raises(va.WeightSyncError) as info:
+            va.end_weight_sync(m)
+        msg = str(info.value)
+        assert msg.count(f"'{K}'") == 1 and "1 shard(s)" in msg, msg
+        assert f"INT8 wire: ['{K_SCALE}'] came without the other half" in msg, msg

@@ -103,6 +103,7 @@ def test_three_syncs_equal_fresh_load_and_keep_pointers(va, ckpts):
             fresh.append(state(f.model))
     with build(va, dirs[0]) as v:
         m = v.model
+        assert {t.scheme.key for t in m._npu_flashrl_loader.targets.values()} == {("W8A8_DYNAMIC", "linear")}
         ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
         from npu_flashrl.kernels import reference
 
@@ -214,6 +215,7 @@ def test_fp32_masters_quantize_like_their_bf16_cast(va, ckpts):
         va.end_weight_sync(v.model)
         want = state(v.model)
         v.model.load_weights(hf_weights(models[2]))
+        va.end_weight_sync(v.model)  # one sync each: a sync sends each tensor once
         v.model.load_weights(fp32)
         va.end_weight_sync(v.model)
         assert_same_state(state(v.model), want)
@@ -268,6 +270,8 @@ def test_modelslim_static_w8a8_keeps_qwen2_bias(va, ckpts, tmp_path):
         _, static, _ = compat.quant_method_classes()
         layer = v.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(layer.quant_method.quant_method, static)
+        # every projection is claimed by the registered static W8A8 scheme (adapters/vllm_ascend/schemes)
+        assert {t.scheme.key for t in v.model._npu_flashrl_loader.targets.values()} == {("W8A8", "linear")}
         assert torch.count_nonzero(layer.quant_bias) > 0, "float bias was not folded"
         hf = models[0].model.layers[0].self_attn
         w = torch.cat([hf.q_proj.weight, hf.k_proj.weight, hf.v_proj.weight]).float()
@@ -280,6 +284,22 @@ def test_modelslim_static_w8a8_keeps_qwen2_bias(va, ckpts, tmp_path):
         assert (out.float() - ref).norm() / ref.norm() < 0.05
         no_bias = x.float() @ w.t()
         assert (out.float() - no_bias).norm() / ref.norm() > 0.05
+
+
+def test_schemes_are_registered_by_quant_type_and_layer_type(va):
+    """The reload's schemes, keyed as vllm-ascend keys its own; a key is taken once, and a layer
+    type the reload does not know is refused by name."""
+    from npu_flashrl.adapters.vllm_ascend import schemes
+
+    assert [s.key for s in schemes.registered()] == [
+        ("W8A8_DYNAMIC", "linear"), ("W8A8_DYNAMIC", "moe"), ("W8A8", "linear")]
+    assert schemes.get_scheme("W8A8_DYNAMIC", "moe").wire is schemes.PER_CHANNEL_INT8
+    with pytest.raises(ValueError, match=r"scheme \('W8A8', 'linear'\) registered twice"):
+        schemes.register_scheme("W8A8", "linear")(type("Other", (schemes.get_scheme("W8A8", "linear").__class__,), {}))
+    with pytest.raises(ValueError, match="layer type 'attention'"):
+        schemes.register_scheme("W8A8", "attention")
+    with pytest.raises(va.UnsupportedScheme, match="no in-place reload for vllm-ascend W4A8_DYNAMIC linear"):
+        schemes.get_scheme("W4A8_DYNAMIC", "linear")
 
 
 # --------------------------------------------------------------------------- FlashRL profile

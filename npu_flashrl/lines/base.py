@@ -168,6 +168,12 @@ class StackLine:
         """The layer holds post-processed tensors (marked by the run-once guard)."""
         return bool(getattr(layer, "_npu_flashrl_processed", False))
 
+    def layerwise_reload_active(self, model) -> bool:
+        """vLLM's own layerwise reload of `model` is under way (begun, not yet finalized): what
+        `load_weights` gets meanwhile is vLLM's to load, not a weight sync. No layerwise reload
+        on this line."""
+        return False
+
     def commit_extras(self, layer) -> None:
         """After a new weight_scale was written: the copies vllm-ascend derives from it."""
         from npu_flashrl.lines import derived

@@ -58,6 +58,21 @@ class SchemeRegistryLine(StackLine):
         return bool(getattr(layer, "_npu_flashrl_processed", False)) and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
+    def layerwise_reload_active(self, model) -> bool:
+        """Between `initialize_layerwise_reload` and `finalize_layerwise_reload`: some layer of
+        the model still takes weights through vLLM's deferred loader (its reload info counts
+        toward a total; attention layers and padded ones until the finalize resets them)."""
+        try:
+            infos = importlib.import_module(
+                "vllm.model_executor.model_loader.reload.layerwise").LAYERWISE_INFO
+        except (ImportError, AttributeError):
+            return False
+        for module in model.modules():
+            info = infos.get(module)
+            if info is not None and info.can_load():
+                return True
+        return False
+
     def commit_moe_extras(self, layer) -> None:
         """The fp32 w13 scale, and with `enable_fused_mc2` the int64 bit patterns of both scales
         (`fused_w1_scale` / `fused_w2_scale`), derived with vllm-ascend's own converter."""

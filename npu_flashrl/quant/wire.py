@@ -4,7 +4,7 @@ With `wire: int8` in the FlashRL config entry, the trainer sends each projection
 decoder layers (attention q/k/v/o, MLP gate/up/down, and every MoE expert's gate/up/down) as
 vllm-ascend's W8A8_DYNAMIC checkpoint tensors instead of the trainer's bf16/fp32:
 
-    <prefix>.weight_scale  fp32 [out, 1]   (sent first)
+    <prefix>.weight_scale  fp32 [out, 1]   (sent first; the receiver takes either order)
     <prefix>.weight        int8 [out, in]
 
 computed by the same kernel, with the same compute dtype (the rollout model's), as the rollout's
@@ -81,8 +81,8 @@ def int8_wire(weights: Iterable[Tuple[str, torch.Tensor]], compute_dtype: torch.
                 del tensor
                 if stats is not None:
                     stats["bytes_out"] = stats.get("bytes_out", 0) + q.numel() + scale.numel() * 4
-                # the scale first: it is what tells the receiver an int8 weight follows (a float
-                # sync never sends a weight_scale), so an int8 tensor without one stays an error
+                # the scale first (the receiver pairs them in either order; a weight whose scale
+                # never comes is named at the end of the sync)
                 yield scale_name(name), scale
                 yield name, q
                 continue

@@ -3,10 +3,12 @@
 - `description`: which layers run vllm-ascend's W8A8 methods (bf16 / compressed-tensors
   checkpoints get an in-memory quant description).
 - `reload`: `Int8WeightLoader`, the model's quantizing `load_weights` (cold load and in-place sync),
-  `attach`, `end_weight_sync`; a sync is `sync.WeightSync` (begin / load / end; the model's
-  consistency across syncs is `sync.Consistency`), which checks each tensor (`validate`) and stages
-  dense and fused-MoE layers behind one interface (`staging`) into the layers found by `targets`
-  and `experts`.
+  `attach`, `end_weight_sync`; the loader is a sync's one lifecycle (begin / load / end; its state
+  `sync.SyncState`, the model's consistency across syncs `sync.Consistency`), which checks each
+  tensor (`validate`) and stages
+  (`staging`) into the layers each quantization scheme finds (`schemes/`: one module per
+  vllm-ascend scheme, registered by (quant type, layer type); `experts`: what every fused-MoE
+  layer shares; `wire`: the INT8 wire's receiver).
 - `hooks`: the bodies of the patches every line shares (redirect, override, attach-on-init).
 - `layout`: the installed line (`npu_flashrl.lines`): what differs per vllm-ascend release (patch
   targets, method classes, the run-once rule, the tensors W8A8 post-processing derives).

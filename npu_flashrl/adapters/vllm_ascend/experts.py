@@ -1,49 +1,20 @@
-"""In-place INT8 reload of vllm-ascend's W8A8_DYNAMIC fused-MoE experts (Qwen3-MoE and alike).
+"""What every fused-MoE layer shares, whatever its quantization scheme: its HF expert names
+(`expert_name_mapping`, `resolve_float_expert` for unquantized experts), its own weight loader
+without verl's NPU transpose wrapper (`checkpoint_layout_loader`), and the settings under which
+vllm-ascend keeps experts where an in-place reload would not reach (`refuse_unsupported`).
 
-The trainer pushes unfused HF names, `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`
-(server-mode verl unfuses transformers 5's packed experts before sending). vllm-ascend's
-`AscendW8A8DynamicFusedMoEMethod` holds one layer's experts as `w13_weight` [E, H, 2I] and
-`w2_weight` [E, I, H] int8 (transposed by its post-processing, NZ on the NPU) with per-channel
-scales `w13_weight_scale` [E, 2I] / `w2_weight_scale` [E, H] and the fp32 copy
-`w13_weight_scale_fp32`.
-
-This module finds those layers and the HF names that map into them (`ExpertTarget`); a sync
-stages and commits them like every other quantized layer (`staging.ExpertStaging`).
+The trainer pushes unfused HF names, `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`.
+The quantized fused-MoE layers a sync writes into are found and staged by their scheme
+(`schemes/w8a8_dynamic_moe.py`: `ExpertTarget`, `ExpertStaging`).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Optional, Tuple
 
-import torch
-
-from npu_flashrl import compat
 from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
-from npu_flashrl.adapters.vllm_ascend.targets import inner_method
 
 GATE_UP = "w13"
 DOWN = "w2"
-
-
-@dataclasses.dataclass
-class ExpertTarget:
-    """One fused-MoE layer and the HF expert names that map into it."""
-    path: str                                   # e.g. model.layers.0.mlp.experts
-    layer: torch.nn.Module
-    names: Dict[str, Tuple[int, str, str]]      # HF name -> (expert id, shard id w1/w2/w3, w13/w2)
-    local: FrozenSet[str]                       # the names this rank holds (all, without EP)
-    shapes: Dict[str, Tuple[int, int]]          # shard id -> full HF shape
-
-    def full_shape(self, name: str) -> Tuple[int, int]:
-        return self.shapes[self.names[name][1]]
-
-    def weight_device(self) -> torch.device:
-        return self.layer.w13_weight.device
-
-    def holds(self, name: str) -> bool:
-        """False for an expert another rank holds (expert parallel): checked, then dropped, as
-        vLLM's loader drops it."""
-        return name in self.local
 
 
 def refuse_unsupported(path: str, layer, scheme, physical: int, logical: int) -> None:
@@ -60,43 +31,6 @@ def refuse_unsupported(path: str, layer, scheme, physical: int, logical: int) ->
             f"{path}: {physical - logical} redundant expert slot(s) (num_redundant_experts / "
             "EPLB): a logical expert has several physical copies, which npu_flashrl's reload does "
             "not track; set num_redundant_experts=0 for INT8 rollouts")
-
-
-def find_expert_targets(model: torch.nn.Module) -> Dict[str, ExpertTarget]:
-    """Map every HF expert weight name to its W8A8_DYNAMIC fused-MoE layer (empty for a dense
-    model)."""
-    moe_cls = compat.moe_method_class()
-    layers = [(p, m) for p, m in model.named_modules() if isinstance(inner_method(m), moe_cls)]
-    if not layers:
-        return {}
-    mapping = getattr(model, "get_expert_mapping", None)
-    if mapping is None:
-        raise UnsupportedScheme(
-            f"{type(model).__name__}: has W8A8_DYNAMIC fused-MoE layers but no "
-            "get_expert_mapping(), so the HF names of its experts cannot be told")
-    entries = list(mapping())
-    targets: Dict[str, ExpertTarget] = {}
-    for path, layer in layers:
-        parent, _, leaf = path.rpartition(".")
-        names: Dict[str, Tuple[int, str, str]] = {}
-        physical = set()
-        for param_prefix, weight_prefix, expert_id, shard_id in entries:
-            if not param_prefix.startswith(leaf + "."):
-                continue
-            which = GATE_UP if param_prefix.endswith("w13_") else DOWN
-            names[f"{parent}.{weight_prefix}weight"] = (int(expert_id), shard_id, which)
-            physical.add(int(expert_id))
-        # the mapping lists physical slots; a name seen twice is a logical expert with copies
-        refuse_unsupported(path, layer, inner_method(layer), len(physical), len(names) // 3)
-        local = frozenset(n for n, (e, _, _) in names.items()
-                          if layer._map_global_expert_id_to_local_expert_id(e) != -1)
-        inter = int(layer.intermediate_size_per_partition) * int(layer.tp_size)
-        hidden = int(layer.hidden_size)
-        t = ExpertTarget(path, layer, names, local,
-                         {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)})
-        for name in names:
-            targets[name] = t
-    return targets
 
 
 def expert_name_mapping(model) -> Tuple[Tuple[str, str], ...]:

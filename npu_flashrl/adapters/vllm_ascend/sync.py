@@ -1,8 +1,10 @@
-"""A weight sync as an object with a lifecycle, as vLLM's `model_loader/reload/` has one
-(initialize / load / finalize): `WeightSync` begins with the first `load_weights` after the
-previous sync ended, takes any number of `load(weights)` calls in any split and order, and
-`end()`s once. The model's consistency across syncs (weights of two syncs => refuse to generate
-until a complete sync) is `Consistency`, the one place that marks, refuses and lifts.
+"""The state of a weight sync and of the model across syncs.
+
+A sync (`Int8WeightLoader`, `reload.py`: one lifecycle, as vLLM's `model_loader/reload/` has one:
+begin / load / end) begins with the first `load_weights` after the previous sync ended, takes any
+number of calls in any split and order, and ends once (`end_weight_sync`). What it holds meanwhile
+is one `SyncState`; the model's consistency across syncs (weights of two syncs => refuse to
+generate until a complete sync) is `Consistency`, the one place that marks, refuses and lifts.
 
 Completeness is the rule: the end of a sync names every quantized layer and float parameter that
 did not arrive since the last complete sync, and refuses it; layers that did arrive hold new
@@ -15,13 +17,12 @@ and the exception propagates unchanged.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Set, Tuple
+import dataclasses
+from typing import Dict, List, Optional, Set
 
 import torch
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.adapters.vllm_ascend import layout as _layout
-from npu_flashrl.adapters.vllm_ascend.experts import ExpertTarget
 from npu_flashrl.adapters.vllm_ascend.staging import StagingArea
 from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
 from npu_flashrl.quant import WeightSyncError
@@ -64,11 +65,11 @@ class Consistency:
                               f"({self.reason}); run a complete sync before generating")
 
 
-def _names(items: List[str], n: int = 8) -> str:
+def short_list(items: List[str], n: int = 8) -> str:
     return f"{items[:n]}{' ...' if len(items) > n else ''}"
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """What a sync's failure is called: a refusal's own message; an interruption by its type."""
     text = str(exc)
     if isinstance(exc, Exception):
@@ -76,204 +77,16 @@ def _reason(exc: BaseException) -> str:
     return f"interrupted by {type(exc).__name__}{': ' + text if text else ''}"
 
 
-class WeightSync:
-    """One sync into a processed INT8 model (`loader`: its `Int8WeightLoader`).
-
-    What a failed sync leaves: a list/dict call is checked whole (form, names, shapes, dtypes,
-    NaN/Inf in the rollout dtype, profile entries) before anything of it is written. A streamed
-    call (generator) is checked item by item; if it fails after something of the sync was
-    written, the model holds weights of two syncs: it is marked inconsistent, `end` raises
-    saying so, and the model's forward raises until a complete sync (every parameter, no
-    failure) ends cleanly.
-    """
-
-    def __init__(self, loader):
-        self.loader = loader
-        self.staged = StagingArea()
-        self.wire = WireReceiver(loader)    # INT8-wire pairs not yet complete (wire.py)
-        self.failure: Optional[str] = None  # the first error of this sync
-        self.wrote = False                  # something of this sync reached the live weights
-        self.layers: Set[str] = set()       # quantized layers committed
-        self.floats: Set[str] = set()       # float parameters written (resolved names)
-        self.items = 0                      # (name, tensor) items pushed
-
-    # ------------------------------------------------------------------ load
-    def load(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
-        loader = self.loader
-        validator = loader.validator
-        if isinstance(weights, dict):
-            weights = list(weights.items())
-        checked = isinstance(weights, (list, tuple))
-        loaded: Set[str] = set()
-        buffer: List[Tuple[str, torch.Tensor]] = []
-        buffered = 0
-        limit = loader.passthrough_buffer_bytes
-        seen: dict = {}
-        try:
-            if checked:
-                # refuse a bad call before writing anything of it
-                weights = [validator.item(i, w) for i, w in enumerate(weights)]
-                scales: set = set()  # wire weights whose scale came earlier in this call
-                for i, (name, tensor) in enumerate(weights):
-                    validator.once(name, i, seen)
-                    wired = self.wire.weight_of(name, tensor, scales)
-                    if wired is None:
-                        validator.check(name, tensor, loader.quantizer)
-                    else:
-                        self.wire.validate(name, wired, tensor)
-                        scales.add(wired)
-            for i, item in enumerate(weights):
-                name, tensor = item if checked else validator.item(i, item)
-                self.items += 1
-                wired = self.wire.weight_of(name, tensor)
-                if wired is not None:  # INT8 wire: pre-quantized on the trainer (wire.py)
-                    if not checked:
-                        validator.once(name, i, seen)
-                        self.wire.validate(name, wired, tensor)
-                    loaded |= self._take_wire(name, wired, tensor, borrowed=checked)
-                    continue
-                target = validator.target(name)
-                if not checked:
-                    validator.once(name, i, seen)
-                    # streamed: the quantizer finds NaN/Inf in projections during its own pass
-                    validator.check(name, tensor, loader.quantizer, values=target is None)
-                if target is not None:
-                    if self._stage(target, name, tensor):
-                        loaded.add(name)
-                    continue
-                size = tensor.numel() * tensor.element_size()
-                if buffer and buffered + size > limit:
-                    loaded |= self._flush(buffer)
-                    buffered = 0
-                buffer.append((name, loader.quantizer.transform(name, tensor)))
-                buffered += size
-                del tensor, item  # the buffer holds the only reference we keep
-                if buffered >= limit:
-                    loaded |= self._flush(buffer)
-                    buffered = 0
-            if buffer:
-                loaded |= self._flush(buffer)
-            self.wire.keep()
-        except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
-            self.fail(exc)
-            raise
-        return loaded
-
-    def _stage(self, target, name: str, tensor: torch.Tensor) -> bool:
-        """Quantize and stage one shard; commit its layer once every shard this rank holds
-        arrived. False for an expert this rank does not hold (checked, then dropped)."""
-        if not target.holds(name):
-            return False
-        q, scale = self.loader.quantize(name, tensor)
-        return self.stage_quantized(target, name, q, scale)
-
-    def stage_quantized(self, target, name: str, q: torch.Tensor,
-                        scale: Optional[torch.Tensor]) -> bool:
-        """Stage one shard already quantized (int8 [out, in], fp32 scale [out] or None: keep the
-        scales), the float path's quantizer output or the INT8 wire's pair; commit its layer once
-        every shard this rank holds arrived. False for an expert this rank does not hold."""
-        if not target.holds(name):
-            return False
-        if scale is None and isinstance(target, ExpertTarget):
-            # the profile quantizer keeps scales: refused at attach for MoE
-            raise WeightSyncError(f"{name}: {self.loader.quantizer.name} gives no expert scales")
-        done = self.staged.stage(target, name, q, scale)
-        if done is not None:
-            self.wrote = True
-            self.layers.add(target.path)
-            done.commit()
-        return True
-
-    def _take_wire(self, name: str, weight_name: str, tensor: torch.Tensor,
-                   borrowed: bool) -> Set[str]:
-        """One INT8-wire tensor: its projection is staged once its int8 and scale both arrived."""
-        loaded, pair = self.wire.take(name, weight_name, tensor, borrowed)
-        if pair is not None:
-            target = self.loader.validator.target(weight_name)
-            if not self.stage_quantized(target, weight_name, *pair):
-                return set()  # an expert another rank holds: checked, then dropped
-        return loaded
-
-    def _flush(self, buffer: List[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Write buffered non-projection tensors through vLLM's loaders and empty the buffer."""
-        names = [n for n, _ in buffer]
-        self.wrote = True
-        try:
-            loaded = self.loader._original(iter(buffer))
-        except AssertionError as exc:  # validated above; a loader's own rule we could not see
-            raise WeightSyncError(f"{names[0] if len(names) == 1 else names}: does not fit the "
-                                  f"rollout model ({str(exc) or 'a vLLM weight loader assertion'})") from None
-        finally:
-            buffer.clear()
-        self.floats.update(r for r in map(self.loader.validator.resolve, names) if r)
-        self._refresh_static_biases(names)
-        return set(loaded) if loaded is not None else set(names)
-
-    def _refresh_static_biases(self, names) -> None:
-        """A static W8A8 layer computes with quant_bias, not bias: re-fold after a bias update."""
-        for name in names:
-            if name.endswith(".bias"):
-                target = self.loader.targets.get(name[: -len("bias")] + "weight")
-                if target is not None and target.static:
-                    _layout.current().refresh_static(target.layer)
-
-    def fail(self, exc: BaseException) -> None:
-        """A load of this sync raised: its staged (uncommitted) layers are dropped and keep their
-        previous weights; anything already written makes the model inconsistent."""
-        self.staged.drop()
-        self.wire.drop()
-        if self.failure is None:
-            self.failure = _reason(exc)
-        if self.wrote:
-            self.loader.consistency.mark(_reason(exc))
-
-    # ------------------------------------------------------------------ end
-    def not_arrived(self) -> List[str]:
-        """Every quantized layer and float parameter that no sync wrote since the model last held
-        one complete set of weights (this one included), as HF names where they have one."""
-        loader, c = self.loader, self.loader.consistency
-        layers = loader.required_layers - c.layers - self.layers
-        floats = loader.required_floats - c.floats - self.floats
-        return loader.names_of(layers, floats)
-
-    def end(self, partial: bool = False) -> List[str]:
-        """End this sync: [] when it is complete (or declared `partial` and clean); otherwise a
-        WeightSyncError naming what failed or never arrived, saying whether the model holds
-        weights of two syncs (then it refuses to generate until a complete sync)."""
-        consistency = self.loader.consistency
-        missing = self.staged.missing() + self.wire.missing()
-        self.staged.drop()
-        self.wire.drop()
-        failure, empty = self.failure, self.items == 0 and self.failure is None
-        if failure is None and missing:
-            failure = (f"{len(missing)} shard(s) {'never arrived' if self.wrote else 'missing'}: "
-                       f"{_names(missing)}")
-        elif failure is None and empty:
-            if partial:
-                logger.warning("npu_flashrl: a partial weight sync ended with nothing arrived "
-                               "(no load_weights call, or only empty ones); the model keeps its "
-                               "previous weights")
-                return []
-            failure = ("nothing arrived (no load_weights call, or only empty ones) since the "
-                       "last end of a sync")
-        elif failure is None and not partial:
-            gone = self.not_arrived()
-            if gone:
-                failure = (f"{len(gone)} tensor(s) never arrived since the last complete sync: "
-                           f"{_names(gone, 16)} (a partial sync on purpose is declared: "
-                           "end_weight_sync(model, partial=True))")
-        if failure is not None:
-            if self.wrote:  # what arrived holds new weights, the rest old ones
-                consistency.mark(failure)
-            tail = ("the model holds weights of two syncs and refuses to generate until a "
-                    "complete sync succeeds" if consistency.reason is not None
-                    else "nothing of it was written; the model keeps its previous weights")
-            raise WeightSyncError(f"weight sync failed: {failure}; {tail}")
-        consistency.layers |= self.layers
-        consistency.floats |= self.floats
-        if not self.not_arrived():
-            if consistency.reason is not None:
-                logger.info("npu_flashrl: a complete weight sync replaced the mixed weights; the "
-                            "model generates again")
-            consistency.clear()
-        return []
+@dataclasses.dataclass
+class SyncState:
+    """What one weight sync holds, from the first `load_weights` call after the previous sync
+    ended to its end (`Int8WeightLoader.end_sync`); a new one per sync."""
+    wire: WireReceiver                  # INT8-wire pairs not yet complete (wire.py)
+    staged: StagingArea = dataclasses.field(default_factory=StagingArea)
+    failure: Optional[str] = None       # the first error of this sync
+    wrote: bool = False                 # something of this sync reached the live weights
+    layers: Set[str] = dataclasses.field(default_factory=set)   # quantized layers committed
+    floats: Set[str] = dataclasses.field(default_factory=set)   # float parameters written (resolved)
+    items: int = 0                      # (name, tensor) items pushed
+    calls: int = 0                      # load calls of this sync
+    names: Dict[str, int] = dataclasses.field(default_factory=dict)  # name -> the call that brought it

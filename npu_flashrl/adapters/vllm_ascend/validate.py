@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from npu_flashrl.adapters.vllm_ascend import experts as _experts
-from npu_flashrl.adapters.vllm_ascend.targets import LinearTarget
+from npu_flashrl.adapters.vllm_ascend.schemes import ExpertTarget, LinearTarget
 from npu_flashrl.quant import WeightSyncError
 
 
@@ -17,7 +17,7 @@ class Validator:
     """The rules of one rollout model (its parameters, quantized targets and fused-MoE experts)."""
 
     def __init__(self, model: torch.nn.Module, targets: Dict[str, LinearTarget],
-                 experts: Dict[str, "_experts.ExpertTarget"]):
+                 experts: Dict[str, "ExpertTarget"]):
         self.model = model
         self.targets = targets
         self.experts = experts

@@ -2,16 +2,20 @@
 
 The trainer (`npu_flashrl.quant.wire`) sends a projection as `<p>.weight` int8 [out, in] and
 `<p>.weight_scale` fp32 [out, 1], quantized by the rollout's own kernel and compute dtype. Every
-sync (`sync.WeightSync`) holds one `WireReceiver`, which it asks about every tensor:
+sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tensor:
 
 - `weight_of(name, tensor)`: the projection weight a tensor belongs to when it is a wire tensor
   (an int8 projection weight, or a projection's `weight_scale` / `weight_offset`), else None;
 - `validate(...)`: refuse it by name before anything is written (dtype, shape, a NaN / Inf / <= 0
-  scale, a non-zero offset, a loader whose quantizer keeps its own scales);
-- `take(...)`: hold a weight until its scale arrived (or the other way round; they may come in
-  different buckets) and return the complete pair, which the sync hands to its staging as a float
-  sync's quantized shard (`WeightSync.stage_quantized`): the same staging buffers, the same
-  per-layer commit, the same derived tensors, only without quantizing again.
+  scale, a scale neither float32 nor the rollout's dtype, a non-zero offset, a loader whose
+  quantizer keeps its own scales);
+- `check_pair(...)`: refuse a complete pair the rollout would compute Inf / NaN with (a finite,
+  positive, absurd scale: its dequantized values must be finite in the rollout's dtype);
+- `take(...)`: hold a weight until its scale arrived or a scale until its weight (either order:
+  another sender or checkpoint engine may reorder, and they may come in different buckets) and
+  return the complete pair, which the sync hands to its staging as a float sync's quantized shard
+  (`Int8WeightLoader.stage_quantized`): the same staging buffers, the same per-layer commit, the same
+  derived tensors, only without quantizing again.
 
 A pair still incomplete at the end of the sync is a missing shard (`missing`): the end of the
 sync names it and drops it, and a failed call drops it with everything else staged (`drop`).
@@ -27,6 +31,10 @@ from npu_flashrl.quant.wire import OFFSET_SUFFIX, SCALE_SUFFIX, scale_name
 
 # the only quantizer whose scales the trainer can reproduce (fresh absmax/127 per row)
 WIRE_FN = "int8_profile_free"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 class WirePair:
@@ -71,26 +79,25 @@ class WireReceiver:
     def _layer(self, weight_name: str):
         return self.loader.targets.get(weight_name) or self.loader.experts.get(weight_name)
 
-    def weight_of(self, name: str, tensor, scales_seen=()) -> Optional[str]:
+    def weight_of(self, name: str, tensor) -> Optional[str]:
         """The projection weight `name` is a wire tensor of, or None (a float-wire tensor). An
-        int8 projection weight is wire data only after its scale (sent first: pending from an
-        earlier call, or in `scales_seen` earlier in this call); without one it is refused naming
-        both, as a float sync's stray int8 tensor."""
+        int8 projection weight is wire data whichever half of its pair comes first; one whose
+        scale never comes is named at the end of the sync."""
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             return None
         if tensor.dtype == torch.int8 and self._layer(name) is not None:
-            if name in self._pairs or name in scales_seen:
-                return name
-            raise WeightSyncError(
-                f"{name}: got int8 without its {scale_name(name)} before it; a float sync sends "
-                "floating-point (bf16/fp16/fp32) tensors to quantize online, the INT8 wire sends "
-                "each projection's weight_scale and then its int8 weight")
+            return name
         for suffix in (SCALE_SUFFIX, OFFSET_SUFFIX):
             if name.endswith("." + suffix):
                 weight = name[: -len(suffix)] + "weight"
                 if self._layer(weight) is not None:
                     return weight
         return None
+
+    def held(self, weight_name: str) -> List[Optional[torch.Tensor]]:
+        """[int8, scale] of `weight_name` held from earlier calls of this sync (None: not yet)."""
+        pair = self._pairs.get(weight_name)
+        return [None, None] if pair is None else [pair.q, pair.scale]
 
     def validate(self, name: str, weight_name: str, tensor: torch.Tensor) -> None:
         quantizer = self.loader.quantizer
@@ -100,7 +107,12 @@ class WireReceiver:
                 f"{getattr(quantizer, 'name', '?')!r}; the INT8 wire carries fresh per-channel "
                 f"scales and needs fn '{WIRE_FN}' (FlashRL's `int8` profile scales live on the rollout "
                 "only). Drop `wire: int8` from the FlashRL config entry or use fn int8_profile_free")
-        out = tuple(self._layer(weight_name).full_shape(weight_name))
+        layer = self._layer(weight_name)
+        if layer.scheme.wire is None:
+            raise WeightSyncError(
+                f"{name}: {layer.path} runs vllm-ascend {layer.scheme.quant_type}, which has no "
+                "INT8 wire format; send its float weights (drop `wire: int8`)")
+        out = tuple(layer.full_shape(weight_name))
         if name == weight_name:
             if tuple(tensor.shape) != out:
                 raise WeightSyncError(f"{name}: expected int8 shape {out}, got {tuple(tensor.shape)}")
@@ -116,6 +128,13 @@ class WireReceiver:
                 raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
                                       "(W8A8_DYNAMIC offsets are zero)")
             return
+        dtype = quantizer.compute_dtype
+        if tensor.dtype not in (torch.float32, dtype):
+            # another float type would be rounded twice on the way to the rollout's dtype
+            raise WeightSyncError(
+                f"{name}: expected a float32 or {_short(dtype)} (the rollout's dtype) scale, got "
+                f"{_short(tensor.dtype)}; send the scales the quantizer computed (float32) "
+                "without casting them")
         if tensor.numel():
             lo, hi = torch.aminmax(tensor.float())
             if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
@@ -123,11 +142,33 @@ class WireReceiver:
             if float(lo) <= 0:
                 raise WeightSyncError(f"{name}: scales must be > 0, got min {float(lo)}; refusing the sync")
 
-    def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool
+    def check_pair(self, weight_name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Refuse a pair the rollout would compute Inf / NaN with: every row's scale, and the
+        scale times the row's largest int8 magnitude (what dequantizing gives), must be finite in
+        the rollout's dtype (a finite, positive 1e38 passes `validate` and overflows here)."""
+        if not q.numel():
+            return
+        dtype = self.loader.quantizer.compute_dtype
+        s = scale.reshape(-1).float()
+        lo, hi = torch.aminmax(q, dim=1)
+        absmax = torch.maximum(hi.float(), -lo.float())
+        deq = absmax * s
+        bad = ~(torch.isfinite(deq.to(dtype)) & torch.isfinite(s.to(dtype)))
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise WeightSyncError(
+                f"{scale_name(weight_name)}: row {row}'s scale {float(s[row]):g} times the "
+                f"largest int8 magnitude of {weight_name} in that row ({int(absmax[row])}) is "
+                f"{float(deq[row]):g}, not finite in {_short(dtype)} (the rollout's dtype): the "
+                "rollout would compute Inf / NaN with it; refusing the sync")
+
+    def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool,
+             pair_checked: bool = False
              ) -> Tuple[Set[str], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
         """Take one wire tensor: (the names loaded, the projection's (int8, fp32 scale [out]) once
         both are here, else None). `borrowed`: the tensor is a view the caller reuses after this
-        call (kept past the call only through `keep`)."""
+        call (kept past the call only through `keep`). `pair_checked`: a pair it completes was
+        checked already (`check_pair`, by a list call before anything of it was written)."""
         if name.endswith("." + OFFSET_SUFFIX):
             return {name}, None  # validated zero; the commit zeroes the live offset
         pair = self._pairs.get(weight_name)
@@ -140,6 +181,8 @@ class WireReceiver:
             pair.borrowed = pair.borrowed or borrowed
         if pair.q is None or pair.scale is None:
             return {name}, None
+        if not pair_checked:
+            self.check_pair(weight_name, pair.q, pair.scale)
         del self._pairs[weight_name]
         return {weight_name, scale_name(weight_name)}, (pair.q, pair.scale.reshape(-1).float())
 
@@ -150,6 +193,10 @@ class WireReceiver:
 
     def missing(self) -> List[str]:
         return [n for pair in self._pairs.values() for n in pair.missing()]
+
+    def arrived_halves(self) -> List[str]:
+        """The halves that came of the pairs still incomplete."""
+        return [n for w, p in self._pairs.items() for n in sorted({w, scale_name(w)} - set(p.missing()))]
 
     def received(self) -> Dict[str, List[str]]:
         return {w: sorted({w, scale_name(w)} - set(p.missing())) for w, p in self._pairs.items()}
