@@ -222,3 +222,56 @@ def print_variants(results, width=36):
     if "d/b" in ratios:
         print(f"d/b = {ratios['d/b']:.2f}")
     return ratios
+
+
+# --------------------------------------------------------------------------- harness
+
+def check_positive(ap, args, *names, allow_zero=()):
+    """Refuse a non-positive count by its flag (`--layers 0` ran the default before, `--repeats 0`
+    printed inf/nan) and a thread count past what torch can start (`--threads 100000` crashed)."""
+    import os
+
+    for name in names:
+        v = getattr(args, name)
+        if v is None:
+            continue
+        low = 0 if name in allow_zero else 1
+        if v < low:
+            ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
+    threads = getattr(args, "threads", None)
+    cpus = os.cpu_count() or 1
+    if threads is not None and not 1 <= threads <= 4 * cpus:
+        ap.error(f"--threads must be between 1 and {4 * cpus} (4x this machine's {cpus} CPUs), "
+                 f"got {threads}")
+
+
+def median_spread(xs):
+    """(median, min, max) of repeated measurements."""
+    s = sorted(xs)
+    n = len(s)
+    med = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    return med, s[0], s[-1]
+
+
+def fmt_spread(xs, digits=3):
+    med, lo, hi = median_spread(xs)
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def load_line(when):
+    import os
+
+    return f"machine load ({when}): {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs"
+
+
+def counted(fn):
+    """`fn()` under `npu_flashrl.sim.costs.CostCounter`: its machine-independent costs."""
+    from npu_flashrl.sim.costs import CostCounter
+
+    with CostCounter() as c:
+        fn()
+    return c.costs
+
+
+def verdict(ok):
+    return "met" if ok else "NOT met"

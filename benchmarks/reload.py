@@ -9,7 +9,12 @@ benchmarks/_reload_moe.py), CPU with emulated torch_npu, side by side:
       the model's vLLM `load_weights` / `finalize_layerwise_reload`) fed the checkpoint-format
       int8 + weight_scale + weight_offset that the same kernel produces, as a user would have to
 
-Prints seconds and peak extra heap memory of each (glibc mallinfo2, sampled), the ratios
+Prints seconds (best of `--repeats`) and peak extra heap memory of each (glibc mallinfo2,
+sampled), then each variant's machine-independent costs of one more sync (dense mode;
+`npu_flashrl.sim.costs`: operator launches, bytes read + written, bytes allocated and their peak)
+with the lines `traffic flashrl-style / in-place = Z` (c/b, target >= 2.5),
+`traffic layerwise / in-place = W` (d/b, target > 1) and `launches flashrl-style / in-place = V`
+(c/b, target >= 2.5), each marked target met / NOT met; then the ratios
 b/a, c/a, c/b (and d/b), and the quantization kernel's throughput next to this machine's plain
 copy bandwidth measured in the same run. Then the peak extra memory of one full streamed sync of fp32
 masters (embedding and lm_head included) next to its target: one fused layer's bf16 weights plus
@@ -18,12 +23,14 @@ the largest single non-projection tensor (dense mode only).
     .venv/bin/python benchmarks/reload.py --layers 4 --repeats 2
     .venv/bin/python benchmarks/reload.py --moe              # 2 layers of Qwen3-30B-A3B shapes
     .venv/bin/python benchmarks/reload.py --moe --tiny --repeats 1   # smoke run, seconds
+    .venv/bin/python benchmarks/reload.py --tiny --layers 1 --repeats 1 --fp32-vocab 0  # dense smoke
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -35,15 +42,17 @@ import torch  # noqa: E402
 
 # the shared pieces sit next to this script (it is run as a file, not imported as a package)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reload_common import (PeakMemory, flashrl_style_reload, has_layerwise_reload,  # noqa: E402
-                            kernel_throughput, print_throughput, print_variants, same_state,
-                            timed, vllm_layerwise_reload)
+from _reload_common import (PeakMemory, check_positive, counted, flashrl_style_reload,  # noqa: E402
+                            has_layerwise_reload, kernel_throughput, load_line, print_throughput,
+                            print_variants, same_state, timed, verdict, vllm_layerwise_reload)
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=1024, max_position_embeddings=4096,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
                  hidden_act="silu", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                  torch_dtype="bfloat16")
+# --tiny (dense): the same architecture at hidden 256, for a smoke run and the cost tests
+TINY_DENSE = dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2)
 
 
 # --------------------------------------------------------------------------- weights
@@ -91,6 +100,16 @@ def streamed_fp32_sync(cfg, weights, args):
     head = (torch.randn(args.fp32_vocab, h, generator=g) * 0.02).to(torch.bfloat16)
     # make_weights order: embedding first, lm_head last; the decoder layers are shared
     bf16 = [("model.embed_tokens.weight", emb)] + weights[1:-1] + [("lm_head.weight", head)]
+    try:
+        floats, peak = _streamed(model_dir, bf16, cpu_vllm, vllm_ascend)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    layer_bf16 = 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"]
+    return {"peak": peak, "target": layer_bf16 + max(floats), "largest": max(floats),
+            "all_float": sum(floats), "vocab": args.fp32_vocab}
+
+
+def _streamed(model_dir, bf16, cpu_vllm, vllm_ascend):
     with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy",
                           choice=cpu_vllm.int8()) as v:
         m = v.model
@@ -104,9 +123,39 @@ def streamed_fp32_sync(cfg, weights, args):
         with PeakMemory() as mem:
             m.load_weights(stream())
             vllm_ascend.end_weight_sync(m)
-    layer_bf16 = 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"]
-    return {"peak": mem.extra, "target": layer_bf16 + max(floats), "largest": max(floats),
-            "all_float": sum(floats), "vocab": args.fp32_vocab}
+    return floats, mem.extra
+
+
+def print_costs(costs, weight_bytes):
+    """Each variant's counted costs of one sync and the ratio lines against (b); returns them."""
+    from _reload_common import LABELS
+
+    print(f"\nmachine-independent costs of one sync ({weight_bytes / 2**20:.1f} MB of bf16 weights; "
+          f"limit: each weight byte read once, its int8 written once):")
+    print(f"{'variant':<36}{'launches':>10}{'read MB':>10}{'written MB':>11}{'alloc MB':>10}"
+          f"{'peak MB':>9}")
+    for k, c in sorted(costs.items()):
+        print(f"{k}) {LABELS[k]:<33}{c.launches:>10}{c.read_bytes / 2**20:>10.1f}"
+              f"{c.written_bytes / 2**20:>11.1f}{c.allocated_bytes / 2**20:>10.1f}"
+              f"{c.peak_extra_bytes / 2**20:>9.1f}")
+    b = costs["b"]
+    out = {"traffic_c_b": costs["c"].traffic_bytes / b.traffic_bytes,
+           "launches_c_b": costs["c"].launches / b.launches}
+    print(f"traffic flashrl-style / in-place = {out['traffic_c_b']:.2f} "
+          f"(target >= 2.5: {verdict(out['traffic_c_b'] >= 2.5)})")
+    if "d" in costs:
+        out["traffic_d_b"] = costs["d"].traffic_bytes / b.traffic_bytes
+        out["launches_d_b"] = costs["d"].launches / b.launches
+        print(f"traffic layerwise / in-place = {out['traffic_d_b']:.2f} "
+              f"(target > 1: {verdict(out['traffic_d_b'] > 1)})")
+    else:
+        print("traffic layerwise / in-place = - (this vLLM has no layerwise reload)")
+    print(f"launches flashrl-style / in-place = {out['launches_c_b']:.2f} "
+          f"(target >= 2.5: {verdict(out['launches_c_b'] >= 2.5)})")
+    if "d" in costs:
+        print(f"launches layerwise / in-place = {out['launches_d_b']:.2f} "
+              f"(target > 1: {verdict(out['launches_d_b'] > 1)})")
+    return out
 
 
 def main(argv=None):
@@ -114,7 +163,8 @@ def main(argv=None):
     ap.add_argument("--moe", action="store_true",
                     help="Qwen3-30B-A3B layer shapes (fused-MoE experts) instead of Qwen2.5-7B")
     ap.add_argument("--tiny", action="store_true",
-                    help="with --moe: a tiny Qwen3-MoE (8 experts, hidden 256) for a smoke run")
+                    help="a tiny model of the same architecture (hidden 256; with --moe 8 experts) "
+                         "for a smoke run")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers (default: 4 of Qwen2.5-7B shape, 2 with --moe)")
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each variant")
@@ -127,8 +177,10 @@ def main(argv=None):
                          "(dense mode only)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    if args.tiny and not args.moe:
-        ap.error("--tiny needs --moe (the dense mode's size is --layers)")
+    check_positive(ap, args, "layers", "repeats", "threads", "fp32_vocab", allow_zero=("fp32_vocab",))
+    if args.moe and args.fp32_vocab != ap.get_default("fp32_vocab"):
+        ap.error("--fp32-vocab applies to the dense mode only (the streamed fp32 sync), not --moe")
+    print(load_line("start"), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -142,24 +194,35 @@ def main(argv=None):
     if args.moe:
         import _reload_moe
 
-        return _reload_moe.run(args)
-    return run_dense(args, vllm_ascend, cpu_vllm)
+        rc = _reload_moe.run(args)
+    else:
+        rc = run_dense(args, vllm_ascend, cpu_vllm)
+    print(load_line("end"), flush=True)
+    return rc
 
 
 def run_dense(args, vllm_ascend, cpu_vllm):
     layers = args.layers or 4
-    cfg = dict(QWEN25_7B, num_hidden_layers=layers)
+    cfg = dict(QWEN25_7B, num_hidden_layers=layers, **(TINY_DENSE if args.tiny else {}))
     model_dir = tempfile.mkdtemp(prefix="npu_flashrl_bench_")
+    try:
+        return _run_dense(args, vllm_ascend, cpu_vllm, cfg, layers, model_dir)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _run_dense(args, vllm_ascend, cpu_vllm, cfg, layers, model_dir):
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     weights = make_weights(cfg, layers)
-    print(f"Qwen2.5-7B shapes, {layers} decoder layers: {nbytes(weights) / 1e9:.2f} GB of bf16 "
+    print(f"Qwen2.5-7B {'(tiny) ' if args.tiny else ''}shapes, {layers} decoder layers: {nbytes(weights) / 1e9:.2f} GB of bf16 "
           f"weights per sync; torch threads={torch.get_num_threads()}")
     layer_bf16 = 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"]  # gate_up, the largest fused layer
 
-    results = {}
+    results, costs = {}, {}
     with cpu_vllm.CpuVllm(model_dir, quantization=None, load_format="dummy") as v:
         results["a"] = timed(lambda: v.model.load_weights(iter(weights)), args.repeats)
+        costs["a"] = counted(lambda: v.model.load_weights(iter(weights)))
     with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy",
                           choice=cpu_vllm.int8()) as v:
         m = v.model
@@ -170,17 +233,21 @@ def run_dense(args, vllm_ascend, cpu_vllm):
             vllm_ascend.end_weight_sync(m)
 
         results["b"] = timed(ours, args.repeats)
+        costs["b"] = counted(ours)
         state_b = {n: p.detach().clone() for n, p in m.named_parameters()}
         ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
         results["c"] = timed(lambda: flashrl_style_reload(m, iter(weights)), args.repeats)
+        costs["c"] = counted(lambda: flashrl_style_reload(m, iter(weights)))
         same, kept = same_state(m, state_b, ptrs)
         if has_layerwise_reload():
             results["d"] = timed(lambda: vllm_layerwise_reload(m, weights), args.repeats)
+            costs["d"] = counted(lambda: vllm_layerwise_reload(m, weights))
             same_d, kept_d = same_state(m, state_b, ptrs)
     del m, v
     fp32 = streamed_fp32_sync(cfg, weights, args) if args.fp32_vocab else None
 
     ratios = print_variants(results)
+    count_ratios = print_costs(costs, nbytes(weights))
     print(f"peak extra memory: b = {results['b'][1] / 2**20:.0f} MB vs one fused layer's bf16 weights "
           f"(gate_up) = {layer_bf16 / 2**20:.0f} MB; c = {results['c'][1] / 2**20:.0f} MB")
     print(f"(b) and (c) give the same INT8 state: {same}; (c) keeps data pointers: {kept}")
@@ -203,6 +270,9 @@ def run_dense(args, vllm_ascend, cpu_vllm):
             json.dump({"seconds": {k: v[0] for k, v in results.items()},
                        "peak_extra_bytes": {k: v[1] for k, v in results.items()},
                        "ratios": ratios, "throughput_GBps": tp,
+                       "counts": {k: dict(c.as_dict(), by_op=dict(c.by_op), bytes_by_op=dict(c.bytes_by_op))
+                                  for k, c in costs.items()},
+                       "count_ratios": count_ratios, "weight_bytes": nbytes(weights),
                        "streamed_fp32_sync": fp32}, f, indent=1)
     return 0
 

@@ -13,9 +13,22 @@ One run, four variants side by side, each through two transports:
   ce:  the gloo checkpoint engine (`npu_flashrl.sim.gloo_checkpoint_engine`, the CPU stand-in
        for HCCL) from a trainer process to this one, verl's `split/merge_weight_chunks`
 
-For each: seconds of trainer-side quantization, transfer and receiver, bytes on the wire and the
-receiver's peak extra heap, then the ratio lines `bytes bf16/int8 = `, `receiver b/c = `,
-`layerwise/in-place = ` (d/c) and `end-to-end b/c = `.
+For each: seconds of trainer-side quantization, transfer and receiver (median of `--repeats`
+syncs, [min-max]), bytes on the wire and the receiver's peak extra heap, then the ratio lines
+`bytes bf16/int8 = `, `receiver b/c = `, `layerwise/in-place = ` (d/c) and `end-to-end b/c = `.
+
+Then the receiver's machine-independent costs of one more sync of each (`npu_flashrl.sim.costs`:
+operator launches, bytes read + written, bytes allocated and their peak), next to the limit
+(each wire byte read once and written once into the live layer; the INT8 wire carries int8 plus
+one scale per row) and the anchor ((d), vLLM's layerwise reload), and per transport the lines
+`receiver traffic / limit = X` ((c)'s traffic over the limit; target <= 1.5) and
+`peak extra in-place / layerwise = Y` ((c)'s counted peak over (d)'s; target < 1), each with
+`target met` / `target NOT met`.
+
+Harness: one trainer process per transport for all syncs (verl's BucketedWeightSender over shared
+memory; `benchmarks/_ce_trainer.py` for the checkpoint engine), started before and ended after
+every measured receive, with the receiver's torch threads; the machine's load printed at start
+and end; the temporary weight files and shared-memory segments removed at the end.
 
     .venv/bin/python benchmarks/sync.py --layers 2
     .venv/bin/python benchmarks/sync.py --tiny          # smoke run (hidden 256), seconds
@@ -25,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,7 +51,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reload_common import PeakMemory, has_layerwise_reload  # noqa: E402
+from _reload_common import (PeakMemory, check_positive, fmt_spread, has_layerwise_reload,  # noqa: E402
+                            load_line, median_spread, verdict)
 from reload import QWEN25_7B, make_weights  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,8 +61,10 @@ LABELS = {"a": "bf16 wire -> bf16 rollout", "b": "bf16 wire -> INT8 rollout",
 TINY = dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2)
 
 
-def _env():
+def _env(threads=None):
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # the trainer's torch threads, as the receiver's
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env["VLLM_PLUGINS"] = "none"
     env.pop("FLASHRL_CONFIG", None)
@@ -110,14 +127,50 @@ class Rollout:
         self.v.__exit__(None, None, None)
 
 
-def sync_shm(rollout, path, bucket_bytes, sender):
+def _untrack_attached_segments():
+    """verl's receiver attaches to the sender's shared-memory segments; Python < 3.13 registers an
+    attached segment with this process's resource tracker too, which then warns at exit about
+    segments the sender already unlinked. The sender owns them: unregister on attach."""
+    import importlib
+    from multiprocessing import resource_tracker
+
+    mod = importlib.import_module("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer")
+    original = mod.rebuild_shared_memory
+    if getattr(original, "_npu_flashrl_bench", False):
+        return
+
+    def rebuild_shared_memory(name, size, dtype=torch.uint8):
+        tensor, shm = original(name, size, dtype=dtype)
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")
+        except Exception:  # noqa: BLE001 - Python >= 3.13 does not track attached segments
+            pass
+        return tensor, shm
+
+    rebuild_shared_memory._npu_flashrl_bench = True
+    mod.rebuild_shared_memory = rebuild_shared_memory
+
+
+def _measure(counter):
+    """The sampled heap peak, under the cost counter when counting."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    if counter is not None:
+        stack.enter_context(counter)
+    mem = stack.enter_context(PeakMemory())
+    return stack, mem
+
+
+def sync_shm(rollout, path, bucket_bytes, sender, counter=None):
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
     sender.send(path, bucket_mb=1, bucket_bytes=bucket_bytes)
     receiver = BucketedWeightReceiver(zmq_handle=sender.handle, device=torch.device("cpu"),
                                       use_shm=True)
     rollout.begin()
-    with PeakMemory() as mem:
+    stack, mem = _measure(counter)
+    with stack:
         t0 = time.perf_counter()
         receiver.receive_weights(on_bucket_received=lambda w, is_last: rollout.load(w))
         rollout.end()
@@ -126,51 +179,87 @@ def sync_shm(rollout, path, bucket_bytes, sender):
     return total, rollout.seconds, mem.extra
 
 
-def sync_ce(rollout, path, bucket_bytes):
-    from npu_flashrl.sim import cpu_vllm, gloo_checkpoint_engine as gce
+class CeTrainer:
+    """The long-lived trainer rank of the checkpoint engine (`_ce_trainer.py`) and this process's
+    receiving rank, connected once for all syncs."""
 
-    port = cpu_vllm.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "npu_flashrl.sim.gloo_checkpoint_engine",
-                             str(port), "2", str(bucket_bytes), path], env=_env(),
-                            stdout=subprocess.PIPE, text=True)
-    try:
+    def __init__(self, bucket_bytes, threads):
+        from npu_flashrl.sim import cpu_vllm, gloo_checkpoint_engine as gce
+
+        self.gce = gce
+        port = cpu_vllm.free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ce_trainer.py"),
+             str(port), "2", str(bucket_bytes), str(threads)],
+            env=_env(threads), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         try:
-            engine = gce.connect(port, 1, 2, bucket_bytes, timeout_s=180)
+            self.engine = gce.connect(port, 1, 2, bucket_bytes, timeout_s=600)
         except Exception as exc:  # noqa: BLE001 - say what the trainer process did
-            raise RuntimeError(f"gloo trainer process (exit code {proc.poll()}) never served the "
-                               f"group: {exc}".splitlines()[0]) from None
-        rollout.begin()
-        pulled = [0.0]
+            self.close()
+            raise RuntimeError(f"gloo trainer process (exit code {self.proc.poll()}) never served "
+                               f"the group: {exc}".splitlines()[0]) from None
 
-        def received():
-            # The engine's tensors are views of its bucket: copied out, as verl's
-            # CheckpointEngineWorker copies them into its BucketedWeightSender's buffer. Time spent
-            # waiting for the broadcast is transfer, not receiver.
-            it = gce.iter_received(engine)
-            while True:
-                t = time.perf_counter()
+    def start(self, path):
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"gloo trainer process exited ({self.proc.returncode})")
+        self.proc.stdin.write(path + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self):
+        while True:  # other lines are upstream's logging
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"gloo trainer process ended ({self.proc.poll()}) before 'sent'")
+            if line.startswith("sent"):
+                return
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def sync_ce(rollout, path, trainer, counter=None):
+    trainer.start(path)
+    rollout.begin()
+    pulled = [0.0]
+
+    def received():
+        # The engine's tensors are views of its bucket: copied out, as verl's
+        # CheckpointEngineWorker copies them into its BucketedWeightSender's buffer. Time spent
+        # waiting for the broadcast, and this copy, are transfer, not receiver.
+        it = trainer.gce.iter_received(trainer.engine)
+        while True:
+            t = time.perf_counter()
+            with counter.paused() if counter is not None else _nothing():
                 item = next(it, None)
                 if item is not None:
                     item = (item[0], item[1].clone())
-                pulled[0] += time.perf_counter() - t
-                if item is None:
-                    return
-                yield item
+            pulled[0] += time.perf_counter() - t
+            if item is None:
+                return
+            yield item
 
-        with PeakMemory() as mem:
-            t0 = time.perf_counter()
-            rollout.load(received())
-            rollout.end()
-            total = time.perf_counter() - t0
-        rollout.seconds -= pulled[0]
-        out = proc.communicate(timeout=600)[0]
-        if proc.returncode != 0 or "sent" not in out:
-            raise RuntimeError(f"gloo trainer process failed ({proc.returncode}): {out[-2000:]}")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stack, mem = _measure(counter)
+    with stack:
+        t0 = time.perf_counter()
+        rollout.load(received())
+        rollout.end()
+        total = time.perf_counter() - t0
+    rollout.seconds -= pulled[0]
+    trainer.finish()
     return total, rollout.seconds, mem.extra
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def main(argv=None):
@@ -178,25 +267,39 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of Qwen2.5-7B shape")
     ap.add_argument("--tiny", action="store_true", help="hidden 256 instead of 7B shapes (smoke run)")
     ap.add_argument("--bucket-mb", type=int, default=512, help="bucket size (verl's default 2048)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the receiver and of both trainer processes")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed syncs per variant and transport (the median is printed)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
+    check_positive(ap, args, "layers", "bucket_mb", "repeats")
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    root = tempfile.mkdtemp(prefix="npu_flashrl_bench_sync_")
+    try:
+        return run(args, root, threads)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # gigabytes of weight files at 7B shapes
 
+
+def run(args, root, threads):
     from npu_flashrl import patches
     from npu_flashrl.quant.wire import int8_wire
     from npu_flashrl.sim import cpu_vllm, verl_transfer
+    from npu_flashrl.sim.costs import CostCounter
 
+    print(load_line("start"), flush=True)
     cpu_vllm.prepare_process()
     verl_transfer.use_cpu_device()
+    _untrack_attached_segments()
     from npu_flashrl.adapters import vllm_ascend
 
     patches.apply_patches(list(vllm_ascend.PATCHES))
     cfg = dict(QWEN25_7B, num_hidden_layers=args.layers, **(TINY if args.tiny else {}))
     # a tensor must fit one bucket (verl asserts it on shared memory): the tiny embedding is 512 KB
     bucket = (1 << 20) if args.tiny else args.bucket_mb << 20
-    root = tempfile.mkdtemp(prefix="npu_flashrl_bench_sync_")
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(cfg, f)
     weights = make_weights(cfg, args.layers)
@@ -210,79 +313,125 @@ def main(argv=None):
                   "int8": sum(t.numel() * t.element_size() for _, t in wire)}
     del wire
     print(f"Qwen2.5-7B {'(tiny) ' if args.tiny else ''}shapes, {args.layers} decoder layers; bucket "
-          f"{bucket >> 10} KB; torch threads={torch.get_num_threads()}; load: {os.getloadavg()}")
+          f"{bucket >> 10} KB; torch threads={threads} (receiver and trainers); "
+          f"{args.repeats} timed syncs + 1 counted per variant and transport")
 
     variants = ["a", "b", "c"] + (["d"] if has_layerwise_reload() else [])
     files = {"a": bf16_file, "b": bf16_file, "c": int8_file, "d": int8_file}
     handle = f"ipc:///tmp/npu-flashrl-bench-sync-{os.getpid()}.sock"
-    results, states = {}, {}
-    with verl_transfer.SenderProcess(handle, env=_env(), timeout_s=600) as sender:
-        for k in variants:
-            rollout = Rollout(k, root, cpu_vllm, vllm_ascend)
-            try:
-                for transport in ("shm", "ce"):
-                    fn = (lambda r, p: sync_shm(r, p, bucket, sender)) if transport == "shm" \
-                        else (lambda r, p: sync_ce(r, p, bucket))
-                    print(f"  {k}) {LABELS[k]} via {transport} ...", flush=True)
-                    if sender.proc.poll() is not None:
-                        raise RuntimeError(f"verl sender process exited: {sender.stderr_tail()}")
-                    try:
-                        total, recv, peak = fn(rollout, files[k])
-                    except RuntimeError as exc:  # reported in the table; the other runs go on
-                        print(f"     failed: {exc}", flush=True)
-                        results[(k, transport)] = {"failed": str(exc)}
-                        continue
-                    q = quant_s if k in "cd" else 0.0
-                    results[(k, transport)] = {"quantize_s": q, "transfer_s": total - recv,
-                                               "receiver_s": recv, "end_to_end_s": q + total,
-                                               "wire_bytes": wire_bytes["int8" if k in "cd" else "bf16"],
-                                               "peak_extra_bytes": peak}
-                states[k] = rollout.state() if k != "a" else None
-            finally:
-                rollout.close()
+    results, states, costs = {}, {}, {}
+    with verl_transfer.SenderProcess(handle, env=_env(threads), timeout_s=600) as sender:
+        trainer = CeTrainer(bucket, threads)
+        try:
+            fns = {"shm": lambda r, p, c=None: sync_shm(r, p, bucket, sender, c),
+                   "ce": lambda r, p, c=None: sync_ce(r, p, trainer, c)}
+            for k in variants:
+                rollout = Rollout(k, root, cpu_vllm, vllm_ascend)
+                try:
+                    for transport, fn in fns.items():
+                        print(f"  {k}) {LABELS[k]} via {transport} ...", flush=True)
+                        if sender.proc.poll() is not None:
+                            raise RuntimeError(f"verl sender process exited: {sender.stderr_tail()}")
+                        try:
+                            runs = [fn(rollout, files[k]) for _ in range(args.repeats)]
+                            counter = CostCounter()
+                            fn(rollout, files[k], counter)
+                        except RuntimeError as exc:  # reported in the table; the other runs go on
+                            print(f"     failed: {exc}", flush=True)
+                            results[(k, transport)] = {"failed": str(exc)}
+                            continue
+                        costs[(k, transport)] = counter.costs
+                        q = quant_s if k in "cd" else 0.0
+                        results[(k, transport)] = {
+                            "quantize_s": q, "transfer_s": [t - r for t, r, _ in runs],
+                            "receiver_s": [r for _, r, _ in runs],
+                            "end_to_end_s": [q + t for t, _, _ in runs],
+                            "wire_bytes": wire_bytes["int8" if k in "cd" else "bf16"],
+                            "peak_extra_bytes": max(m for _, _, m in runs),
+                            "counts": dict(counter.costs.as_dict(), by_op=dict(counter.costs.by_op),
+                                           bytes_by_op=dict(counter.costs.bytes_by_op))}
+                    states[k] = rollout.state() if k != "a" else None
+                finally:
+                    rollout.close()
+        finally:
+            trainer.close()
     same = {k: all(torch.equal(states[k][n], states["b"][n]) for n in states["b"])
-            for k in variants if k in "cd"}
+            for k in variants if k in "cd" and k in states and "b" in states}
+    report(args, results, same, wire_bytes, stats)
+    print(load_line("end"), flush=True)
+    return 0
 
-    print(f"\n{'variant':<28}{'via':>5}{'quant s':>9}{'transfer s':>12}{'receiver s':>12}"
-          f"{'total s':>9}{'wire MB':>9}{'peak MB':>9}")
+
+def report(args, results, same, wire_bytes, stats):
+    med = lambda xs: median_spread(xs)[0]  # noqa: E731
+    print(f"\nCPU seconds, median of {args.repeats} [min-max]:")
+    print(f"{'variant':<31}{'via':>4}{'quant s':>8}{'transfer s':>22}{'receiver s':>22}"
+          f"{'wire MB':>9}{'peak MB':>9}")
     for (k, tr), r in results.items():
         if "failed" in r:
-            print(f"{k}) {LABELS[k]:<25}{tr:>5}  failed: {r['failed'][:80]}")
+            print(f"{k}) {LABELS[k]:<28}{tr:>4}  failed: {r['failed'][:80]}")
             continue
-        print(f"{k}) {LABELS[k]:<25}{tr:>5}{r['quantize_s']:>9.3f}{r['transfer_s']:>12.3f}"
-              f"{r['receiver_s']:>12.3f}{r['end_to_end_s']:>9.3f}{r['wire_bytes'] / 2**20:>9.1f}"
+        print(f"{k}) {LABELS[k]:<28}{tr:>4}{r['quantize_s']:>8.3f}{fmt_spread(r['transfer_s']):>22}"
+              f"{fmt_spread(r['receiver_s']):>22}{r['wire_bytes'] / 2**20:>9.1f}"
               f"{r['peak_extra_bytes'] / 2**20:>9.1f}")
     print(f"INT8 state after (c) and (d) equals (b)'s: {same}")
+
+    limit = 2 * wire_bytes["int8"]
+    print(f"\nreceiver costs of one sync (machine-independent; limit = each INT8-wire byte read once "
+          f"and written once into the live layer = {limit / 2**20:.1f} MB of traffic, "
+          f"{wire_bytes['int8'] / 2**20:.1f} MB on the wire):")
+    print(f"{'variant':<31}{'via':>4}{'launches':>10}{'read MB':>10}{'written MB':>11}"
+          f"{'traffic/limit':>14}{'alloc MB':>10}{'peak MB':>9}{'wire MB':>9}")
+    for (k, tr), r in results.items():
+        if "failed" in r:
+            continue
+        c = r["counts"]
+        print(f"{k}) {LABELS[k]:<28}{tr:>4}{c['launches']:>10}{c['read_bytes'] / 2**20:>10.1f}"
+              f"{c['written_bytes'] / 2**20:>11.1f}{c['traffic_bytes'] / limit:>14.2f}"
+              f"{c['allocated_bytes'] / 2**20:>10.1f}{c['peak_extra_bytes'] / 2**20:>9.1f}"
+              f"{r['wire_bytes'] / 2**20:>9.1f}")
+
     ratios = {}
     for tr in ("shm", "ce"):
-        b, c, d = results[("b", tr)], results[("c", tr)], results.get(("d", tr))
+        b, c, d = results.get(("b", tr), {"failed": 1}), results.get(("c", tr), {"failed": 1}), \
+            results.get(("d", tr))
         if "failed" in b or "failed" in c:
             print(f"\n[{tr}] (b) or (c) failed: no ratios")
             continue
         if d is not None and "failed" in d:
             d = None
         ratios[tr] = {"bytes": b["wire_bytes"] / c["wire_bytes"],
-                      "receiver_b_c": b["receiver_s"] / c["receiver_s"],
-                      "end_to_end_b_c": b["end_to_end_s"] / c["end_to_end_s"]}
-        if d is not None:
-            ratios[tr]["layerwise_in_place"] = d["receiver_s"] / c["receiver_s"]
-            ratios[tr]["layerwise_peak_minus_in_place_MB"] = (d["peak_extra_bytes"] -
-                                                              c["peak_extra_bytes"]) / 2**20
+                      "receiver_b_c": med(b["receiver_s"]) / med(c["receiver_s"]),
+                      "end_to_end_b_c": med(b["end_to_end_s"]) / med(c["end_to_end_s"]),
+                      "receiver_traffic_over_limit": c["counts"]["traffic_bytes"] / limit}
         print(f"\n[{tr}]")
         print(f"bytes bf16/int8 = {ratios[tr]['bytes']:.3f}")
         print(f"receiver b/c = {ratios[tr]['receiver_b_c']:.2f}")
         if d is not None:
+            ratios[tr]["layerwise_in_place"] = med(d["receiver_s"]) / med(c["receiver_s"])
+            ratios[tr]["layerwise_peak_minus_in_place_MB"] = (d["peak_extra_bytes"] -
+                                                              c["peak_extra_bytes"]) / 2**20
             print(f"layerwise/in-place = {ratios[tr]['layerwise_in_place']:.2f} "
-                  f"(peak extra {d['peak_extra_bytes'] / 2**20:.1f} MB vs {c['peak_extra_bytes'] / 2**20:.1f} MB)")
+                  f"(sampled heap peak extra {d['peak_extra_bytes'] / 2**20:.1f} MB vs "
+                  f"{c['peak_extra_bytes'] / 2**20:.1f} MB)")
         else:
             print("layerwise/in-place = - (this vLLM has no layerwise reload)")
         print(f"end-to-end b/c = {ratios[tr]['end_to_end_b_c']:.2f}")
+        x = ratios[tr]["receiver_traffic_over_limit"]
+        print(f"receiver traffic / limit = {x:.2f} (target <= 1.5: {verdict(x <= 1.5)})")
+        if d is not None:
+            dp = d["counts"]["peak_extra_bytes"]
+            y = c["counts"]["peak_extra_bytes"] / dp if dp else float("inf")
+            ratios[tr]["peak_extra_in_place_over_layerwise"] = y
+            print(f"peak extra in-place / layerwise = {y:.2f} (target < 1: {verdict(y < 1)}; "
+                  f"{c['counts']['peak_extra_bytes'] / 2**20:.1f} MB vs {dp / 2**20:.1f} MB)")
+        else:
+            print("peak extra in-place / layerwise = - (this vLLM has no layerwise reload)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": {f"{k}/{tr}": r for (k, tr), r in results.items()},
-                       "ratios": ratios, "same_int8_state_as_b": same,
+                       "ratios": ratios, "same_int8_state_as_b": same, "limit_traffic_bytes": limit,
                        "load": os.getloadavg(), "quantize_stats": stats}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,12 +17,19 @@ pytestmark = pytest.mark.skipif(not compat.verl_server_mode(),
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# --tiny --layers 2, per variant and transport: (launches, bytes read, bytes written, peak extra)
+SYNC_TINY = {"a/shm": (29, 4002304, 4002304, 0), "a/ce": (29, 4002304, 4002304, 0),
+             "b/shm": (628, 28868428, 17463782, 1272832), "b/ce": (502, 25919028, 17463586, 1272832),
+             "c/shm": (350, 6631932, 5568746, 554752), "c/ce": (362, 6647548, 5584362, 554752),
+             "d/shm": (226, 11731456, 9155104, 1111040), "d/ce": (226, 11731456, 9155104, 1111040)}
+
 
 def test_sync_benchmark_smoke(tmp_path):
     out = tmp_path / "sync.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               TMPDIR=str(tmp_path))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sync.py"), "--tiny",
-                          "--layers", "2", "--threads", "1", "--json", str(out)],
+                          "--layers", "2", "--threads", "1", "--repeats", "1", "--json", str(out)],
                          capture_output=True, text=True, timeout=1500, env=env, cwd=str(tmp_path))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     for line in ("bytes bf16/int8 = ", "receiver b/c = ", "layerwise/in-place = ",
@@ -33,5 +40,14 @@ def test_sync_benchmark_smoke(tmp_path):
         # tiny shapes: in=256 -> 2 * 256 / (256 + 4) on the projections, embeddings unchanged
         assert r["ratios"][transport]["bytes"] > 1.5
         for k in ("a", "b", "c"):
-            assert r["results"][f"{k}/{transport}"]["receiver_s"] > 0
+            assert min(r["results"][f"{k}/{transport}"]["receiver_s"]) > 0
     assert all(r["same_int8_state_as_b"].values()) and "c" in r["same_int8_state_as_b"]
+    for line in ("receiver traffic / limit = ", "peak extra in-place / layerwise = "):
+        assert res.stdout.count(line) == 2, (line, res.stdout[-3000:])
+    assert "resource_tracker" not in res.stderr and not list(tmp_path.glob("npu_flashrl_bench_*"))
+    assert r["limit_traffic_bytes"] == 2 * r["results"]["c/shm"]["wire_bytes"] == 5094400
+    for key, held in SYNC_TINY.items():
+        c = r["results"][key]["counts"]
+        got = (c["launches"], c["read_bytes"], c["written_bytes"], c["peak_extra_bytes"])
+        for what, g, h in zip(("launches", "read", "written", "peak extra"), got, held):
+            assert abs(g - h) <= 0.03 * h, f"{key} {what}: {g} vs {h} held (+-3%)"
