@@ -80,7 +80,9 @@ class LinearStaging(LayerStaging):
         w = layer.weight  # processed: [in_part, out_part]
         self.in_place = in_place
         if in_place:
-            # the live storage itself, seen as the unprocessed [out, in] parameter
+            # the live storage itself, seen as the unprocessed [out, in] parameter. On an NPU
+            # whose W8A8 weights are NZ-cast, this is a narrowed write into an NZ tensor where
+            # the buffered commit was one whole-tensor copy: not yet run on a device.
             self.weight = stage_param(w.data.t(), w)
         else:
             # [out, in] view of an [in, out] buffer: upstream's loader narrows it like the
