@@ -429,8 +429,8 @@ def test_the_int8_wire_receiver_writes_each_weight_byte_about_once(va, models):
     """The INT8 wire's receiver, counted (`sim.costs.CostCounter`, every aten op's bytes): each
     int8 byte goes into the live weight in one pass. Before, it was copied three times (a
     transposing copy on receipt, the loader into a staging buffer, the commit into the layer),
-    ~3 bytes written per weight byte; the scales and derived tensors add a few percent here
-    (tiny in=128: one fp32 scale per 128 int8, and the pair checks per row)."""
+    ~3 bytes written per weight byte; the scales and derived tensors add about a fifth here
+    (tiny in=128: one fp32 scale per 128 int8)."""
     from npu_flashrl.sim.costs import CostCounter
 
     cold, new, _ = models
@@ -444,6 +444,7 @@ def test_the_int8_wire_receiver_writes_each_weight_byte_about_once(va, models):
     per_byte = c.costs.written_bytes / int8
     # one copy per int8 byte (read once, written once) ...
     assert c.costs.bytes_by_op["copy_"] <= 2.2 * int8, dict(c.costs.bytes_by_op)
-    # ... and all else the receiver writes (the pair checks' and scales' per-row work, 0.37 per
-    # int8 byte at in=128, less at real widths) stays small: it was 3.37 with the three copies
-    assert 1.0 <= per_byte < 1.5, (per_byte, dict(c.costs.bytes_by_op))
+    # ... and all else the receiver writes (scales, derived tensors and the checks' per-row
+    # results: 0.19 per int8 byte at in=128, less at real widths) stays small; it was 3.37 with
+    # the three copies (and 1.37 while the pair check read every int8 weight)
+    assert 1.0 <= per_byte < 1.25, (per_byte, dict(c.costs.bytes_by_op))
