@@ -448,3 +448,27 @@ def test_the_int8_wire_receiver_writes_each_weight_byte_about_once(va, models):
     # results: 0.19 per int8 byte at in=128, less at real widths) stays small; it was 3.37 with
     # the three copies (and 1.37 while the pair check read every int8 weight)
     assert 1.0 <= per_byte < 1.25, (per_byte, dict(c.costs.bytes_by_op))
+
+
+def test_the_int8_wire_pair_check_reads_the_weight_only_for_a_suspect_scale():
+    """The pair check bounds every row by 128 x scale (|int8| <= 128) and reads the int8 rows
+    only when that bound is not finite in the rollout's dtype: a scale near bf16's largest
+    value / 128 passes when its row's values are small, and fails naming the row when not."""
+    from types import SimpleNamespace
+
+    from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
+    from npu_flashrl.quant import WeightSyncError
+    from npu_flashrl.sim.costs import CostCounter
+
+    wire = WireReceiver(SimpleNamespace(quantizer=SimpleNamespace(compute_dtype=torch.bfloat16)))
+    q = torch.full((4, 64), 127, dtype=torch.int8)
+    with CostCounter() as c:
+        wire.check_pair(K, q, torch.full((4,), 0.01))
+    assert c.costs.read_bytes < q.numel(), "the int8 weight was read for a sound scale"
+    big = torch.full((4,), 0.01)
+    big[2] = 3e36  # 128 x 3e36 overflows bf16; 1 x 3e36 does not
+    small = q.clone()
+    small[2] = 1
+    wire.check_pair(K, small, big)
+    with pytest.raises(WeightSyncError, match="row 2's scale"):
+        wire.check_pair(K, q, big)

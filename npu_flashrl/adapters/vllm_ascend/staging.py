@@ -8,7 +8,9 @@ the commit copies them from. When every shard of the layer arrived in this sync,
 copies the buffer into the live tensors IN PLACE (their addresses stay), with the scales and
 every copy post-processing derives (the scheme's `commit_derived`). At most one buffer per layer
 being received is held (MoE, Qwen3-30B-A3B, TP=1, EP=1: 384 MiB w13 + 192 MiB w2 + 1.75 MiB fp32
-scales per layer), never a second copy of the model.
+scales per layer), never a second copy of the model. The INT8 wire's pairs (final values, checked
+before they are staged) go into a linear layer's live weight at once instead (`in_place`,
+`LinearStaging`): no buffer, and the sync counts the layer as written from then on.
 """
 from __future__ import annotations
 
