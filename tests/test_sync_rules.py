@@ -47,9 +47,9 @@ def models(tmp_path_factory):
     return dirs[0], weights[1], dirs[1]
 
 
-def build(va, model_dir):
+def build(va, model_dir, **kw):
     """The policy rollout's INT8 model (its engine choice: int8_profile_free)."""
-    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8())
+    return cpu_vllm.CpuVllm(model_dir, quantization="ascend", choice=cpu_vllm.int8(), **kw)
 
 
 def unchanged(before, model):
@@ -393,6 +393,46 @@ Q = "model.layers.1.self_attn.q_proj.weight"
 QKV = "model.layers.1.self_attn.qkv_proj"
 
 
+def _skip_if_nz(layer):
+    from npu_flashrl import kernels
+
+    if kernels.storage_format(layer.weight.data) != kernels.ACL_FORMAT_ND:
+        pytest.skip("this line NZ-casts every W8A8 weight: the INT8 wire is buffered there "
+                    "(test_an_nz_cast_weight_takes_the_int8_wire_through_a_buffer)")
+
+
+@pytest.mark.parametrize("form", ["list", "stream"])
+def test_an_nz_cast_weight_takes_the_int8_wire_through_a_buffer(va, models, form):
+    """An NZ-cast weight keeps its bytes in fractal blocks, so a narrowed [out, in] view of it is
+    not the rows a shard fills: the INT8 wire's pairs wait in a buffer there and the commit makes
+    one whole-tensor copy. A refused later bucket leaves the layer untouched; the complete sync
+    then equals the ND path's."""
+    from npu_flashrl import kernels
+
+    cold, new, _ = models
+    sent = _wire(new)
+    first = [(n, t) for n, t in sent if n.startswith(Q[: -len("weight")])]
+    spoiled = dict(sent)[K_SCALE].clone()
+    spoiled[1] = float("nan")
+    with build(va, cold, enable_nz=True) as v:
+        m = v.model
+        layer = m.get_submodule(QKV)
+        assert kernels.storage_format(layer.weight.data) != kernels.ACL_FORMAT_ND
+        weight = layer.weight.detach().clone()
+        m.load_weights(first if form == "list" else iter(first))
+        assert torch.equal(layer.weight, weight), "an NZ weight was written through a narrowed view"
+        with pytest.raises(va.WeightSyncError, match="contains NaN"):
+            m.load_weights([(K_SCALE, spoiled), (K, dict(sent)[K])])
+        assert torch.equal(layer.weight, weight)
+    with build(va, cold, enable_nz=True) as nz, build(va, cold, enable_nz=False) as nd:
+        for v in (nz, nd):
+            v.model.load_weights(sent)
+            assert va.end_weight_sync(v.model) == []
+        for name in ("weight", "weight_scale"):
+            assert torch.equal(getattr(nz.model.get_submodule(QKV), name),
+                               getattr(nd.model.get_submodule(QKV), name)), name
+
+
 @pytest.mark.parametrize("form", ["list", "stream"])
 def test_a_refused_int8_wire_bucket_after_an_in_place_write_blocks_generation(va, models, form):
     """A linear layer takes the INT8 wire straight into its live weight (no staging copy of the
@@ -405,9 +445,10 @@ def test_a_refused_int8_wire_bucket_after_an_in_place_write_blocks_generation(va
     spoiled = dict(sent)[K_SCALE].clone()
     spoiled[1] = float("nan")
     second = [(K_SCALE, spoiled), (K, dict(sent)[K])]
-    with build(va, cold) as v:
+    with build(va, cold, enable_nz=False) as v:  # ND weights, as verl 0.9.1's worker extension sets
         m, loader = v.model, v.model._npu_flashrl_loader
         layer = m.get_submodule(QKV)
+        _skip_if_nz(layer)
         weight, scale = layer.weight.detach().clone(), layer.weight_scale.detach().clone()
         m.load_weights(first if form == "list" else iter(first))
         assert not torch.equal(layer.weight, weight), "q_proj's pair was not written in place"
@@ -436,8 +477,9 @@ def test_the_int8_wire_receiver_writes_each_weight_byte_about_once(va, models):
     cold, new, _ = models
     sent = [(n, t) for n, t in _wire(new) if n.endswith("_proj.weight") or n.endswith("weight_scale")]
     int8 = sum(t.numel() for n, t in sent if t.dtype == torch.int8)
-    with build(va, cold) as v:
+    with build(va, cold, enable_nz=False) as v:  # ND weights, as verl 0.9.1's worker extension sets
         m = v.model
+        _skip_if_nz(m.get_submodule(QKV))
         with CostCounter() as c:
             m.load_weights(sent)
             assert va.end_weight_sync(m, partial=True) == []

@@ -12,6 +12,7 @@ import torch
 from npu_flashrl.adapters.vllm_ascend.schemes.base import (
     LINEAR, PER_CHANNEL_INT8, LayerStaging, Scheme, stage_param)
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import find_targets
+from npu_flashrl import kernels
 from npu_flashrl.quant import WeightSyncError
 
 @dataclasses.dataclass
@@ -78,11 +79,13 @@ class LinearStaging(LayerStaging):
         super().__init__(target)
         layer = target.layer
         w = layer.weight  # processed: [in_part, out_part]
-        self.in_place = in_place
-        if in_place:
-            # the live storage itself, seen as the unprocessed [out, in] parameter. On an NPU
-            # whose W8A8 weights are NZ-cast, this is a narrowed write into an NZ tensor where
-            # the buffered commit was one whole-tensor copy: not yet run on a device.
+        # In place only into ND storage: an NZ-cast weight (the pinned line casts every W8A8
+        # weight; the current line when VLLM_ASCEND_ENABLE_NZ is on) keeps its bytes in fractal
+        # blocks, so a narrowed [out, in] view of it is not the rows a shard fills; it takes the
+        # buffered path's one whole-tensor copy, which torch_npu converts.
+        self.in_place = in_place and kernels.storage_format(w.data) == kernels.ACL_FORMAT_ND
+        if self.in_place:
+            # the live storage itself, seen as the unprocessed [out, in] parameter
             self.weight = stage_param(w.data.t(), w)
         else:
             # [out, in] view of an [in, out] buffer: upstream's loader narrows it like the
