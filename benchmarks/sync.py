@@ -89,6 +89,9 @@ class Rollout:
         self.va = vllm_ascend
         self.v = cpu_vllm.CpuVllm(model_dir, quantization=None if variant == "a" else "ascend",
                                   load_format="dummy",
+                                  # ND weights: verl 0.9.1's worker extension sets
+                                  # VLLM_ASCEND_ENABLE_NZ=0 in every rollout worker
+                                  enable_nz=False,
                                   choice=None if variant == "a" else cpu_vllm.int8()).__enter__()
         self.model = self.v.model
         self.seconds = 0.0

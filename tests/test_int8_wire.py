@@ -164,8 +164,9 @@ def test_int8_wire_sync_equals_float_wire_sync(rig, arch):
     ids=["dense-drop", "dense-nan", "moe-drop", "moe-nan"])
 def test_int8_wire_fault_refused_by_name(rig, arch, fault):
     """A scale that never arrives, or a NaN scale, on the INT8 wire: the sync is refused naming
-    the tensor, the sender finishes (no hang), the layer keeps its previous INT8 weights, and the
-    next complete sync equals a fresh load."""
+    the tensor, the sender finishes (no hang), the layer keeps its previous INT8 weights (MoE:
+    staged) or, where the wire was written in place (linear), keeps its scales and the model
+    refuses to generate, and the next complete sync equals a fresh load."""
     from npu_flashrl.adapters import vllm_ascend
     from npu_flashrl.sim import verl_transfer
     from safetensors.torch import load_file
@@ -199,6 +200,15 @@ def test_int8_wire_fault_refused_by_name(rig, arch, fault):
             _sync(rig, worker, wire_file, arch, **opts)
         if fault == "nan":
             assert "NaN" in str(err.value)
+        loader = v.model._npu_flashrl_loader
+        if arch == "qwen2":
+            # a linear layer takes the INT8 wire straight into its live weight: q_proj of the
+            # layer may hold the new sync, so the model refuses to generate; its scales wait
+            # for the commit
+            kept = ("weight_scale",)
+            assert loader.inconsistent is not None
+            with pytest.raises(vllm_ascend.WeightSyncError, match="weights of two syncs"):
+                layer(torch.zeros(1, layer.input_size, dtype=torch.bfloat16))
         for n in kept:
             assert torch.equal(getattr(layer, n), before[n]), f"{path}.{n} was written"
         ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}

@@ -274,15 +274,20 @@ class Int8WeightLoader:
         return self.stage_quantized(target, name, q, scale)
 
     def stage_quantized(self, target, name: str, q: torch.Tensor,
-                        scale: Optional[torch.Tensor]) -> bool:
+                        scale: Optional[torch.Tensor], in_place: bool = False) -> bool:
         """Stage one shard already quantized (int8 [out, in], fp32 scale [out] or None: keep the
-        scales), the float path's quantizer output or the INT8 wire's pair; commit its layer once
-        every shard this rank holds arrived. False for an expert this rank does not hold."""
+        scales), the float path's quantizer output or the INT8 wire's pair (`in_place`: final,
+        checked values its layer may write straight into the live weight); commit its layer
+        once every shard this rank holds arrived. False for an expert this rank does not hold."""
         if not target.holds(name):
             return False
         if scale is None and target.scheme.needs_scales:
             # the profile quantizer keeps scales: refused at attach for MoE
             raise WeightSyncError(f"{name}: {self.quantizer.name} gives no expert scales")
+        if self.state.staged.open(target, scale is not None, in_place).in_place:
+            # the live layer holds this shard from now on, its other shards until they come:
+            # any failure of the sync from here on leaves the model refusing to generate
+            self.state.wrote = True
         done = self.state.staged.stage(target, name, q, scale)
         if done is not None:
             self.state.wrote = True
@@ -297,7 +302,7 @@ class Int8WeightLoader:
         loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed, pair_checked=borrowed)
         if pair is not None:
             target = self.validator.target(weight_name)
-            if not self.stage_quantized(target, weight_name, *pair):
+            if not self.stage_quantized(target, weight_name, *pair, in_place=True):
                 return set()  # an expert another rank holds: checked, then dropped
         return loaded
 

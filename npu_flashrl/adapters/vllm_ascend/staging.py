@@ -8,7 +8,9 @@ the commit copies them from. When every shard of the layer arrived in this sync,
 copies the buffer into the live tensors IN PLACE (their addresses stay), with the scales and
 every copy post-processing derives (the scheme's `commit_derived`). At most one buffer per layer
 being received is held (MoE, Qwen3-30B-A3B, TP=1, EP=1: 384 MiB w13 + 192 MiB w2 + 1.75 MiB fp32
-scales per layer), never a second copy of the model.
+scales per layer), never a second copy of the model. The INT8 wire's pairs (final values, checked
+before they are staged) go into a linear layer's live weight at once instead (`in_place`,
+`LinearStaging`): no buffer, and the sync counts the layer as written from then on.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from npu_flashrl.adapters.vllm_ascend.schemes import (  # noqa: F401  (the stagi
 from npu_flashrl.adapters.vllm_ascend.schemes.base import stage_param  # noqa: F401
 
 
-def new_staging(target, with_scale: bool) -> LayerStaging:
-    """The staging for `target`'s scheme (`with_scale`: the quantizer writes scales)."""
-    return target.scheme.new_staging(target, with_scale)
+def new_staging(target, with_scale: bool, in_place: bool = False) -> LayerStaging:
+    """The staging for `target`'s scheme (`with_scale`: the quantizer writes scales; `in_place`:
+    final values the scheme may write straight into the live layer)."""
+    return target.scheme.new_staging(target, with_scale, in_place)
 
 
 class StagingArea:
@@ -32,14 +35,19 @@ class StagingArea:
     def __init__(self):
         self._layers: Dict[str, LayerStaging] = {}
 
+    def open(self, target, with_scale: bool, in_place: bool = False) -> LayerStaging:
+        """`target`'s staging of this sync, begun now if none is (its first shard decides
+        whether it writes in place)."""
+        st = self._layers.get(target.path)
+        if st is None:
+            st = self._layers[target.path] = new_staging(target, with_scale, in_place)
+        return st
+
     def stage(self, target, name: str, q: torch.Tensor, scale: Optional[torch.Tensor]
               ) -> Optional[LayerStaging]:
         """Stage one shard; the layer's staging when it is now complete (popped: the caller
         commits it), else None."""
-        st = self._layers.get(target.path)
-        if st is None:
-            st = new_staging(target, scale is not None)
-            self._layers[target.path] = st
+        st = self.open(target, scale is not None)
         st.stage(name, q, scale)
         if st.complete():
             return self._layers.pop(target.path)

@@ -13,9 +13,10 @@ sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tens
   positive, absurd scale: its dequantized values must be finite in the rollout's dtype);
 - `take(...)`: hold a weight until its scale arrived or a scale until its weight (either order:
   another sender or checkpoint engine may reorder, and they may come in different buckets) and
-  return the complete pair, which the sync hands to its staging as a float sync's quantized shard
-  (`Int8WeightLoader.stage_quantized`): the same staging buffers, the same per-layer commit, the same
-  derived tensors, only without quantizing again.
+  return the complete pair as it came (no copy), which the sync hands to its staging
+  (`Int8WeightLoader.stage_quantized`, `in_place`): a linear layer's staging writes it straight
+  into the live weight in its processed layout (one pass over the int8 bytes, no buffer of the
+  fused layer), the same per-layer commit then writes the scales and derived tensors.
 
 A pair still incomplete at the end of the sync is a missing shard (`missing`): the end of the
 sync names it and drops it, and a failed call drops it with everything else staged (`drop`).
@@ -44,7 +45,7 @@ class WirePair:
         self.name = weight_name
         self.q: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
-        self.borrowed = False  # holds a view of the caller's (bucket) scale
+        self.borrowed = False  # holds a view of the caller's (bucket) tensor
 
     def missing(self) -> List[str]:
         return [n for n, t in ((self.name, self.q), (scale_name(self.name), self.scale)) if t is None]
@@ -53,20 +54,13 @@ class WirePair:
         return tuple(t for t in (self.q, self.scale) if t is not None)
 
     def keep(self) -> None:
-        """Copy what is held out of the caller's tensors (a bucket buffer is reused; the weight
-        is always a copy already, `processed_layout`)."""
+        """Copy what is held out of the caller's tensors (a bucket buffer is reused after the
+        call). Only a half waiting for its other half pays this copy, as it came (no transpose:
+        the staging writes it in the processed layout)."""
         if self.borrowed:
+            self.q = None if self.q is None else self.q.clone()
             self.scale = None if self.scale is None else self.scale.clone()
             self.borrowed = False
-
-
-def processed_layout(q: torch.Tensor) -> torch.Tensor:
-    """int8 [out, in] -> the same values as an [out, in] view of [in, out]-contiguous memory
-    (vllm-ascend's processed layout, what the staging buffers are): the layer's weight loader
-    then copies contiguous memory into the staging buffer instead of writing it transposed byte
-    by byte (sequential writes here; several times faster on a CPU; on the NPU the copy into the
-    NZ weight is the device's). A new tensor: nothing of the caller's (bucket) memory is kept."""
-    return q.t().contiguous().t()
 
 
 class WireReceiver:
@@ -150,6 +144,10 @@ class WireReceiver:
             return
         dtype = self.loader.quantizer.compute_dtype
         s = scale.reshape(-1).float()
+        # |int8| <= 128: when 128 x every scale is finite in the rollout's dtype, so is every
+        # dequantized value (rounding is monotone), and the int8 weight need not be read at all
+        if bool(torch.isfinite((s * 128).to(dtype)).all()):
+            return
         lo, hi = torch.aminmax(q, dim=1)
         absmax = torch.maximum(hi.float(), -lo.float())
         deq = absmax * s
@@ -168,18 +166,22 @@ class WireReceiver:
         """Take one wire tensor: (the names loaded, the projection's (int8, fp32 scale [out]) once
         both are here, else None). `borrowed`: the tensor is a view the caller reuses after this
         call (kept past the call only through `keep`). `pair_checked`: a pair it completes was
-        checked already (`check_pair`, by a list call before anything of it was written)."""
+        checked already (`check_pair`, by a list call before anything of it was written). The
+        pair is returned as it came: a complete pair is written before the call returns, so
+        nothing of the caller's memory needs copying."""
         if name.endswith("." + OFFSET_SUFFIX):
             return {name}, None  # validated zero; the commit zeroes the live offset
         pair = self._pairs.get(weight_name)
         if pair is None:
             pair = self._pairs[weight_name] = WirePair(weight_name)
         if name == weight_name:
-            pair.q = processed_layout(tensor)  # a copy in the staging layout
+            pair.q = tensor
         else:
-            pair.scale = tensor if borrowed else tensor.clone()
-            pair.borrowed = pair.borrowed or borrowed
+            pair.scale = tensor
         if pair.q is None or pair.scale is None:
+            pair.borrowed = True
+            if not borrowed:  # a streamed caller may reuse its buffer for its next item
+                pair.keep()
             return {name}, None
         if not pair_checked:
             self.check_pair(weight_name, pair.q, pair.scale)

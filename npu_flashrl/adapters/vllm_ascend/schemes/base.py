@@ -67,7 +67,10 @@ class LayerStaging:
 
     `stage(name, q, scale)` loads one quantized shard ([in, out] memory, see the quantizers);
     `complete()` / `missing()` / `received` say what arrived; `buffers()` are the bytes held;
-    `commit()` writes the layer in place."""
+    `commit()` writes the layer in place. `in_place`: shards are written into the live layer as
+    they are staged (not only at the commit)."""
+
+    in_place = False
 
     def __init__(self, target):
         self.target = target
@@ -117,8 +120,10 @@ class Scheme(abc.ABC):
         """HF weight name -> target, for `layers` ((path, module) running this scheme)."""
 
     @abc.abstractmethod
-    def new_staging(self, target, with_scale: bool) -> LayerStaging:
-        """An empty staging of `target` for one sync (`with_scale`: the quantizer writes scales)."""
+    def new_staging(self, target, with_scale: bool, in_place: bool = False) -> LayerStaging:
+        """An empty staging of `target` for one sync (`with_scale`: the quantizer writes scales;
+        `in_place`: the shards are final, checked values that may go straight into the live
+        layer; a scheme that does not do so returns a buffered staging, `LayerStaging.in_place`)."""
 
     @abc.abstractmethod
     def commit_derived(self, layer) -> None:

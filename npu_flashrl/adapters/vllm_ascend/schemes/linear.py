@@ -12,6 +12,7 @@ import torch
 from npu_flashrl.adapters.vllm_ascend.schemes.base import (
     LINEAR, PER_CHANNEL_INT8, LayerStaging, Scheme, stage_param)
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import find_targets
+from npu_flashrl import kernels
 from npu_flashrl.quant import WeightSyncError
 
 @dataclasses.dataclass
@@ -63,16 +64,34 @@ def _full_shapes(layer, shards) -> Tuple[Tuple[int, int], ...]:
 
 class LinearStaging(LayerStaging):
     """A (fused) linear layer: q/k/v or gate/up shards, or a single projection. `received` holds
-    the shard names (q_proj ...)."""
+    the shard names (q_proj ...).
 
-    def __init__(self, target: LinearTarget, with_scale: bool):
+    `in_place` (the INT8 wire's pairs: final int8 values, checked before they are staged): each
+    shard is written by the layer's weight_loader straight into the live weight, whose processed
+    [in, out] storage it sees as [out, in], so every int8 byte is written once and no buffer of
+    the fused layer is held; `commit()` then writes only the scales and derived tensors. The
+    live layer holds new and old shards until it is complete, so the sync counts it as written
+    (`Int8WeightLoader.stage_quantized`): a failure from then on makes the model refuse to
+    generate. Otherwise (online quantization) shards wait in a processed-layout buffer and the
+    commit copies it in, so a refused sync leaves the layer untouched."""
+
+    def __init__(self, target: LinearTarget, with_scale: bool, in_place: bool = False):
         super().__init__(target)
         layer = target.layer
         w = layer.weight  # processed: [in_part, out_part]
-        # [out, in] view of an [in, out] buffer: upstream's loader narrows it like the
-        # unprocessed parameter, while the bytes already sit in the processed layout.
-        buf = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-        self.weight = stage_param(buf.t(), w)
+        # In place only into ND storage: an NZ-cast weight (the pinned line casts every W8A8
+        # weight; the current line when VLLM_ASCEND_ENABLE_NZ is on) keeps its bytes in fractal
+        # blocks, so a narrowed [out, in] view of it is not the rows a shard fills; it takes the
+        # buffered path's one whole-tensor copy, which torch_npu converts.
+        self.in_place = in_place and kernels.storage_format(w.data) == kernels.ACL_FORMAT_ND
+        if self.in_place:
+            # the live storage itself, seen as the unprocessed [out, in] parameter
+            self.weight = stage_param(w.data.t(), w)
+        else:
+            # [out, in] view of an [in, out] buffer: upstream's loader narrows it like the
+            # unprocessed parameter, while the bytes already sit in the processed layout.
+            buf = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            self.weight = stage_param(buf.t(), w)
         self.scale = None
         if with_scale:  # the profile quantizer keeps the checkpoint's scales
             self.scale = stage_param(torch.empty((w.shape[1], 1), dtype=torch.float32,
@@ -99,14 +118,16 @@ class LinearStaging(LayerStaging):
         return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
 
     def buffers(self):
-        return (self.weight.data,) + (() if self.scale is None else (self.scale.data,))
+        weight = () if self.in_place else (self.weight.data,)  # in place: the live weight
+        return weight + (() if self.scale is None else (self.scale.data,))
 
     @torch.no_grad()
     def commit(self) -> None:
         layer = self.target.layer
-        # In place: the processed [in, out] (NZ on NPU) storage keeps its address; the staging
-        # buffer is already [in, out], so this is a straight copy.
-        layer.weight.data.copy_(self.weight.data.t())
+        if not self.in_place:
+            # In place: the processed [in, out] (NZ on NPU) storage keeps its address; the
+            # staging buffer is already [in, out], so this is a straight copy.
+            layer.weight.data.copy_(self.weight.data.t())
         if self.scale is not None:
             s = self.scale.data.flatten()
             layer.weight_scale.data.copy_(s.to(layer.weight_scale.dtype))
@@ -135,8 +156,8 @@ class LinearScheme(Scheme):
                 targets[t.hf_name(shard)] = t
         return targets
 
-    def new_staging(self, target, with_scale: bool) -> LinearStaging:
-        return LinearStaging(target, with_scale)
+    def new_staging(self, target, with_scale: bool, in_place: bool = False) -> LinearStaging:
+        return LinearStaging(target, with_scale, in_place)
 
 def find_linear_targets(model: torch.nn.Module) -> Dict[str, LinearTarget]:
     """Every HF projection weight name -> its quantized vLLM linear layer."""

@@ -151,8 +151,8 @@ class W8A8DynamicMoE(Scheme):
                 targets[name] = t
         return targets
 
-    def new_staging(self, target, with_scale: bool) -> ExpertStaging:
-        return ExpertStaging(target)
+    def new_staging(self, target, with_scale: bool, in_place: bool = False) -> ExpertStaging:
+        return ExpertStaging(target)  # always buffered: the commit writes all local experts at once
 
     def commit_derived(self, layer) -> None:
         lines.current().commit_moe_extras(layer)
