@@ -18,8 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bytes written, peak extra bytes)
 RELOAD_TINY = {"a": (29, 4002304, 4002304, 0),
                "b": (502, 25919028, 17463586, 1272832),
-               "c": (430, 27422512, 20000908, 3639808),
-               "d": (493, 29930800, 19981452, 1108224)}
+               "c": (438, 28897072, 21475468, 3639808),
+               "d": (501, 31405360, 21456012, 1108224)}
+# (c) and (d) each +1474560 bytes read and written, +8 launches, since the emulated npu_format_cast
+# returns a converted copy and leaves its input as it was, as torch_npu documents (it re-tagged
+# its input before): the NZ cast is a real read and write on an NPU too.
 MARGIN = 0.03
 
 
@@ -60,7 +63,7 @@ def test_reload_counts_held_at_tiny_shapes(tmp_path):
     assert r["counts"]["a"]["read_bytes"] == r["weight_bytes"]
     assert r["counts"]["b"]["by_op"].get("round_", 0) <= 2 * 14  # 14 projections, <= 2 chunks each
     assert r["count_ratios"]["traffic_c_b"] == pytest.approx(
-        (27422512 + 20000908) / (25919028 + 17463586), rel=0.05)
+        (28897072 + 21475468) / (25919028 + 17463586), rel=0.05)
     assert not list(tmp_path.glob("npu_flashrl_bench_*"))
 
 
