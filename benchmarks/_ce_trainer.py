@@ -10,10 +10,7 @@ receiver asks for it: its start-up, its reading of the next file and its exit ne
 measured receive. THREADS torch threads, as the receiver's."""
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -22,9 +19,7 @@ def main(argv=None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     import torch
-    from safetensors import safe_open
-
-    from npu_flashrl.sim.gloo_checkpoint_engine import GlooCheckpointEngine, MasterMetadata
+    from npu_flashrl.sim.gloo_checkpoint_engine import GlooCheckpointEngine, MasterMetadata, send_file
 
     port, world, bucket, threads = (int(a) for a in argv)
     torch.set_num_threads(threads)
@@ -36,12 +31,7 @@ def main(argv=None) -> int:
         path = line.strip()
         if not path:
             break
-        with open(path + ".order") as f:
-            order = json.load(f)
-        with safe_open(path, "pt") as f:
-            t0 = time.perf_counter()
-            asyncio.run(engine.send_weights((n, f.get_tensor(n)) for n in order))
-        print(f"sent {time.perf_counter() - t0:.4f}", flush=True)
+        print(f"sent {send_file(engine, path):.4f}", flush=True)
     return 0
 
 

@@ -198,7 +198,7 @@ def wire_syncs(va, dirs: Sequence[str], send: Callable[[int], List[Tuple[str, to
 def _ordered_random_buckets(wire, seed: int, max_bytes: int):
     """The wire's items in random order with each weight_scale kept right before its int8 weight
     (the wire's one ordering rule), cut into buckets of random sizes (a pair may be split)."""
-    from npu_flashrl.sim.sync import split_buckets
+    from npu_flashrl.sim.sync import cut_randomly
 
     units, i = [], 0
     while i < len(wire):
@@ -207,10 +207,4 @@ def _ordered_random_buckets(wire, seed: int, max_bytes: int):
         i += n
     rng = random.Random(seed)
     rng.shuffle(units)
-    items = [item for unit in units for item in unit]
-    out, i = [], 0
-    while i < len(items):
-        chunk = split_buckets(items[i:], rng.randint(1, max_bytes))[0]
-        out.append(chunk)
-        i += len(chunk)
-    return out
+    return cut_randomly([item for unit in units for item in unit], rng, max_bytes)

@@ -213,11 +213,7 @@ def main(argv=None) -> int:
     a trainer rank 0 that serves the group on 127.0.0.1:PORT and sends each file (a
     `verl_transfer.save_weights` file, in its order) as one sync, for a receiver started with
     `GlooCheckpointEngine.connect`. Prints `sent <seconds>` after each."""
-    import json
     import sys
-    import time
-
-    from safetensors import safe_open
 
     argv = sys.argv[1:] if argv is None else argv
     port, world, bucket = int(argv[0]), int(argv[1]), int(argv[2])
@@ -226,13 +222,24 @@ def main(argv=None) -> int:
     engine.prepare()
     engine.init_process_group(0, world, MasterMetadata(engine.host, port))
     for path in argv[3:]:
-        with open(path + ".order") as f:
-            order = json.load(f)
-        with safe_open(path, "pt") as f:
-            t0 = time.perf_counter()
-            asyncio.run(engine.send_weights((n, f.get_tensor(n)) for n in order))
-        print(f"sent {time.perf_counter() - t0:.4f}", flush=True)
+        print(f"sent {send_file(engine, path):.4f}", flush=True)
     return 0
+
+
+def send_file(engine: GlooCheckpointEngine, path: str) -> float:
+    """Send the tensors of safetensors file `path` in the order `path`.order lists (a JSON list of
+    names); the seconds the send took."""
+    import json
+    import time
+
+    from safetensors import safe_open
+
+    with open(path + ".order") as f:
+        order = json.load(f)
+    with safe_open(path, "pt") as f:
+        t0 = time.perf_counter()
+        asyncio.run(engine.send_weights((n, f.get_tensor(n)) for n in order))
+    return time.perf_counter() - t0
 
 
 def connect(port: int, rank: int, world: int, bucket_bytes: int,

@@ -56,6 +56,11 @@ def random_buckets(weights: Weights, seed: int, max_bytes: int) -> List[List[Tup
     rng = random.Random(seed)
     items = list(weights)
     rng.shuffle(items)
+    return cut_randomly(items, rng, max_bytes)
+
+
+def cut_randomly(items, rng: random.Random, max_bytes: int) -> List[List[Tuple[str, torch.Tensor]]]:
+    """`items` in their order, cut into buckets of random sizes up to `max_bytes` drawn from `rng`."""
     out, i = [], 0
     while i < len(items):
         chunk = split_buckets(items[i:], rng.randint(1, max_bytes))[0]
