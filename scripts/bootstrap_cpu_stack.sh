@@ -141,7 +141,9 @@ if [[ "$DRY_RUN" == 0 ]]; then
   else
     rm -f "$pth"
   fi
-  "$PY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+  # the installed torch is the pinned one (a second resolver pass must not have replaced it)
+  torch_want="$(printf '%s\n' "${torch_pin[@]}" | sed -n 's/^torch==//p')"
+  "$PY" -c "import sys, torch; assert torch.__version__.split('+')[0] == sys.argv[1], (torch.__version__, sys.argv[1])" "$torch_want"
   echo "$stamp_want" > "$stamp_file"
 fi
 if [[ "$DRY_RUN" == 0 ]]; then log "CPU stack ready in $VENV"
