@@ -54,22 +54,22 @@ MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
 
 COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen2ForCausalLM", "qwen2", "yes", "yes", "yes", "yes", "n/a", "yes",
-          ("tests/test_vllm_ascend_buckets.py", "tests/test_int8_wire.py",
-           "tests/test_verl091_megatron_engine.py", "tests/test_vllm_ascend_sync.py"),
+          ("tests/adapters/vllm_ascend/test_vllm_ascend_buckets.py", "tests/adapters/vllm_ascend/test_int8_wire.py",
+           "tests/adapters/megatron/test_megatron_engine.py", "tests/adapters/vllm_ascend/test_vllm_ascend_sync.py"),
           _ALL, "tied and untied embeddings"),
     _arch("Qwen3ForCausalLM", "qwen3", "yes", "yes", "no: not tested (same projection names as Qwen2)",
-          MBRIDGE_UNTESTED, "n/a", "no: not tested", ("tests/test_vllm_ascend_buckets.py",),
+          MBRIDGE_UNTESTED, "n/a", "no: not tested", ("tests/adapters/vllm_ascend/test_vllm_ascend_buckets.py",),
           _ALL),
     _arch("Qwen3MoeForCausalLM", "qwen3_moe", "yes", "yes", "yes", "yes", "yes", "yes",
-          ("tests/test_moe_reload.py", "tests/test_int8_wire.py", "tests/test_moe_forward.py",
-           "tests/test_verl091_megatron_engine.py"), _ALL),
+          ("tests/adapters/vllm_ascend/test_moe_reload.py", "tests/adapters/vllm_ascend/test_int8_wire.py", "tests/adapters/vllm_ascend/test_moe_forward.py",
+           "tests/adapters/megatron/test_megatron_engine.py"), _ALL),
     _arch("LlamaForCausalLM", "llama", "yes", "yes", "yes (receiving end)", MBRIDGE_UNTESTED, "n/a", "yes",
-          ("tests/test_models_llama.py",), _NEWER,
+          ("tests/models/test_models_llama.py",), _NEWER,
           "Llama 3.x: no bias, GQA, llama3 rope scaling, tied embeddings"),
     _arch("DeepseekV3ForCausalLM", "deepseek_v3", "yes", "yes",
           "yes (receiving end; MLA and shared-expert projections travel float)", MBRIDGE_UNTESTED,
           "yes (weights; forward not run)", "partial: MLA attention and dense MLP; MoE layers not run",
-          ("tests/test_models_deepseek_v3.py",), _CURRENT,
+          ("tests/models/test_models_deepseek_v3.py",), _CURRENT,
           "MLA projections W8A8_DYNAMIC, kv_b_proj 16-bit (vllm-ascend's MLA asserts it) with its "
           "absorbed W_UK_T / W_UV re-derived after each sync; router + correction bias high precision; "
           "shared experts and the first dense layers quantized. The MoE forward needs vllm-ascend's "

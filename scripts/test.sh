@@ -6,17 +6,18 @@
 # A line whose upstream sources are missing (the pinned line needs ../shared/upstream) is skipped
 # with one line. Extra arguments go to pytest (default: tests).
 #
-# Test modules that need an upstream package another test may have imported first in the same
-# process (tests/test_verl_51d2104_*.py: verl 51d2104 from ../shared/upstream, which one process
-# cannot hold beside the line's installed verl) run in a pytest process of their own per line, so
-# no earlier import can turn them into skips.
+# Tests live in folders that mirror the package (tests/kernels, tests/adapters/vllm_ascend, ...;
+# tests/support holds shared helpers). Test modules that need an upstream package another test may
+# have imported first in the same process (tests/adapters/verl/own_process/: verl 51d2104 from
+# ../shared/upstream, which one process cannot hold beside the line's installed verl) run in a
+# pytest process of their own per line, so no earlier import can turn them into skips.
 #
 #   NPU_FLASHRL_LINES         lines to run, in order      (default: current 0.11 pinned, those present)
 #   NPU_FLASHRL_PRIMARY_LINE  the line that runs all tests (default: current)
 #   NPU_FLASHRL_VENVS         where the venvs live         (default: .venvs)
 #   NPU_FLASHRL_TEST_JOBS     pytest processes at a time, 1 or 2 (default: 2 with two or more CPUs).
-#                             With 2, the primary line's suite is split in two shards (the files in
-#                             PRIMARY_SHARD_A, and the rest) and two workers take the jobs (the shards,
+#                             With 2, the primary line's suite is split in two shards (the folders
+#                             in PRIMARY_SHARD_A, and the rest) and two workers take the jobs (the shards,
 #                             the other lines' suites, the own-process modules) longest first; each
 #                             job's output is printed when all are done. Each job is mostly one
 #                             single-threaded Python process, so two cores halve the wall time.
@@ -35,12 +36,11 @@ shopt -s nullglob  # a test-file pattern that matches nothing is no file
 failed=()
 ran=()
 ready=()
-OWN_PROCESS=(tests/test_verl_51d2104_*.py)
-# The primary line's first shard (JOBS=2): the tests that run whole rehearsals or benchmarks (they
-# share the session's pre-trained tiny model, so they stay in one process). New files go to the
-# second shard.
-PRIMARY_SHARD_A=(tests/test_rehearsal*.py tests/test_benchmark*.py tests/test_checkpoint_engine.py
-                 tests/test_verl091_megatron_engine.py tests/test_int8_wire.py)
+OWN_PROCESS=(tests/adapters/verl/own_process/test_*.py)
+# The primary line's first shard (JOBS=2), by folder: the tests that run whole rehearsals or
+# benchmarks (they share the session's pre-trained tiny model, so they stay in one process) and the
+# per-architecture model tests. Every other folder goes to the second shard.
+PRIMARY_SHARD_A=(tests/rehearsal tests/benchmarks tests/models)
 
 # 1. every line's venv, one after another (pip and the vLLM build want both cores)
 for line in $LINES; do
@@ -70,12 +70,10 @@ for line in "${ready[@]}"; do
     if [[ "$line" == "$PRIMARY" ]]; then add_job "$line" "args" 1 USER_ARGS
     else add_job "$line" "args" 0 -m every_line USER_ARGS; fi
   elif [[ "$line" == "$PRIMARY" && "$JOBS" == 2 ]]; then
-    shard_b=()
-    for f in tests/test_*.py; do
-      [[ " ${PRIMARY_SHARD_A[*]} ${OWN_PROCESS[*]} " == *" $f "* ]] || shard_b+=("$f")
-    done
+    shard_b=("${ignore[@]}")
+    for d in "${PRIMARY_SHARD_A[@]}"; do shard_b+=(--ignore "$d"); done
     add_job "$line" "shard a" 1 "${PRIMARY_SHARD_A[@]}"
-    add_job "$line" "shard b" 1 "${shard_b[@]}"
+    add_job "$line" "shard b" 1 "${shard_b[@]}" tests
   elif [[ "$line" == "$PRIMARY" ]]; then
     add_job "$line" "suite" 1 "${ignore[@]}" tests
   else

@@ -33,6 +33,14 @@ if _VLLM_ASCEND_SRC:
         os.environ["PYTHONPATH"] = _VLLM_ASCEND_SRC + (os.pathsep + _pp if _pp else "")
 
 
+import sys  # noqa: E402
+
+# tests/support (shared helpers: `helpers`, `models_checks`, ...) importable from every test folder
+# and from the scripts the tests start (through PYTHONPATH).
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
+
 import logging  # noqa: E402
 
 import pytest  # noqa: E402  (after the environment is fixed)
@@ -121,7 +129,7 @@ def va():
 @pytest.fixture(scope="session")
 def rehearsal_cache(tmp_path_factory):
     """One `npu-flashrl rehearse --cache-dir` for the session: the tiny model is pre-trained by the
-    first rehearsal that runs (tests/test_rehearsal.py in file order) and reused by the others."""
+    first rehearsal that runs (tests/rehearsal/test_rehearsal.py in file order) and reused by the others."""
     return tmp_path_factory.mktemp("rehearsal-cache")
 
 

@@ -1,7 +1,7 @@
 """NPU implementations of the INT8 kernels: the same semantics as `reference`, on torch_npu ops.
 
 Only imported when a tensor lives on an NPU. Not verified on hardware here (no NPU in CI); run
-`pytest tests/test_kernels.py --npu` on an Atlas node to compare against the reference.
+`pytest tests/kernels/test_kernels.py --npu` on an Atlas node to compare against the reference.
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def _per_channel_strips(weight: torch.Tensor, transposed: bool):
     temporary; their count, not the row count, sets the number of operations (a device runs each
     as one kernel launch). Elementwise the same operations as the definition (absmax =
     max(amax, -amin); scale = absmax / 127 or 1.0; q = round_half_even(w / scale) in fp32), so
-    the result is bit-identical to it (tests/test_kernels.py compares the two)."""
+    the result is bit-identical to it (tests/kernels/test_kernels.py compares the two)."""
     rows, cols = weight.shape
     dev = weight.device
     # two reductions: torch's CPU aminmax is ~10x slower than amax and amin on 16-bit floats

@@ -44,7 +44,7 @@ EPLB = {"dynamic_eplb": "dynamic EPLB moves experts between ranks and slots at r
         "expert_map_path": "an expert map turns vllm-ascend's dynamic EPLB on",
         "num_redundant_experts": "redundant experts give a logical expert several physical copies"}
 # the `fn` names that quantize with FlashRL's int8 profile (npu_flashrl.config: FN_INT8 and its
-# FlashRL aliases; tests/test_recipe_preflight.py holds the two together); the profile has no MoE experts
+# FlashRL aliases; tests/recipes/test_recipe_preflight.py holds the two together); the profile has no MoE experts
 PROFILE_FNS = ("int8", "int8_wo_prune", "int8_fast")
 # what to set in the recipe for the combination that works, per verl line
 TIS_RECIPE_FIX = {verl_lines.SYNC: "TIS_BYPASS_MODE=False TIS_USE_POLICY_GRADIENT=False",

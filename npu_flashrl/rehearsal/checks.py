@@ -1,7 +1,7 @@
 """The verdict: the mismatch metric, the INT8 state after every sync and each layer's output error.
 
 Every failing check names the layer(s) and the number. Which fault each check catches (proven by
-tests/test_rehearsal_checks.py, faults from `npu_flashrl.sim.faults`):
+tests/rehearsal/test_rehearsal_checks.py, faults from `npu_flashrl.sim.faults`):
 
 * int8 weights equal the reference quantization: one layer's int8 transposed, a shard left stale
   after a sync, truncation instead of rounding (off by one);
@@ -12,7 +12,7 @@ tests/test_rehearsal_checks.py, faults from `npu_flashrl.sim.faults`):
   shard or of truncation: those only the exact state check sees);
 * the metric (token_mult_prob_error): none of them reliably (scale x0.5 gave 1.047 < 1.05).
 
-MoE (--model Qwen3-MoE, tests/test_rehearsal_moe.py): the same checks cover each fused-MoE layer's
+MoE (--model Qwen3-MoE, tests/rehearsal/test_rehearsal_moe.py): the same checks cover each fused-MoE layer's
 experts (`state_moe.py`); one expert's down_proj scale x0.5 fails the scale check naming the
 expert, a stale expert the int8 check.
 """

@@ -3,5 +3,5 @@ offline models and checkpoint writers, the harness that runs real vLLM / vllm-as
 CPU (emulated torch_npu kernels, HCCL stand-ins), verl's weight transfer in a process of its own.
 
 Fenced off: runtime code (adapters, quant, kernels, lines, config, activation, plugin, patches)
-never imports this package (tests/test_import_structure.py checks it); the rehearsal and the
+never imports this package (tests/deploy/test_import_structure.py checks it); the rehearsal and the
 benchmarks, which drive the simulation on purpose, do."""

@@ -1,7 +1,7 @@
 """TEST SEAM: faults injected into the rehearsal's rollout path, to prove each check can fail
 (part of the simulation: nothing at run time imports it).
 
-Used only by tests (tests/test_rehearsal_checks.py): `NPU_FLASHRL_REHEARSAL_FAULT=<name>` in the
+Used only by tests (tests/rehearsal/test_rehearsal_checks.py): `NPU_FLASHRL_REHEARSAL_FAULT=<name>` in the
 environment of `npu-flashrl rehearse`. Nothing in npu_flashrl or upstream is edited: after the cold
 load, the INT8 rollout model's quantizer is wrapped through the adapter's public `attach` (which
 swaps the loader's quantizer), or the model is tampered with after `end_weight_sync`. A run with a

@@ -20,7 +20,7 @@ from npu_flashrl.sim.tiny_models import build_tiny_qwen2, tiny_qwen2_config
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 # ------------------------------------------------------------------------------ trainer side (HF)

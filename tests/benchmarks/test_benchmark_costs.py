@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from npu_flashrl import lines
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # benchmarks/reload.py --tiny --layers 2: 4.0 MB of bf16 weights per sync (launches, bytes read,
 # bytes written, peak extra bytes)

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.every_line
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def test_moe_reload_benchmark_smoke(tmp_path):

@@ -14,7 +14,7 @@ from npu_flashrl import lines
 pytestmark = pytest.mark.skipif(not lines.verl_server_mode(),
                                 reason="needs verl 0.9's bucketed transfer (current line)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # --tiny --layers 2, per variant and transport: (launches, bytes read, bytes written, peak extra)
 SYNC_TINY = {"a/shm": (29, 4002304, 4002304, 0), "a/ce": (29, 4002304, 4002304, 0),

@@ -37,7 +37,7 @@ from npu_flashrl import config as C
 from npu_flashrl import profile as P
 from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "tests" / "verl_examples"
 FSDP_INT8 = RECIPES / "flash_rl" / "grpo_qwen25_7b_fsdp_int8_A2.sh"
 FSDP_CONFIG = RECIPES / "configs" / "test_grpo_qwen25_7b_fsdp_int8_A2.sh"

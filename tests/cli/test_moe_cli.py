@@ -1,6 +1,6 @@
 """FlashRL's int8 profile on a MoE model is refused where a user first meets it: `profile`,
 `setup --fn int8` and `verify`, each naming the checkpoint file and an expert tensor and pointing
-to fn int8_profile_free (the engine build refuses it too: tests/test_moe_reload.py). The CLI is
+to fn int8_profile_free (the engine build refuses it too: tests/adapters/vllm_ascend/test_moe_reload.py). The CLI is
 called in-process; the tiny Qwen3-MoE checkpoint is built offline; nothing else is stood in."""
 import os
 

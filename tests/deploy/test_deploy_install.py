@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "install_pinned.sh"
 sys.path.insert(0, str(ROOT))
 from npu_flashrl import pins as pins_mod  # noqa: E402

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PKG = "npu_flashrl"
 SIM = ("npu_flashrl.sim", "npu_flashrl.rehearsal")
 NOT_RUNTIME = SIM + ("npu_flashrl.cli",)

@@ -118,7 +118,7 @@ def test_vllm_ascend_quant_modules_import(torch_npu):
 def _run_fresh(code: str, extra_path: str = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     parts = [p for p in (extra_path, repo, env.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,

@@ -2,7 +2,7 @@
 `npu-flashrl verify --verl-overrides`) and at the engine build (explicit dtype, and dtype "auto"
 once vLLM resolved it): vllm-ascend's W8A8_DYNAMIC linear would call torch_npu.npu_quant_matmul
 with a float16 scale and a per-token scale, which the op's table does not accept (the emulation
-refuses that call: tests/test_vllm_ascend_methods.py).
+refuses that call: tests/adapters/vllm_ascend/test_vllm_ascend_methods.py).
 
 Stand-ins: vLLM's EngineArgs / VllmConfig as namespaces carrying the fields npu_flashrl reads
 (the engine build itself needs an NPU); the verl config as the dict verl's Hydra overrides give."""

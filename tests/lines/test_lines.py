@@ -195,7 +195,7 @@ def test_one_table_names_the_lines():
 
     labels = [ln.label for ln in lines.LINES]
     assert len(set(labels)) == len(labels)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     for label in labels:
         assert os.path.isfile(os.path.join(root, "requirements", f"cpu-stack-{label}.txt")), label
         assert lines.by_label(label).label == label

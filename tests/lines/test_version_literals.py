@@ -24,7 +24,7 @@ import pytest
 
 from npu_flashrl import lines
 
-ROOT = Path(__file__).resolve().parents[1] / "npu_flashrl"
+ROOT = Path(__file__).resolve().parents[2] / "npu_flashrl"
 EXEMPT = ("lines/",)
 
 PENDING = {

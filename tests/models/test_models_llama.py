@@ -79,7 +79,7 @@ def test_llama_int8_wire_commits_the_trainers_int8_as_a_fresh_load(va, llama):
     """The INT8 wire's receiving end (trainer stream through `quant.wire.int8_wire`, delivered
     in random buckets): every Llama projection travels as int8 + scale, the rollout quantizes
     nothing again, the state equals a fresh INT8 load. (verl's sender process is driven in
-    tests/test_int8_wire.py for Qwen2; the names and shapes here are what differs.)"""
+    tests/adapters/vllm_ascend/test_int8_wire.py for Qwen2; the names and shapes here are what differs.)"""
     from models_checks import wire_syncs
 
     dirs, models = llama

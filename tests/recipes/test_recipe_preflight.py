@@ -118,7 +118,7 @@ def test_profile_fns_are_the_configs_int8_aliases():
 
 def test_checkpoint_engines_are_verls_registry():
     """The backend names the preflight accepts are what verl 0.9.1 registers (read from its source)."""
-    from test_deploy_recipes import schema_dir_091
+    from test_recipes import schema_dir_091
 
     found = set()
     for root, _, files in os.walk(os.path.join(schema_dir_091(), "checkpoint_engine")):
@@ -339,7 +339,7 @@ def test_launch_phase_lints_against_the_installed_verl_of_the_line(monkeypatch):
     """A misspelt key is refused before anything starts when the installed verl runs the recipe's
     line; with another line's verl installed the lint is skipped and said (a real run then refuses
     the line itself)."""
-    from test_deploy_recipes import schema_dir_091
+    from test_recipes import schema_dir_091
 
     config_dir = os.path.join(schema_dir_091(), "trainer", "config")  # skip without verl 0.9.1's yaml
     monkeypatch.setattr(verl_lines, "verl_line", lambda *a, **k: SERVER)

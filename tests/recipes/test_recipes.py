@@ -4,7 +4,7 @@
 Two lines of recipes: the pinned ones (verl 51d2104, rollout.mode=sync) and the `*_verl09` ones (verl
 0.9.1 server mode), one code path in common.sh switched by RECIPE_LINE. The rules themselves (every
 variable's type and range, layouts, the verl lines' TIS / server-mode / MoE rules) are npu_flashrl's
-preflight, tested by calling it directly in tests/test_recipe_preflight.py; here the recipes are
+preflight, tested by calling it directly in tests/recipes/test_recipe_preflight.py; here the recipes are
 spawned only to show their commands and that they stop. The lint checks every override against the
 config schema of the recipe's verl: 51d2104's yaml from its source tree (tests/conftest.py
 `upstream_tree`, NPU_FLASHRL_UPSTREAM), 0.9.1's from the current line's venv (`.venvs/current`,
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_UPSTREAM, upstream_tree  # noqa: E402  (tests/conftest.py: ../shared/upstream or skip)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "tests" / "verl_examples"
 FSDP_INT8 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_int8_A2.sh"
 FSDP_BF16 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_bf16_A2.sh"
@@ -54,7 +54,7 @@ MEGMOE_INT8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_int8_A3_verl09.sh"
 MEGMOE_BF16 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_bf16_A3_verl09.sh"
 MEGMOE_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_int8_A3_verl09.sh"
 MEGMOE_BF16_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_bf16_A3_verl09.sh"
-# the rollout on NPUs of its own (verl 0.9.1's experimental trainers; test_deploy_recipes_async.py)
+# the rollout on NPUs of its own (verl 0.9.1's experimental trainers; test_recipes_async.py)
 ASYNC_ENTRIES = [EX / "flash_rl" / f"grpo_qwen25_7b_fsdp_{p}_A2_{m}.sh"
                  for p in ("int8", "bf16") for m in ("one_step_off", "fully_async")]
 V09_ENTRIES = [V09_INT8, V09_BF16, MOE_INT8, MOE_BF16, MEG32_INT8, MEG32_BF16, MEGMOE_INT8, MEGMOE_BF16, *ASYNC_ENTRIES]
@@ -157,7 +157,7 @@ def test_fsdp_int8_dry_run_prepares_profile_config_and_prints_launch(inputs):
         "algorithm.rollout_correction.rollout_is": "sequence",
         "algorithm.rollout_correction.rollout_is_threshold": "2.0",
         "algorithm.rollout_correction.rollout_is_batch_normalize": "True",
-        # not the published recipe's True/True: that does no TIS at verl 51d2104 (test_verl_51d2104_tis.py)
+        # not the published recipe's True/True: that does no TIS at verl 51d2104 (test_sync_mode_pinned_tis.py)
         "algorithm.rollout_correction.bypass_mode": "False",
         "algorithm.rollout_correction.use_policy_gradient": "False",
         "trainer.n_gpus_per_node": "8",
@@ -336,7 +336,7 @@ def test_verl09_int8_dry_run_server_mode_with_env_overrides(inputs):
     assert not any(k.endswith("rollout.mode") for k in ov), ov
     assert ov[BUCKET_KEY] == "512"
     # TIS: decoupled mode at token level, the combination verl 0.9.1 multiplies into the loss
-    # (tests/test_verl091_tis.py); 0.9.1 has no use_policy_gradient key
+    # (tests/adapters/verl/test_verl_server_tis.py); 0.9.1 has no use_policy_gradient key
     rc = {k: v for k, v in ov.items() if k.startswith("algorithm.rollout_correction.")}
     assert rc == {"algorithm.rollout_correction.rollout_is": "token",
                   "algorithm.rollout_correction.rollout_is_threshold": "3.0",
@@ -429,7 +429,7 @@ def test_verl09_megatron_recipes(inputs, script, sizes):
 
 def test_verl09_recipe_tis_is_the_adapters(inputs):
     """The recipe's TIS overrides are npu_flashrl.adapters.verl.tis_overrides(verl="0.9") (whose
-    combination tests/test_verl091_tis.py runs through verl 0.9.1's own driver and loss code), and
+    combination tests/adapters/verl/test_verl_server_tis.py runs through verl 0.9.1's own driver and loss code), and
     the adapter's driver-side checks accept the whole command (no verl imported: keys only)."""
     from npu_flashrl.adapters import verl as ad
 
@@ -465,7 +465,7 @@ def test_verl09_help_is_its_own(inputs):
     ({"UPDATE_WEIGHTS_BUCKET_MB": "2GB"}, (), "UPDATE_WEIGHTS_BUCKET_MB must be an integer >= 1"),
 ], ids=["override", "shell-env", "tis", "pinned-only-variable", "variable"])
 def test_verl09_preflight_refusals(v09, env, extra, needle):
-    """A refusal of the preflight (the rules: tests/test_recipe_preflight.py) stops the recipe: exit 1,
+    """A refusal of the preflight (the rules: tests/recipes/test_recipe_preflight.py) stops the recipe: exit 1,
     the message, nothing printed to launch."""
     proc = run(V09_CONFIG, dict(v09["env"], **env), "--dry-run", *extra)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from test_deploy_recipes import (EX, inputs, lint_overrides, overrides_of, parse_command, run,  # noqa: F401
+from test_recipes import (EX, inputs, lint_overrides, overrides_of, parse_command, run,  # noqa: F401
                                  schema_dir_091, verl_command)
 
 CFG = EX / "configs"

@@ -7,7 +7,7 @@ Run 1 pre-trains the tiny model into the session's cache (profile-free mode, 3 v
 unless another rehearsal test ran first and trained it); run 2 uses the same cache in profile mode
 with an impossible --max-error, so it must not retrain, must exercise `npu-flashrl profile` + the
 w8a8 checkpoint, and must exit 1 with only that check failing (the INT8 state checks pass in profile
-mode too). The faults each state check catches: tests/test_rehearsal_checks.py.
+mode too). The faults each state check catches: tests/rehearsal/test_rehearsal_checks.py.
 Bad --model directories are checked in-process (they fail before anything process-global happens).
 """
 import json
@@ -257,7 +257,7 @@ def test_bad_model_already_quantized(tmp_path, capsys):
 def test_bad_max_layer_error_is_refused_before_anything_starts(tmp_path, capsys, value):
     from npu_flashrl import cli
 
-    # a usage error: argparse refuses it (exit 2, as every bad option value; see tests/test_bad_input.py)
+    # a usage error: argparse refuses it (exit 2, as every bad option value; see tests/cli/test_bad_input.py)
     with pytest.raises(SystemExit) as info:
         cli.main(["rehearse", "--max-layer-error", value, "--output-dir", str(tmp_path / "out")])
     assert info.value.code == 2
@@ -269,7 +269,7 @@ def test_transport_verl_refused_where_verl_has_no_bucketed_sync(tmp_path, capsys
     from npu_flashrl import cli, lines
 
     if lines.verl_server_mode():
-        pytest.skip("verl with bucketed syncs installed: --transport verl runs (tests/test_rehearsal_current.py)")
+        pytest.skip("verl with bucketed syncs installed: --transport verl runs (tests/rehearsal/test_rehearsal_current.py)")
     code = cli.main(["rehearse", "--transport", "verl", "--output-dir", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1

@@ -25,7 +25,7 @@ from npu_flashrl import lines
 pytestmark = [pytest.mark.every_line,
               pytest.mark.skipif(not lines.verl_server_mode(), reason="needs verl 0.9.1 (server-mode bucketed syncs)")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 _DRIVER = r"""
 import json, os, sys

@@ -31,7 +31,7 @@ import torch
 from npu_flashrl import lines
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LAYERS, EXPERTS, HIDDEN, MOE_I = 2, 8, 128, 96
 EXPERT_LAYERS = {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)}
 L0 = "model.layers.0.mlp.experts"

@@ -3,7 +3,7 @@
 Stand-in: a minimal W8A8 layer (int8 weight in vllm-ascend's processed [in, out] layout, bf16
 weight_scale, weight_offset, weight_scale_fp32, a dequantizing forward) instead of a vLLM model, so
 one int8 value can be set exactly on or off a .5 tie. The whole check on the real vLLM / vllm-ascend
-layers runs in tests/test_rehearsal.py and tests/test_rehearsal_checks.py.
+layers runs in tests/rehearsal/test_rehearsal.py and tests/rehearsal/test_rehearsal_checks.py.
 """
 import types
 

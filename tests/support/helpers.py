@@ -29,7 +29,7 @@ def hf_weights(model, dtype=None):
             for n, p in model.named_parameters()]
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"  # the rehearsal's fault seam (npu_flashrl.sim.faults)
 
 

@@ -1,4 +1,4 @@
-"""What tests/test_verl091_megatron_engine.py runs inside each trainer-rank process on verl 0.9.1's
+"""What tests/adapters/megatron/test_megatron_engine.py runs inside each trainer-rank process on verl 0.9.1's
 Megatron engine (`{"call": "megatron_rank_calls:<fn>"}`, see npu_flashrl/sim/megatron_engine.py).
 Every function takes the engine and returns JSON-able facts for the test to assert on; none of
 them asserts itself (a failed rank would hang the other one in a collective).
@@ -172,7 +172,7 @@ def tis_loss(engine, overrides, seed=0):
 
 
 def mindspeed_repatch(engine, seed=0):
-    """What MindSpeed's repatch left in place (stand-in adaptor, tests/mindspeed_standin.py)."""
+    """What MindSpeed's repatch left in place (stand-in adaptor, tests/support/mindspeed_standin.py)."""
     import mindspeed.megatron_adaptor as adaptor
     from megatron.core.models.gpt.gpt_model import GPTModel
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine

@@ -1,8 +1,8 @@
 """Fresh process standing in for verl 0.9's `vLLMHttpServer` Ray actor (run by
-tests/test_verl_server.py, not collected by pytest).
+tests/adapters/verl/test_verl_server.py, not collected by pytest).
 
-    python tests/verl_server_engine.py MODEL_DIR OUT_DIR SCENARIOS_JSON
-    python tests/verl_server_engine.py --worker VLLM_CONFIG_PKL
+    python tests/support/verl_server_engine.py MODEL_DIR OUT_DIR SCENARIOS_JSON
+    python tests/support/verl_server_engine.py --worker VLLM_CONFIG_PKL
 
 Each scenario `{"name", "replica_rank", "quantization"}` builds verl's real `vLLMHttpServer`
 (its `__init__`, `launch_server` and `run_server`) and records the VllmConfig that verl's

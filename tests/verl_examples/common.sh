@@ -273,7 +273,7 @@ grpo_defaults() {
   ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-False}"
   ACTOR_OPTIMIZER_OFFLOAD="${ACTOR_OPTIMIZER_OFFLOAD:-False}"
   # pinned: sequence level as the published Ascend INT8 recipe; current: token level, the combination
-  # tests/test_verl091_tis.py runs through verl 0.9.1's own driver and loss code (sequence works too).
+  # tests/adapters/verl/test_verl_server_tis.py runs through verl 0.9.1's own driver and loss code (sequence works too).
   local tis_level_default=sequence line_suffix=""
   if [[ "$RECIPE_LINE" == current ]]; then tis_level_default=token line_suffix=_verl09; fi
   TIS_LEVEL="${TIS_LEVEL:-$tis_level_default}"

@@ -45,8 +45,8 @@ ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 PATCH_ENGINE_CHECKS = "megatron_engine_checks"
 PATCH_ENGINE_LMHEAD = "megatron_engine_lmhead_fp32"
 ENGINE_PATCHES = (PATCH_ENGINE_CHECKS, PATCH_ENGINE_LMHEAD)
-# what the current line's INT8 reload takes from server-mode verl's engine (tests/test_verl_server.py,
-# tests/test_verl091_megatron_engine.py)
+# what the current line's INT8 reload takes from server-mode verl's engine (tests/adapters/verl/test_verl_server.py,
+# tests/adapters/megatron/test_megatron_engine.py)
 INT8_ARCHITECTURES = DENSE_ARCHITECTURES + ("Qwen3MoeForCausalLM",)
 VERIFIED_BRIDGE = "mbridge (vanilla_mbridge=True)"
 

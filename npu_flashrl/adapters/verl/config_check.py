@@ -138,8 +138,8 @@ def tis_overrides(level: Optional[str] = "token", threshold: float = 2.0, *,
     Always decoupled mode, the combination that multiplies the truncated IS weights into the loss
     on both lines (see :func:`check_tis`; asking for another one raises :class:`TisConfigError`):
     ``bypass_mode=False`` is written out, at 51d2104 also ``use_policy_gradient=False``. The recipes'
-    ``algorithm.rollout_correction.*`` overrides are these (tests/test_verl_51d2104_tis.py and
-    tests/test_verl091_tis.py run them through verl's own loss code).
+    ``algorithm.rollout_correction.*`` overrides are these (tests/adapters/verl/own_process/test_sync_mode_pinned_tis.py and
+    tests/adapters/verl/test_verl_server_tis.py run them through verl's own loss code).
 
     ``level``: "token" | "sequence" | None (None writes ``rollout_is=null``, TIS off). Options left at
     None are not written (verl's default stays). ``rs``: at 51d2104 "token" | "sequence" |

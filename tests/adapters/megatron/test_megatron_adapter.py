@@ -17,7 +17,7 @@
 * Architectures the INT8 reload does not handle (DeepSeek-V3 / MLA shapes) get one "INT8 rollout does
   not support <arch>" error, never a dense-formula shape error.
 
-verl 51d2104's own worker modules and Hydra config: tests/test_megatron_verl_pin.py.
+verl 51d2104's own worker modules and Hydra config: tests/adapters/megatron/test_megatron_verl_pin.py.
 """
 import importlib.util
 import json
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on ever
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("megatron-core is not in this stack line", allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 def run_py(code, *, path_prefix=(), env=None, check=True):

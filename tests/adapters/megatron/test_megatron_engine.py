@@ -7,7 +7,7 @@ bridge, and for each sync loads the next checkpoint (the trainer's weights after
 runs `get_per_tensor_param` (mbridge's `export_weights`: TP all-gather over gloo, q/k/v and
 gate/up split, HF names). Rank 0 streams it with verl's real `BucketedWeightSender` into verl's
 real `update_weights_from_ipc` in this process, on a vLLM model built on vllm-ascend's
-W8A8_DYNAMIC layers through npu_flashrl (the harness of tests/test_verl_server.py). The same for a
+W8A8_DYNAMIC layers through npu_flashrl (the harness of tests/adapters/verl/test_verl_server.py). The same for a
 tiny Qwen3-MoE with expert parallel 2 (mbridge's EP all-gather; vllm-ascend's W8A8_DYNAMIC
 fused-MoE layers on the receiver).
 
@@ -15,7 +15,7 @@ Stand-ins: the engine's are listed in `npu_flashrl/sim/megatron_engine.py` (CPU 
 CPU RNG tracker, `torch.cuda.current_device`/`Module.cuda`, megatron-core's local layer spec
 instead of TransformerEngine with mbridge reading its norm names, peft/datasets stubs, the engine
 built `forward_only` (no optimizer: it allocates on 'cuda'), mbridge instead of Megatron-Bridge
-(needs Python >= 3.12)); the receiver's in tests/test_verl_server.py (verl's device helpers in
+(needs Python >= 3.12)); the receiver's in tests/adapters/verl/test_verl_server.py (verl's device helpers in
 the transfer, the vLLM worker object, plain attention, emulated torch_npu).
 
 megatron-core and mbridge are not in the current line's venv (the pinned-line Megatron tests
@@ -46,7 +46,8 @@ from test_verl_server import (SHAPE, _assert_state, _build, _fresh_state, _need_
                               _split_layers, _worker, int8_ready)  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+SUPPORT = os.path.join(ROOT, "tests", "support")
 PREFIX = "@npu_flashrl@ "
 TIMEOUT_S = 600
 BUCKET_BYTES = 1 << 20
@@ -74,7 +75,7 @@ class EngineRanks:
                  engine="megatron", path=(), pp=1):
         overlay = megatron_overlay()
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
-                   PYTHONPATH=os.pathsep.join(p for p in (*path, ROOT, HERE, overlay,
+                   PYTHONPATH=os.pathsep.join(p for p in (*path, ROOT, SUPPORT, overlay,
                                                           os.environ.get("PYTHONPATH")) if p))
         env.pop("FLASHRL_CONFIG", None)
         env.update(environ or {})
@@ -244,7 +245,7 @@ def test_tis_reaches_the_megatron_loss(megatron_rig):
     import torch
 
     from npu_flashrl.adapters import verl as ad
-    from test_verl091_tis import _masked_mean, _ppo_clip_per_token
+    from test_verl_server_tis import _masked_mean, _ppo_clip_per_token
 
     overrides = [*ad.tis_overrides(verl="0.9"), *SIZES]
     ranks = megatron_rig["ranks"]
@@ -290,7 +291,7 @@ def _tis_actor_config(overrides):
 
 def test_patches_survive_mindspeed_repatch(megatron_rig, tmp_path):
     """verl 0.9.1's NPU engine, `MindspeedEngineWithLMHead`, with a stand-in MindSpeed adaptor
-    (tests/mindspeed_standin.py: patches Megatron attributes at import, `repatch` removes and
+    (tests/support/mindspeed_standin.py: patches Megatron attributes at import, `repatch` removes and
     re-applies them) and FLASHRL_LMHEAD_FP32=1. verl's `_init_device_mesh` runs `repatch` with
     its config; npu_flashrl's engine patches (on verl's classes) are still in place afterwards,
     the fp32 head (set on the built output_layer after the repatch) computes fp32 logits and

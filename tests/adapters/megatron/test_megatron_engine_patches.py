@@ -1,7 +1,7 @@
 """The checks npu_flashrl's patch `megatron_engine_checks` runs in verl 0.9's Megatron engine
 `__init__` (adapters/megatron/engine_patches.py), on plain config objects (what verl hands the engine:
 its HFModelConfig's `hf_config`, its McoreEngineConfig's fields). verl's own engine runs with
-the patches in tests/test_verl091_megatron_engine.py. No stand-ins beyond the config objects."""
+the patches in tests/adapters/megatron/test_megatron_engine.py. No stand-ins beyond the config objects."""
 import logging
 import types
 

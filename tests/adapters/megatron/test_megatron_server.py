@@ -1,6 +1,6 @@
 """verl 0.9 + Megatron actor + FLASHRL_CONFIG at the driver check: accepted (verl 0.9.1's Megatron engine is supported), with what
 stays refused named. The engine itself (export into the INT8 rollout, fp32 head, TIS) runs in
-tests/test_verl091_megatron_engine.py; this file reads verl 0.9.1's own generated trainer configs
+tests/adapters/megatron/test_megatron_engine.py; this file reads verl 0.9.1's own generated trainer configs
 (`ppo_megatron_trainer` and the FSDP default) and the engine's source text, and builds no
 model. No stand-ins.
 """

@@ -47,7 +47,7 @@ pytestmark = pytest.mark.every_line
 
 from conftest import upstream_tree  # noqa: E402  (tests/conftest.py: ../shared/upstream or skip)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EX = ROOT / "tests" / "verl_examples"
 
 

@@ -46,7 +46,7 @@ def _has_manager():
 
 
 def _env(extra=None):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
            "VLLM_PLUGINS": "none", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "1", "RANK": "0",
@@ -271,7 +271,7 @@ def test_int8_wire_fault_refused_sender_finishes(rig, fault):
     assert time.monotonic() - t0 < TIMEOUT_S  # a hang would end in the gloo timeout, not a WeightSyncError
     assert "WeightSyncError" in str(err.value) and ("NaN" in str(err.value)) == (fault == "wire_nan")
     # the layer's INT8 tensors are not committed (its float bias is, and the model then refuses
-    # to generate until a complete sync: tests/test_verl_server.py)
+    # to generate until a complete sync: tests/adapters/verl/test_verl_server.py)
     qkv = [f"model.layers.1.self_attn.qkv_proj.{t}" for t in ("weight", "weight_scale",
                                                               "weight_scale_fp32")]
     after = _state(rig)

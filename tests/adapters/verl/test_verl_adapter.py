@@ -17,7 +17,7 @@ sync_schema = pytest.mark.skipif(
     lines.verl_line() != lines.verl_line("pinned"),
     reason="the sync-mode verl schema (use_policy_gradient, rollout_rs=token, "
            "compute_policy_loss_with_rollout_correction); the installed verl is server-mode: "
-           "tests/test_verl091_tis.py / test_verl091_metrics.py")
+           "tests/adapters/verl/test_verl_server_tis.py / test_verl_server_metrics.py")
 
 try:  # verl.utils.profiler imports codetiming (a pure-Python timer) that the CPU stack may lack;
     import codetiming  # noqa: F401  -- none of the functions tested here time anything

@@ -21,7 +21,7 @@ over several buckets. Stand-ins, each for something that needs a GPU/NPU:
 - MoE: the torch_npu / vllm-ascend fused-MoE kernels are the emulation's reference kernels
   (`kernels.moe_reference`), the HCCL name of vllm-ascend's mc2 group and the expert-parallel
   group of a process that built a dense model first are the CPU harness's (`cpu_vllm`).
-The engine-build test's stand-ins are listed in tests/verl_server_engine.py.
+The engine-build test's stand-ins are listed in tests/support/verl_server_engine.py.
 """
 import json
 import os
@@ -42,7 +42,7 @@ pytestmark = [
                        reason="needs verl with server-mode bucketed syncs (0.7.1+, e.g. 0.9.1)"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 # hidden 256 / intermediate 704: one decoder layer is ~1.4 MB of bf16, so 1 MB buckets split
 # fused layers (gate/up, q/k/v) across buckets.
 SHAPE = dict(hidden_size=256, intermediate_size=704)
@@ -357,7 +357,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     process that builds the model, and verl's own rollout.quantization next to FLASHRL_CONFIG is
     refused; in a fresh worker process vLLM's own init_worker activates npu_flashrl and mixes in
     the wrapped extension (the CPU worker's constructor needs vllm._C and is not run to the end).
-    Stand-ins: see tests/verl_server_engine.py, plus emulated torch_npu in every process (a
+    Stand-ins: see tests/support/verl_server_engine.py, plus emulated torch_npu in every process (a
     sitecustomize on the subprocess's path)."""
     from importlib.metadata import entry_points
 
@@ -380,7 +380,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     env = _env()
     env.update(FLASHRL_CONFIG=str(cfg), VLLM_PLUGINS="npu_flashrl", NPU_FLASHRL_NO_AUTOACTIVATE="1",
                PYTHONPATH=os.pathsep.join((env["PYTHONPATH"], str(site))))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "verl_server_engine.py"),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support", "verl_server_engine.py"),
                            model_dir, str(tmp_path), json.dumps(scenarios)], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     missing = [l for l in proc.stdout.splitlines() if l.startswith("MISSING ")]
@@ -403,7 +403,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
 
     # a fresh process as vLLM's executor spawns for a worker, same environment: vLLM's own
     # init_worker loads the plugin, and the extension it mixes in has the wrapped sync
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "verl_server_engine.py"),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support", "verl_server_engine.py"),
                            "--worker", str(tmp_path / "replica1.pkl")], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("WORKER ")]

@@ -2,7 +2,7 @@
 worker extension, `distributed_executor_backend="mp"`): entry per VERL_REPLICA_RANK, the choice
 recorded in `additional_config["npu_flashrl"]`, refusals. Plain engine-argument objects stand in
 for vLLM's EngineArgs (this runs on every line, verl 0.9 or not; the real verl server path is
-tests/test_verl_server.py::test_engine_build_through_verl_server)."""
+tests/adapters/verl/test_verl_server.py::test_engine_build_through_verl_server)."""
 import types
 
 import pytest

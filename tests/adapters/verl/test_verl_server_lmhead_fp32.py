@@ -42,7 +42,8 @@ pytestmark = [
 ]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+SUPPORT = os.path.join(ROOT, "tests", "support")
 
 
 # ------------------------------------------------------------------------ the child process
@@ -150,7 +151,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("role", ["actor", "ref"])
 def test_fsdp_engine_logits_fp32(model_dir, role):
-    code = (f"import json, sys; sys.path.insert(0, {HERE!r}); import test_verl091_lmhead_fp32 as t; "
+    code = (f"import json, sys; sys.path[:0] = [{HERE!r}, {SUPPORT!r}]; import test_verl_server_lmhead_fp32 as t; "
             f"print('RESULT ' + json.dumps(t.child({model_dir!r}, {role!r}, {_free_port()})))")
     env = dict(os.environ, FLASHRL_LMHEAD_FP32="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))

@@ -31,7 +31,7 @@ pytestmark = [
 
 from npu_flashrl.adapters import verl as ad  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 B, T = 4, 8
 
 

@@ -2,12 +2,12 @@
 
 verl's real `BucketedWeightSender` runs in its own process (`npu_flashrl.sim.verl_transfer`)
 and verl's real `vLLMColocateWorkerExtension.update_weights_from_ipc` (npu_flashrl's patches
-applied) in this one, over shared memory, as in tests/test_verl_server.py. What the sender sends
+applied) in this one, over shared memory, as in tests/adapters/verl/test_verl_server.py. What the sender sends
 is the trainer's stream through `npu_flashrl.quant.wire.int8_wire` (int8 + fp32 [out, 1] scale
 under W8A8_DYNAMIC names), the same stream the trainer-side patch produces in verl's
-`ActorRolloutRefWorker.update_weights` (tests/test_checkpoint_engine.py drives that one).
+`ActorRolloutRefWorker.update_weights` (tests/adapters/verl/test_checkpoint_engine.py drives that one).
 
-Stand-ins (each for something that needs a GPU/NPU), as in tests/test_verl_server.py: the
+Stand-ins (each for something that needs a GPU/NPU), as in tests/adapters/verl/test_verl_server.py: the
 FSDP-wrapped actor (its unwrapped state dict, `verl_transfer.fsdp_engine_params` for the MoE),
 verl's device helpers in the bucket transfer (`verl_transfer.use_cpu_device`), the vLLM worker
 object the extension is mixed into (`verl_transfer.make_worker`), torch_npu (emulated; the

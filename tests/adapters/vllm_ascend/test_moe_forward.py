@@ -7,7 +7,7 @@ tiny random checkpoint (2 layers, 8 experts, top-2; the router `mlp.gate` stays 
 
 Stand-ins (all from `npu_flashrl.sim.cpu_vllm`, none touches the MoE arithmetic):
 - torch_npu / torchair: the emulation (`kernels.emulation`); the ops the MoE path calls are the
-  reference kernels of `kernels.moe_reference` (tests/test_emulation_moe.py checks each by
+  reference kernels of `kernels.moe_reference` (tests/kernels/test_emulation_moe.py checks each by
   hand), vllm-ascend's compiled `_C_ascend` MoE ops get the same kernels, the NPU stream is one
   in-order stream;
 - vLLM's CPU platform accepting "ascend"; gloo for HCCL: the mc2 group has no HCCL

@@ -26,7 +26,7 @@ from npu_flashrl.adapters import verl as ad
 pytestmark = pytest.mark.every_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RECIPES = os.path.join(HERE, "verl_examples", "configs")
+RECIPES = os.path.join(HERE, "..", "..", "..", "verl_examples", "configs")
 RC = "algorithm.rollout_correction."
 
 # The recipes' TIS settings (tests/verl_examples/common.sh defaults).
