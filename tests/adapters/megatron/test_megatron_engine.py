@@ -42,6 +42,9 @@ pytestmark = [
 ]
 
 from helpers import forward_tensors, restore_environ, set_verl_replica_env  # noqa: E402
+
+# The server-mode engine build and state checks are tests/adapters/verl's (one copy, imported here).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "verl"))
 from test_verl_server import (SHAPE, _assert_state, _build, _fresh_state, _need_int8,  # noqa: E402
                               _split_layers, _worker, int8_ready)  # noqa: F401
 
