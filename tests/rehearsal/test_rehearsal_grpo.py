@@ -3,15 +3,18 @@ rollouts sampled from the bf16 / INT8 / INT8+fp32head vLLM rollout models.
 
 End to end (current line: vLLM / vllm-ascend 0.23 + verl 0.9.1, syncs through verl's bucketed transfer;
 0.11 line: vLLM / vllm-ascend 0.11 + verl 0.6.1, in-process load_weights): one subprocess runs
-`rehearse --grpo --quick` with spies on verl's modules (each spy counts the call and delegates to
+`rehearse --grpo --quick --positive-control` with spies on verl's modules (each spy counts the call and delegates to
 verl's function), then two faulted runs of the rehearsal's fault seam (halved weight scales, a stale
 shard; --seeds 1 --steps 2 --no-controls, in the same process after the healthy run). Asserted: the
 healthy run passes every check of the real variants (bf16 learns, int8+tis trains like bf16 paired
-over seeds on the whole curve and the held-out score, TIS weights in the loss and equal to the
+over seeds on the held-out score, its detectable difference from the noncentral t with the SE under
+an effect, the 0.75x-lr power probe caught or covered, TIS weights in the loss and equal to the
 truncated ratio, rollout log-probs the rollout's own, the INT8 state after every sync), each
 negative control of the rehearsal (inverted TIS ratio, TIS weights forced to 1, rollout log-probs
 from the trainer, stale rollout weights, the slow learner) fails the check it names, and report.json
 / grpo.png carry rewards, held-out scores, paired differences with intervals and the controls;
+the positive control's settings ran in the run (the --quick size: 2 seeds x 2 steps) and report
+their comparisons with per-seed values, and scripts/readme_grpo.py renders the report's own figures;
 verl's functions are what ran, as often as the run says; each fault fails the INT8 state check that
 sees it, naming the layers.
 
@@ -364,7 +367,7 @@ def test_quick_preset_matches_this_test():
 def test_grpo_options_are_refused_without_grpo(tmp_path):
     from npu_flashrl import cli
 
-    for extra in (["--quick"], ["--seeds", "2"], ["--no-controls"]):
+    for extra in (["--quick"], ["--seeds", "2"], ["--no-controls"], ["--positive-control"]):
         code = cli.main(["rehearse", *extra, "--output-dir", str(tmp_path)])
         assert code != 0
 
@@ -554,3 +557,38 @@ def test_heldout_prompts_are_none_of_the_training_prompts():
     # the stream is fixed by the seed: the same prompts for every variant and run
     again, _ = heldout.heldout_prompts(task, s, base_seed=0)
     assert torch.equal(prompts, again)
+
+
+@pytest.mark.every_line
+@needs_line
+def test_readme_figures_render_from_the_quick_report(grpo_runs):
+    """scripts/readme_grpo.py on this run's report.json: every figure it renders is the report's own
+    (the README's block is the same rendering of a default run's report: test_rehearsal_grpo_power)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_grpo", os.path.join(ROOT, "scripts", "readme_grpo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = grpo_runs["reports"]["healthy"]
+    fig = mod.extract(r)
+    g = r["grpo"]
+    assert fig["command"] == "npu-flashrl rehearse --grpo --quick --positive-control"
+    assert fig["cpu_s"] == r["timings"]["cpu_s"] and fig["children_cpu_s"] == r["timings"]["children_cpu_s"]
+    h = g["paired"]["int8+tis"]["heldout"]
+    assert fig["paired"]["int8+tis"]["heldout"]["diff"] == h["diff"] and fig["paired"]["int8+tis"]["heldout"]["mdd"] == h["mdd"]
+    text = mod.render(fig)
+    lo, hi = h["ci"]
+    assert f"`int8+tis` - bf16, held-out {h['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] (smallest detectable {h['mdd']:.3f})" in text
+    assert f"{r['timings']['cpu_s']:.0f} s of CPU" in text
+    sharper = g["positive_control"]["settings"]["sharper_rollout"]["heldout"]["int8+tis - int8"]
+    assert f"`int8+tis` - `int8` {sharper['diff']:+.3f}" in text and "`--quick` size, nothing resolved" in text
+    # the script writes a README block and the figures file from the report, and --check then agrees
+    readme = grpo_runs["root"] / "README.md"
+    readme.write_text("intro\n" + mod.BEGIN + "stale\n" + mod.END + "\nrest\n")
+    figures = grpo_runs["root"] / "figures.json"
+    report_path = grpo_runs["root"] / "healthy" / "report.json"
+    assert mod.main([str(report_path), "--readme", str(readme), "--figures", str(figures)]) == 0
+    assert mod.block(readme.read_text()) == text and readme.read_text().endswith(mod.END + "\nrest\n")
+    assert mod.main(["--check", "--readme", str(readme), "--figures", str(figures)]) == 0
+    readme.write_text(readme.read_text().replace(f"{h['diff']:+.3f}", "+9.999"))
+    assert mod.main(["--check", "--readme", str(readme), "--figures", str(figures)]) == 1

@@ -78,7 +78,7 @@ def test_paired_mdd_uses_the_larger_se_and_says_which():
     assert wide["mdd"] == pytest.approx(10 * own["mdd"]) and wide["power_se_source"] == "the slow learner's"
     assert wide["ci"] == own["ci"]  # the interval stays the comparison's own
     smaller = stats.paired(var, ref, 0.975, power_se=own["se"] / 2, power_se_source="x")
-    assert smaller["mdd"] == pytest.approx(own["mdd"])
+    assert smaller["mdd"] == pytest.approx(own["mdd"]) and smaller["power_se_source"].startswith("this comparison")
 
 
 def _t_stat(num, den, r):

@@ -4,9 +4,12 @@ On the real variants:
 * learning: bf16's reward starts neither near 0 nor near 1 and rises by at least the margin of
   `report.summarize`; bf16's trained policies beat the pre-trained one on the held-out prompts
   (paired interval above 0);
-* tracking: each TIS variant trains like bf16: neither the paired difference of the whole reward
-  curve (mean over all steps) nor of the held-out score is detected (its confidence interval, level
-  split over the comparisons, contains 0); the minimum detectable difference is printed beside it;
+* tracking: each TIS variant trains like bf16: the paired difference of the held-out score (the
+  primary outcome) is not detected (its confidence interval, level split over the tracked variants,
+  contains 0); the minimum detectable difference is printed beside it, and the whole-curve difference
+  as secondary (it scores the rollout's own samples);
+* power: the 0.75x-lr probe is caught, or its held-out effect is within each tracked variant's
+  printed detectable difference;
 * TIS: in every step of a TIS variant verl's loss got `rollout_is_weights`, not all 1, changing the
   loss; the weights are min(pi_trainer / pi_rollout, 2) of the two models' own log-probs; the
   variants without TIS passed none;

@@ -19,6 +19,7 @@ fraction), bisected; the noncentral t from its defining integral over the chi di
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -131,8 +132,10 @@ def power_two_sided(delta: float, df: int, level: float) -> float:
     return 1.0 - noncentral_t_cdf(t_ci, df, delta) + noncentral_t_cdf(-t_ci, df, delta)
 
 
+@functools.lru_cache(maxsize=64)
 def detectable_delta(df: int, level: float, power: float = POWER) -> float:
-    """The noncentrality (true mean / SE) the two-sided t test at `level` finds with probability `power`."""
+    """The noncentrality (true mean / SE) the two-sided t test at `level` finds with probability `power`
+    (cached: a run asks for a few (df, level) pairs many times)."""
     lo, hi = 0.0, 1.0
     while power_two_sided(hi, df, level) < power:
         hi *= 2.0
@@ -167,10 +170,12 @@ def paired(variant: Sequence[float], reference: Sequence[float], level: float,
     t_ci = t_quantile(1.0 - (1.0 - level) / 2.0, k - 1)
     half = t_ci * se
     delta = detectable_delta(k - 1, level)
-    if power_se is not None and power_se > se:
+    if power_se is None:
+        se_p, source = se, power_se_source or "this comparison's own SE"
+    elif power_se > se:
         se_p, source = power_se, power_se_source or "given"
     else:
-        se_p, source = se, "this comparison's own SE"
+        se_p, source = se, f"this comparison's own SE, larger than {power_se_source or 'the one given'}"
     lo, hi = m - half, m + half
     return {"diff": m, "per_seed": d, "seeds": k, "level": level, "se": se, "ci": [lo, hi],
             "mdd": delta * se_p, "power_se": se_p, "power_se_source": source, "delta": delta,
