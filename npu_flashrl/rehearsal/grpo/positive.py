@@ -3,7 +3,10 @@ mismatch is large enough that `int8` without TIS measurably trains worse than bf
 run, so that what the rehearsal says about TIS is what this run measured.
 
 A setting (`SETTINGS`, one entry each) names the rollout model its quantized variants sample from
-(a kind of `run.py`'s builders: "int8" today; a W4A8 rollout is one more entry with its kind), how
+(a kind of `run._setup`'s builders: "int8" today; a W4A8 rollout is one more entry,
+`Setting("w4a8_rollout", ..., rollout="w4a8")`, with a "w4a8" builder there; `loop.RolloutHandle`
+treats every kind but "bf16" as INT8 and checks its INT8 state after each sync, which a W4A8 rollout
+would need its own check for; an entry whose kind has no builder is refused before any run), how
 its sampling departs from the trainer (`logit_scale`: the rollout samples from its logits x the scale,
 `sampling.py`), the answer length, its seeds and steps, and the hypothesis it was put in the table
 for. Each setting runs `int8` (no TIS) and `int8+tis` on that rollout, and where TIS is expected to
