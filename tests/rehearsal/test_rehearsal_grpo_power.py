@@ -11,6 +11,7 @@
   where the paired t test of num - R den sits at the critical value;
 * the positive control's summary: the findings follow the intervals (degrades / helps / hurts /
   inverted told apart), the settings are a table (one entry adds a setting);
+* the report's CPU time counts a child process still running;
 * the README block is `scripts/readme_grpo.py`'s rendering of docs/figures/grpo_readme.json, and no
   typed positive control remains in the rehearsal's code.
 
@@ -246,3 +247,26 @@ def test_no_typed_positive_control_in_the_rehearsal():
     assert not hasattr(report, "POSITIVE_CONTROL")
     text = open(os.path.join(ROOT, "npu_flashrl", "rehearsal", "grpo", "report.py")).read()
     assert "detectable 0.021" not in text and "tried" not in text
+
+
+def test_cpu_time_counts_a_child_still_running():
+    """The report's CPU time includes child processes that are still alive when it is written (the
+    verl transport's sender stays up until exit, where RUSAGE_CHILDREN cannot see it)."""
+    import importlib
+    import subprocess
+    import sys
+
+    run = importlib.import_module("npu_flashrl.rehearsal.grpo.run")
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nx = 0\nwhile time.process_time() < 0.3:\n"
+                              "    x += 1\nprint(time.process_time(), flush=True)\nsys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        burnt = float(child.stdout.readline())
+        t = run._cpu_seconds()
+        # /proc counts CPU time in clock ticks (10 ms)
+        assert t["live_children"] >= 1 and t["live_children_cpu_s"] >= burnt - 0.02
+        assert t["cpu_s"] == pytest.approx(t["own_cpu_s"] + t["children_cpu_s"])
+        assert t["children_cpu_s"] == pytest.approx(t["finished_children_cpu_s"] + t["live_children_cpu_s"])
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
