@@ -268,7 +268,7 @@ def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, repor
                   f"({c['control']}) -> {c['must_fail']}: {c['detail']}", file=out)
         print("", file=out)
     tracked = [(n, summary["paired"][n]["heldout"]) for n in TRACKED_REAL
-               if "heldout" in summary["paired"].get(n, {})]
+               if "delta" in summary["paired"].get(n, {}).get("heldout", {})]  # one seed: no power
     for n, p in tracked:
         print(f"power of {n}'s held-out verdict: detectable >= {p['mdd']:.4f} = {p['delta']:.3f} (noncentral t, "
               f"{p['seeds'] - 1} df, {stats.POWER:.0%} power at {p['level']:.2%}) x SE {p['power_se']:.4f}: "
