@@ -18,9 +18,9 @@ their comparisons with per-seed values, and scripts/readme_grpo.py renders the r
 verl's functions are what ran, as often as the run says; each fault fails the INT8 state check that
 sees it, naming the layers.
 
-The checks and the statistics are also tested on constructed results (each check able to fail; t
-quantiles against published values), the task's reward and answers on hand-written chains, and the
-batched attention against the harness's per-sequence one.
+The checks are also tested on constructed results (each check able to fail), the task's reward and
+answers on hand-written chains, and the batched attention against the harness's per-sequence one; the
+statistics, the power and the positive control's summary in test_rehearsal_grpo_power.py.
 
 Stand-ins: torch_npu emulated by the reference kernels; vLLM attention replaced by plain causal
 attention (batched per sequence for sampling, `grpo/sampling.py`); verl's device helpers inside the
@@ -370,34 +370,6 @@ def test_grpo_options_are_refused_without_grpo(tmp_path):
     for extra in (["--quick"], ["--seeds", "2"], ["--no-controls"], ["--positive-control"]):
         code = cli.main(["rehearse", *extra, "--output-dir", str(tmp_path)])
         assert code != 0
-
-
-# ---------------------------------------------------------------------------------- the statistics
-
-def test_t_quantiles_match_published_values():
-    from npu_flashrl.rehearsal.grpo.stats import t_quantile
-
-    # Student's t table: (p, df) -> quantile
-    for (p, df), q in {(0.975, 1): 12.706, (0.975, 4): 2.776, (0.995, 2): 9.925, (0.8, 4): 0.941,
-                       (0.975, 30): 2.042, (0.9, 10): 1.372}.items():
-        assert t_quantile(p, df) == pytest.approx(q, abs=1e-3), (p, df)
-    with pytest.raises(ValueError):
-        t_quantile(0.4, 3)
-
-
-def test_paired_detects_a_consistent_shift_and_not_noise():
-    from npu_flashrl.rehearsal.grpo.stats import paired
-
-    ref = [0.40, 0.55, 0.47, 0.62, 0.50]
-    shifted = paired([x - 0.05 + d for x, d in zip(ref, (0.004, -0.003, 0.002, -0.001, 0.0))], ref, 0.99)
-    assert shifted["detected"] and shifted["ci"][1] < 0 and shifted["mdd"] < 0.05
-    noise = paired([x + d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
-    assert not noise["detected"] and noise["ci"][0] < 0 < noise["ci"][1]
-    # a larger spread of the differences: a larger smallest detectable difference
-    wide = paired([x + 3 * d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
-    assert wide["mdd"] == pytest.approx(3 * noise["mdd"])
-    with pytest.raises(ValueError):
-        paired([1.0, 2.0], [1.0], 0.95)
 
 
 # ---------------------------------------------------------------------------------- the checks

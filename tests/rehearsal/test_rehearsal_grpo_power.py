@@ -1,5 +1,7 @@
-"""`rehearse --grpo`'s power and positive control, on constructed numbers (no model):
+"""`rehearse --grpo`'s statistics, power and positive control, on constructed numbers (no model):
 
+* t quantiles against published values; the paired comparison detecting a consistent shift and not
+  noise (moved here from test_rehearsal_grpo.py, unchanged);
 * the noncentral t (`stats.noncentral_t_cdf`) against an independent high-precision quadrature of its
   defining integral (mpmath, in the stack through sympy), a seeded Monte Carlo of T = (Z + delta) /
   sqrt(V / df), and the central t at delta = 0; the detectable noncentrality against the power it
@@ -28,6 +30,32 @@ import torch
 from helpers import ROOT
 
 from npu_flashrl.rehearsal.grpo import stats
+
+
+def test_t_quantiles_match_published_values():
+    t_quantile = stats.t_quantile
+
+    # Student's t table: (p, df) -> quantile
+    for (p, df), q in {(0.975, 1): 12.706, (0.975, 4): 2.776, (0.995, 2): 9.925, (0.8, 4): 0.941,
+                       (0.975, 30): 2.042, (0.9, 10): 1.372}.items():
+        assert t_quantile(p, df) == pytest.approx(q, abs=1e-3), (p, df)
+    with pytest.raises(ValueError):
+        t_quantile(0.4, 3)
+
+
+def test_paired_detects_a_consistent_shift_and_not_noise():
+    paired = stats.paired
+
+    ref = [0.40, 0.55, 0.47, 0.62, 0.50]
+    shifted = paired([x - 0.05 + d for x, d in zip(ref, (0.004, -0.003, 0.002, -0.001, 0.0))], ref, 0.99)
+    assert shifted["detected"] and shifted["ci"][1] < 0 and shifted["mdd"] < 0.05
+    noise = paired([x + d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
+    assert not noise["detected"] and noise["ci"][0] < 0 < noise["ci"][1]
+    # a larger spread of the differences: a larger smallest detectable difference
+    wide = paired([x + 3 * d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
+    assert wide["mdd"] == pytest.approx(3 * noise["mdd"])
+    with pytest.raises(ValueError):
+        paired([1.0, 2.0], [1.0], 0.95)
 
 
 def _mp_ref(t, df, delta):
