@@ -118,7 +118,13 @@ def add_arguments(p) -> None:
     g.add_argument("--seeds", type=_number(int, 1), default=None,
                    help="--grpo: runs per variant (default 5, --quick 4)")
     g.add_argument("--no-controls", action="store_true",
-                   help="--grpo: skip the negative controls (the run then shows no check able to fail)")
+                   help="--grpo: skip the negative controls and the power probe (the run then shows no check able "
+                        "to fail, and its detectable differences hold only when nothing is wrong)")
+    g.add_argument("--positive-control", action="store_true",
+                   help="--grpo: also run the positive control's settings (npu_flashrl/rehearsal/grpo/positive.py: "
+                        "a rollout far enough from the trainer that int8 without TIS trains worse, and one where "
+                        "TIS hurts) and report int8 - bf16, int8+tis - int8 and the recovered fraction on the "
+                        "held-out score; with --quick at a size that exercises it only")
 
 
 # Options of the weight-path rehearsal only, with their defaults there: `None` on the command line
@@ -147,7 +153,8 @@ def check_arguments(args) -> None:
                                      f"--grpo); {GRPO_CHECKS}. Drop {flag}, or run without --grpo", code=2)
     else:
         for flag, value in (("--quick", getattr(args, "quick", False)), ("--seeds", getattr(args, "seeds", None)),
-                            ("--no-controls", getattr(args, "no_controls", False))):
+                            ("--no-controls", getattr(args, "no_controls", False)),
+                            ("--positive-control", getattr(args, "positive_control", False))):
             if value:
                 raise RehearsalError(f"{flag} is a --grpo option")
         if args.steps is None:

@@ -3,21 +3,24 @@ rollouts sampled from the bf16 / INT8 / INT8+fp32head vLLM rollout models.
 
 End to end (current line: vLLM / vllm-ascend 0.23 + verl 0.9.1, syncs through verl's bucketed transfer;
 0.11 line: vLLM / vllm-ascend 0.11 + verl 0.6.1, in-process load_weights): one subprocess runs
-`rehearse --grpo --quick` with spies on verl's modules (each spy counts the call and delegates to
+`rehearse --grpo --quick --positive-control` with spies on verl's modules (each spy counts the call and delegates to
 verl's function), then two faulted runs of the rehearsal's fault seam (halved weight scales, a stale
 shard; --seeds 1 --steps 2 --no-controls, in the same process after the healthy run). Asserted: the
 healthy run passes every check of the real variants (bf16 learns, int8+tis trains like bf16 paired
-over seeds on the whole curve and the held-out score, TIS weights in the loss and equal to the
+over seeds on the held-out score, its detectable difference from the noncentral t with the SE under
+an effect, the 0.75x-lr power probe caught or covered, TIS weights in the loss and equal to the
 truncated ratio, rollout log-probs the rollout's own, the INT8 state after every sync), each
 negative control of the rehearsal (inverted TIS ratio, TIS weights forced to 1, rollout log-probs
 from the trainer, stale rollout weights, the slow learner) fails the check it names, and report.json
 / grpo.png carry rewards, held-out scores, paired differences with intervals and the controls;
+the positive control's settings ran in the run (the --quick size: 2 seeds x 2 steps) and report
+their comparisons with per-seed values, and scripts/readme_grpo.py renders the report's own figures;
 verl's functions are what ran, as often as the run says; each fault fails the INT8 state check that
 sees it, naming the layers.
 
-The checks and the statistics are also tested on constructed results (each check able to fail; t
-quantiles against published values), the task's reward and answers on hand-written chains, and the
-batched attention against the harness's per-sequence one.
+The checks are also tested on constructed results (each check able to fail), the task's reward and
+answers on hand-written chains, and the batched attention against the harness's per-sequence one; the
+statistics, the power and the positive control's summary in test_rehearsal_grpo_power.py.
 
 Stand-ins: torch_npu emulated by the reference kernels; vLLM attention replaced by plain causal
 attention (batched per sequence for sampling, `grpo/sampling.py`); verl's device helpers inside the
@@ -42,8 +45,9 @@ CONTROLS = {"ctl:tis_inverted": "ctl:tis_inverted: TIS weights are the truncated
             "ctl:tis_ones": "ctl:tis_ones: TIS weights in the loss",
             "ctl:logp_from_trainer": "ctl:logp_from_trainer: rollout log-probs are the rollout model's own",
             "ctl:stale_rollout": "ctl:stale_rollout state: int8 values equal the reference quantization",
-            "ctl:slow_learner": "ctl:slow_learner: trains like bf16 (paired, whole curve and held-out)"}
-TRACKS = "trains like bf16 (paired, whole curve and held-out)"
+            "ctl:slow_learner": "ctl:slow_learner: trains like bf16 (paired held-out score)"}
+TRACKS = "trains like bf16 (paired held-out score)"
+POWER = "power: the detectable difference printed covers a 0.75x-lr learner, or the run catches it"
 SCALE = "int8+tis state: weight scales match the reference"
 INT8 = "int8+tis state: int8 values equal the reference quantization"
 ALL_LAYERS = {f"model.layers.{i}.{p}" for i in (0, 1) for p in
@@ -99,7 +103,7 @@ from npu_flashrl import cli
 codes = {}
 base = ["rehearse", "--grpo", "--quick", "--no-progress", "--cache-dir", cache]
 print("===== healthy", flush=True)
-codes["healthy"] = cli.main(base + ["--output-dir", os.path.join(root, "healthy")])
+codes["healthy"] = cli.main(base + ["--positive-control", "--output-dir", os.path.join(root, "healthy")])
 spied = {"calls": dict(calls), "weights_passed": sum(weights_passed), "origin": origin,
          "verl_file": inspect.getsourcefile(core_algos)}
 for fault in faults:
@@ -163,7 +167,7 @@ def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
     bf16 = g["variants"]["bf16"]
     assert bf16["final"] - bf16["first"] >= g["bounds"]["bf16_rise"]["margin"] >= 0.05
     # paired differences from bf16 with intervals and the smallest detectable difference
-    for v in ("int8", "int8+tis", "int8+tis+fp32head", "ctl:slow_learner"):
+    for v in ("int8", "int8+tis", "int8+tis+fp32head", "ctl:slow_learner", "probe:lr_x0.75"):
         for key in ("curve", "heldout"):
             p = g["paired"][v][key]
             assert p["seeds"] == QUICK["seeds"] and p["ci"][0] <= p["diff"] <= p["ci"][1] and p["mdd"] > 0
@@ -171,7 +175,15 @@ def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
                 g["variants"][v][f"{key}_per_seed"], bf16[f"{key}_per_seed"])])
         assert len(g["paired"][v]["per_step"]) == QUICK["steps"]
     for v in ("int8+tis", "int8+tis+fp32head"):
-        assert not g["paired"][v]["curve"]["detected"] and not g["paired"][v]["heldout"]["detected"]
+        h = g["paired"][v]["heldout"]
+        assert not h["detected"]  # the verdict: the held-out score (the curve is secondary)
+        # power under an effect: the MDD from the noncentral t and the larger of its own SE and the effect
+        # learners' (slow learner, 0.75x-lr probe); the probe is caught or within the printed MDD
+        effect = max(g["paired"][n]["heldout"]["se"] for n in ("ctl:slow_learner", "probe:lr_x0.75"))
+        assert h["power_se"] == pytest.approx(max(h["se"], effect)) and h["mdd"] == pytest.approx(h["delta"] * h["power_se"])
+        assert f"{v}: {POWER}" in [c["check"] for c in r["checks"]]
+        probe = g["paired"]["probe:lr_x0.75"]["heldout"]
+        assert probe["detected"] or abs(probe["diff"]) <= h["mdd"]
     # the same prompts per (seed, step) in every variant: identical step-1 rollouts of int8 and int8+tis
     first = {v: [row for row in g["rows"] if row["variant"] == v and row["step"] == 1] for v in VARIANTS}
     assert [x["reward"] for x in first["int8"]] == [x["reward"] for x in first["int8+tis"]]
@@ -181,10 +193,28 @@ def test_quick_grpo_run_passes_and_writes_the_curves(grpo_runs):
     assert all(row["tis_weights"] is None for row in g["rows"] if row["variant"] in ("bf16", "int8"))
     expected = ("verl", "0.9.1") if lines.verl_server_mode() else ("direct", "0.6.1")
     assert (r["transport"]["name"], r["versions"]["verl"]) == expected
-    assert r["timings"]["cpu_s"] > 0
+    tm = r["timings"]
+    # CPU time: this process's and its children's (the verl transport's sender, alive until exit)
+    assert tm["cpu_s"] == pytest.approx(tm["own_cpu_s"] + tm["children_cpu_s"]) and tm["own_cpu_s"] > 0
+    if r["transport"]["name"] == "verl":
+        assert tm["live_children"] >= 1 and tm["children_cpu_s"] > 0
     assert os.path.getsize(r["plot"]) > 10_000
     assert "rehearsal --grpo passed" in out and "time: total" in out and "detectable >=" in out
-    assert "positive control (TIS helping): " + g["positive_control"]["claim"] in out
+    assert "power of int8+tis's held-out verdict: detectable >= " in out
+    # the positive control ran in this run (--quick: the machinery at 2 seeds x 2 steps) and reports
+    # its comparisons with per-seed values; nothing typed in
+    pc = g["positive_control"]
+    assert pc["run"] and pc["quick"] and "positive control (held-out score" in out
+    from npu_flashrl.rehearsal.grpo import positive
+
+    assert set(pc["settings"]) == {st.name for st in positive.SETTINGS}
+    for name, res in pc["settings"].items():
+        for key in ("int8 - bf16", "int8+tis - int8"):
+            assert len(res["heldout"][key]["per_seed"]) == positive.QUICK_SIZE[0]
+        assert "ratio" in res["recovered_fraction"] and res["finding"]["text"] in out
+        # the setting's rollout departs from the trainer: mismatch far above the default INT8 rollout's
+        assert res["token_mult_prob_error"]["int8"] > 1.1 > res["token_mult_prob_error"]["bf16"]
+    assert "int8+tis - int8+tis inverted" in pc["settings"]["sharper_rollout"]["heldout"]
 
 
 @pytest.mark.every_line
@@ -216,15 +246,17 @@ def test_verl_functions_not_copies_are_what_ran(grpo_runs):
         assert o["module"] == "verl.trainer.ppo.core_algos" or name == "compute_rollout_correction_and_add_to_batch"
         assert o["file"].startswith(verl_dir + os.sep), (name, o["file"])
     assert s["origin"]["vanilla"]["name"] == "compute_policy_loss_vanilla"
-    rows = grpo_runs["reports"]["healthy"]["grpo"]["rows"]
-    specs = grpo_runs["reports"]["healthy"]["grpo"]["variant_specs"]
-    steps = len(rows)
-    assert steps == len(VARIANTS) * QUICK["seeds"] * QUICK["steps"] + sum(
-        1 for row in rows if row["variant"].startswith("ctl:"))
+    g = grpo_runs["reports"]["healthy"]["grpo"]
+    rows, pc_rows = g["rows"], g["positive_rows"]
+    specs = g["variant_specs"]
+    assert len(rows) == len(VARIANTS) * QUICK["seeds"] * QUICK["steps"] + sum(
+        1 for row in rows if row["variant"] not in VARIANTS)
+    steps = len(rows) + len(pc_rows)
     c = s["calls"]
     assert c["compute_grpo_outcome_advantage"] == steps
     assert c["compute_rollout_correction_and_add_to_batch"] == steps
-    weighted = sum(1 for row in rows if specs[row["variant"]]["tis"]) * QUICK["mini_batches"]
+    weighted = (sum(1 for row in rows if specs[row["variant"]]["tis"]) + sum(1 for row in pc_rows if row["tis"])) \
+        * QUICK["mini_batches"]
     # one loss per mini-batch, plus (TIS variants) the same loss without the weights for the check
     assert c["vanilla"] == steps * QUICK["mini_batches"] + weighted
     assert c["agg_loss"] >= c["vanilla"]
@@ -335,37 +367,9 @@ def test_quick_preset_matches_this_test():
 def test_grpo_options_are_refused_without_grpo(tmp_path):
     from npu_flashrl import cli
 
-    for extra in (["--quick"], ["--seeds", "2"], ["--no-controls"]):
+    for extra in (["--quick"], ["--seeds", "2"], ["--no-controls"], ["--positive-control"]):
         code = cli.main(["rehearse", *extra, "--output-dir", str(tmp_path)])
         assert code != 0
-
-
-# ---------------------------------------------------------------------------------- the statistics
-
-def test_t_quantiles_match_published_values():
-    from npu_flashrl.rehearsal.grpo.stats import t_quantile
-
-    # Student's t table: (p, df) -> quantile
-    for (p, df), q in {(0.975, 1): 12.706, (0.975, 4): 2.776, (0.995, 2): 9.925, (0.8, 4): 0.941,
-                       (0.975, 30): 2.042, (0.9, 10): 1.372}.items():
-        assert t_quantile(p, df) == pytest.approx(q, abs=1e-3), (p, df)
-    with pytest.raises(ValueError):
-        t_quantile(0.4, 3)
-
-
-def test_paired_detects_a_consistent_shift_and_not_noise():
-    from npu_flashrl.rehearsal.grpo.stats import paired
-
-    ref = [0.40, 0.55, 0.47, 0.62, 0.50]
-    shifted = paired([x - 0.05 + d for x, d in zip(ref, (0.004, -0.003, 0.002, -0.001, 0.0))], ref, 0.99)
-    assert shifted["detected"] and shifted["ci"][1] < 0 and shifted["mdd"] < 0.05
-    noise = paired([x + d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
-    assert not noise["detected"] and noise["ci"][0] < 0 < noise["ci"][1]
-    # a larger spread of the differences: a larger smallest detectable difference
-    wide = paired([x + 3 * d for x, d in zip(ref, (0.03, -0.02, 0.01, -0.03, 0.02))], ref, 0.99)
-    assert wide["mdd"] == pytest.approx(3 * noise["mdd"])
-    with pytest.raises(ValueError):
-        paired([1.0, 2.0], [1.0], 0.95)
 
 
 # ---------------------------------------------------------------------------------- the checks
@@ -424,7 +428,7 @@ def test_checks_pass_on_a_learning_run_that_int8_tis_tracks():
     assert f"int8+tis: {TRACKS}" in checks and not controls
 
 
-@pytest.mark.parametrize("case", ["flat", "starts_solved", "int8_tis_lags", "int8_tis_heldout_lags",
+@pytest.mark.parametrize("case", ["flat", "starts_solved", "int8_tis_heldout_lags",
                                   "weights_all_1", "weights_absent", "loss_unchanged", "weights_in_int8",
                                   "weights_not_the_ratio", "logp_not_own", "heldout_unchanged"])
 def test_each_check_can_fail(case):
@@ -437,9 +441,6 @@ def test_each_check_can_fail(case):
     elif case == "starts_solved":
         curves = {v: [0.97, 0.98, 0.99, 1.0, 1.0, 1.0] for v in VARIANTS}
         expect = "task starts neither solved nor hopeless (bf16 first reward)"
-    elif case == "int8_tis_lags":
-        curves["int8+tis"] = [x - 0.05 for x in LEARNING]
-        expect = f"int8+tis: {TRACKS}"
     elif case == "int8_tis_heldout_lags":
         kw["heldout"] = {"int8+tis": 0.5}
         expect = f"int8+tis: {TRACKS}"
@@ -481,14 +482,24 @@ def test_a_control_passes_the_run_only_by_failing_its_check():
     """A negative control's results: the run's check on it passes when the control fails its own
     check, and fails (naming the check) when the control slips through."""
     lagging = [x - 0.1 for x in LEARNING]
-    res = _results({**{v: LEARNING for v in VARIANTS}, "ctl:slow_learner": lagging})
+    res = _results({**{v: LEARNING for v in VARIANTS}, "ctl:slow_learner": lagging}, heldout={"ctl:slow_learner": 0.5})
     checks, _, controls = _verdict(res)
-    run_check = "negative control ctl:slow_learner fails 'trains like bf16 (paired, whole curve and held-out)'"
+    run_check = f"negative control ctl:slow_learner fails '{TRACKS}'"
     assert checks[run_check]["ok"] is True and controls["ctl:slow_learner"]["failed"] is True
     assert f"ctl:slow_learner: {TRACKS}" not in checks  # a control's own checks are not the run's
     res = _results({v: LEARNING for v in (*VARIANTS, "ctl:slow_learner")})
     checks, _, controls = _verdict(res)
     assert checks[run_check]["ok"] is False and controls["ctl:slow_learner"]["failed"] is False
+
+
+def test_a_curve_lag_alone_is_not_the_verdict():
+    """The held-out score is the primary outcome: a lag of the whole curve (the rollout's own samples)
+    is shown as secondary, not failed on."""
+    curves = {v: LEARNING for v in VARIANTS}
+    curves["int8+tis"] = [x - 0.05 for x in LEARNING]
+    checks, summary, _ = _verdict(_results(curves))
+    assert summary["paired"]["int8+tis"]["curve"]["detected"]
+    assert checks[f"int8+tis: {TRACKS}"]["ok"] is True and "secondary" in checks[f"int8+tis: {TRACKS}"]["detail"]
 
 
 def test_smallest_detectable_difference_grows_with_the_seed_spread():
@@ -518,3 +529,38 @@ def test_heldout_prompts_are_none_of_the_training_prompts():
     # the stream is fixed by the seed: the same prompts for every variant and run
     again, _ = heldout.heldout_prompts(task, s, base_seed=0)
     assert torch.equal(prompts, again)
+
+
+@pytest.mark.every_line
+@needs_line
+def test_readme_figures_render_from_the_quick_report(grpo_runs):
+    """scripts/readme_grpo.py on this run's report.json: every figure it renders is the report's own
+    (the README's block is the same rendering of a default run's report: test_rehearsal_grpo_power)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_grpo", os.path.join(ROOT, "scripts", "readme_grpo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = grpo_runs["reports"]["healthy"]
+    fig = mod.extract(r)
+    g = r["grpo"]
+    assert fig["command"] == "npu-flashrl rehearse --grpo --quick --positive-control"
+    assert fig["cpu_s"] == r["timings"]["cpu_s"] and fig["children_cpu_s"] == r["timings"]["children_cpu_s"]
+    h = g["paired"]["int8+tis"]["heldout"]
+    assert fig["paired"]["int8+tis"]["heldout"]["diff"] == h["diff"] and fig["paired"]["int8+tis"]["heldout"]["mdd"] == h["mdd"]
+    text = mod.render(fig)
+    lo, hi = h["ci"]
+    assert f"`int8+tis` - bf16, held-out {h['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] (smallest detectable {h['mdd']:.3f})" in text
+    assert f"{r['timings']['cpu_s']:.0f} s of CPU" in text
+    sharper = g["positive_control"]["settings"]["sharper_rollout"]["heldout"]["int8+tis - int8"]
+    assert f"`int8+tis` - `int8` {sharper['diff']:+.3f}" in text and "`--quick` size, nothing resolved" in text
+    # the script writes a README block and the figures file from the report, and --check then agrees
+    readme = grpo_runs["root"] / "README.md"
+    readme.write_text("intro\n" + mod.BEGIN + "stale\n" + mod.END + "\nrest\n")
+    figures = grpo_runs["root"] / "figures.json"
+    report_path = grpo_runs["root"] / "healthy" / "report.json"
+    assert mod.main([str(report_path), "--readme", str(readme), "--figures", str(figures)]) == 0
+    assert mod.block(readme.read_text()) == text and readme.read_text().endswith(mod.END + "\nrest\n")
+    assert mod.main(["--check", "--readme", str(readme), "--figures", str(figures)]) == 0
+    readme.write_text(readme.read_text().replace(f"{h['diff']:+.3f}", "+9.999"))
+    assert mod.main(["--check", "--readme", str(readme), "--figures", str(figures)]) == 1

@@ -20,13 +20,20 @@ What one run does:
    stream) per (seed, step) in every variant. **Negative controls** (`settings.CONTROLS`, named
    switches of the loop): inverted TIS ratio, TIS weights forced to 1, rollout log-probs from the
    trainer, stale rollout weights, int8+tis at a quarter of the learning rate; each must fail the
-   check it names, or the run fails.
+   check it names, or the run fails. A **power probe** (int8+tis at 0.75x the learning rate) must be
+   caught or have an effect within the detectable difference printed for the tracked variants.
 5. **Held-out score** (`heldout.py`): each run's trained policy (the trainer's weights) scored on
    prompts no run trained on, as the exact probability of the right answer.
 6. **Verdict** (`checks.py`, `stats.py`) and **output** (`report.py`): paired per-seed differences
-   from bf16 over the whole curve and of the held-out score, with t intervals and the smallest
-   detectable difference; the per-step table, report.json (`grpo.variants.<name>.reward` per step,
-   `.heldout`, `grpo.paired`, `grpo.controls`), grpo.png (curves with 95% intervals).
+   from bf16 of the held-out score (the verdict) and over the whole curve (secondary), with t
+   intervals and the smallest detectable difference (noncentral t, with the SE under an effect: the
+   larger of the comparison's own and the slow learner's / power probe's); the per-step table, report.json (`grpo.variants.<name>.reward` per step,
+   `.heldout`, `grpo.paired`, `grpo.controls`, `grpo.positive_control`), grpo.png (curves with 95%
+   intervals).
+7. **Positive control** (`--positive-control`, `positive.py`): the settings of its table, where the
+   rollout departs from the trainer enough that int8 without TIS should train worse (and one where
+   TIS should hurt), run in the same run; reported, not checked: what they show is stated from their
+   intervals.
 
 Sizes: `settings.PRESETS` (default within 5 min of CPU time, `--quick` about 2 min, on 2 CPU cores
 with the tiny model cached). Phases of one run: `run.py`.

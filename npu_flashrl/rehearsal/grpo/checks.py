@@ -4,9 +4,12 @@ On the real variants:
 * learning: bf16's reward starts neither near 0 nor near 1 and rises by at least the margin of
   `report.summarize`; bf16's trained policies beat the pre-trained one on the held-out prompts
   (paired interval above 0);
-* tracking: each TIS variant trains like bf16: neither the paired difference of the whole reward
-  curve (mean over all steps) nor of the held-out score is detected (its confidence interval, level
-  split over the comparisons, contains 0); the minimum detectable difference is printed beside it;
+* tracking: each TIS variant trains like bf16: the paired difference of the held-out score (the
+  primary outcome) is not detected (its confidence interval, level split over the tracked variants,
+  contains 0); the minimum detectable difference is printed beside it, and the whole-curve difference
+  as secondary (it scores the rollout's own samples);
+* power: the 0.75x-lr probe is caught, or its held-out effect is within each tracked variant's
+  printed detectable difference;
 * TIS: in every step of a TIS variant verl's loss got `rollout_is_weights`, not all 1, changing the
   loss; the weights are min(pi_trainer / pi_rollout, 2) of the two models' own log-probs; the
   variants without TIS passed none;
@@ -22,9 +25,11 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from npu_flashrl.rehearsal.common import finite
-from npu_flashrl.rehearsal.grpo.settings import (ALL, CHECK_OWN_LOGP, CHECK_TIS_IN_LOSS, CHECK_TIS_RATIO,
-                                                 CHECK_TRACKS, TRACKED, VARIANT_BF16,
-                                                 GrpoSettings)
+from npu_flashrl.rehearsal.grpo.settings import (ALL, CHECK_OWN_LOGP, CHECK_POWER, CHECK_TIS_IN_LOSS,
+                                                 CHECK_TIS_RATIO, CHECK_TRACKS, TRACKED, TRACKED_REAL,
+                                                 VARIANT_BF16, GrpoSettings)
+
+PROBE = "probe:lr_x0.75"
 
 START_RANGE = (0.05, 0.95)
 LOSS_DIFF_MIN = 1e-7
@@ -37,14 +42,15 @@ OWN_LOGP_TOL = 1e-3
 def _fmt_cmp(label: str, p: Dict[str, Any]) -> str:
     lo, hi = p["ci"]
     return (f"{label} {p['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] ({p['level']:.2%} CI, {p['seeds']} seeds; "
-            f"smallest detectable {p['mdd']:.4f})")
+            f"smallest detectable {p['mdd']:.4f}, SE {p.get('power_se', p['se']):.4f}: "
+            f"{p.get('power_se_source', 'own')})")
 
 
 def _variant_checks(name: str, res: Dict[str, Any], summary, info, layer_results, device: str,
-                    max_layer_error: float) -> List[Dict[str, Any]]:
+                    max_layer_error: float, variant=None) -> List[Dict[str, Any]]:
     from npu_flashrl.rehearsal.checks import state_checks
 
-    v = ALL[name]
+    v = variant if variant is not None else ALL[name]
     out: List[Dict[str, Any]] = []
 
     def add(check, ok, detail):
@@ -74,21 +80,24 @@ def _variant_checks(name: str, res: Dict[str, Any], summary, info, layer_results
             f"{max((x['max'] for x in w), default=float('nan')):.3f}]); loss with vs without the weights "
             f"differs in {differ}/{len(diffs)} steps (max |diff| {max(diffs, default=0.0):.2e})")
         errs = [r["tis_ratio_max_err"] for r in rs if r.get("tis_ratio_max_err") is not None]
-        add(CHECK_TIS_RATIO, len(errs) == len(rs) and max(errs) <= TIS_RATIO_TOL,
-            f"max |w - min(pi_trainer / pi_rollout, 2)| {max(errs, default=float('nan')):.2e} over "
-            f"{len(errs)}/{len(rs)} steps (limit {TIS_RATIO_TOL:g}; from the trainer's and the rollout's own "
-            "log-probs)")
+        # the positive control's inverted TIS is wrong on purpose (ctl:tis_inverted shows this check failing)
+        if variant is None or v.control != "tis_inverted":
+            add(CHECK_TIS_RATIO, len(errs) == len(rs) and max(errs) <= TIS_RATIO_TOL,
+                f"max |w - min(pi_trainer / pi_rollout, 2)| {max(errs, default=float('nan')):.2e} over "
+                f"{len(errs)}/{len(rs)} steps (limit {TIS_RATIO_TOL:g}; from the trainer's and the rollout's own "
+                "log-probs)")
     else:
         passed = [(r["seed"], r["step"]) for r in rs if r["tis_weights"] is not None]
         add("no TIS weights in the loss", not passed,
             "none passed" if not passed else f"weights passed at (seed, step) {passed[:5]}")
 
     p = summary["paired"].get(name)
-    if name in TRACKED and p is not None:
+    if name in TRACKED and p is not None and "heldout" in p:
         curve, held = p["curve"], p["heldout"]
-        add(CHECK_TRACKS, not curve["detected"] and not held["detected"],
-            ("difference detected: " if curve["detected"] or held["detected"] else "no difference detected: ")
-            + "; ".join([_fmt_cmp("mean reward over the curve", curve), _fmt_cmp("held-out score", held)]))
+        add(CHECK_TRACKS, not held["detected"],
+            ("difference detected: " if held["detected"] else "no difference detected: ")
+            + _fmt_cmp("held-out score", held) + "; secondary, not a verdict: "
+            + _fmt_cmp("mean reward over the curve", curve))
 
     if not v.int8 or not info:  # info: the rollout model's (constructed results in tests have none)
         return out
@@ -136,11 +145,44 @@ def _learning_checks(summary, s: GrpoSettings) -> List[Dict[str, Any]]:
     return out
 
 
+def _power_checks(summary) -> List[Dict[str, Any]]:
+    """The power probe (int8+tis at 0.75x lr): caught by the run, or its held-out effect within the
+    detectable difference printed for each tracked variant."""
+    out: List[Dict[str, Any]] = []
+    probe = summary["paired"].get(PROBE, {}).get("heldout")
+    if probe is None:
+        return out
+    for name in TRACKED_REAL:
+        p = summary["paired"].get(name, {}).get("heldout")
+        if p is None:
+            continue
+        covered = abs(probe["diff"]) <= p["mdd"]
+        ok = probe["detected"] or covered
+        how = ("caught: " if probe["detected"] else ("not caught, within the printed detectable difference: "
+                                                      if covered else "NOT caught and beyond the printed "
+                                                      "detectable difference: "))
+        out.append({"check": f"{name}: {CHECK_POWER}", "ok": bool(ok), "subject": name,
+                    "detail": how + _fmt_cmp(f"{PROBE} - bf16 held-out", probe) + f"; {name}'s detectable "
+                              f"difference {p['mdd']:.4f}"})
+    return out
+
+
+def positive_checks(results, infos, layer_results, device: str, max_layer_error: float) -> List[Dict[str, Any]]:
+    """The positive control's runs get the same per-variant checks (own log-probs, TIS in the loss, the
+    INT8 state after every sync); what they measure is reported, not checked (`positive.finding`)."""
+    out: List[Dict[str, Any]] = []
+    for name, res in results.items():
+        v = res["variant"]
+        out.extend(_variant_checks(name, res, {"paired": {}, "variants": {}}, infos.get(name, {}),
+                                   layer_results.get(name) or [], device, max_layer_error, variant=v))
+    return out
+
+
 def evaluate(results, summary, infos, layer_results, s: GrpoSettings, device: str,
              max_layer_error: float) -> Tuple[List[Dict[str, Any]], Dict[str, Dict[str, Any]]]:
     """(the run's checks, each control's outcome). The run's checks are the real variants' checks plus
     one per control: "it failed the check it must fail"."""
-    checks = _learning_checks(summary, s)
+    checks = _learning_checks(summary, s) + _power_checks(summary)
     controls: Dict[str, Dict[str, Any]] = {}
     for name, res in results.items():
         own = _variant_checks(name, res, summary, infos.get(name, {}), layer_results.get(name) or [], device,

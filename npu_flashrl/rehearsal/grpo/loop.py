@@ -78,7 +78,8 @@ def run_variant_seeds(variant: Variant, handle: RolloutHandle, trainer, task, se
                       algo_factory: Callable[..., Any],
                       heldout_score: Optional[Callable[[Any, bool], float]] = None) -> Dict[str, Any]:
     """All seeds of one variant on `handle`'s rollout model, its negative control (if any) switched on.
-    Returns {"rows": [...], "algo": info, "heldout": [score of each seed's trained policy]}."""
+    Returns {"rows": [...], "algo": info, "heldout": [score of each seed's trained policy], "seeds",
+    "steps", "variant"}."""
     s = settings
     seeds, steps = s.size_of(variant)
     batch = s.prompts * s.group
@@ -123,7 +124,7 @@ def run_variant_seeds(variant: Variant, handle: RolloutHandle, trainer, task, se
                 bar.update(1)
             if heldout_score is not None:
                 scores.append(heldout_score(trainer, variant.fp32_head))
-    return {"rows": rows, "algo": algo.info(), "heldout": scores, "seeds": seeds, "steps": steps}
+    return {"rows": rows, "algo": algo.info(), "heldout": scores, "seeds": seeds, "steps": steps, "variant": variant}
 
 
 def _step(variant: Variant, handle: RolloutHandle, trainer, task, s: GrpoSettings, algo, vocab_size: int,
@@ -135,7 +136,8 @@ def _step(variant: Variant, handle: RolloutHandle, trainer, task, s: GrpoSetting
     prompts = task.prompts(s.prompts, prompt_generator(base_seed, seed, step))
     t0 = time.perf_counter()
     rows_p, responses, own_logp = sampling.sample(handle.model, prompts, s.group, s.response_len,
-                                                  sample_generator(base_seed, seed, step), vocab_size, device)
+                                                  sample_generator(base_seed, seed, step), vocab_size, device,
+                                                  variant.logit_scale)
     rollout_s = time.perf_counter() - t0
     reward = task.reward(rows_p, responses)
     ids = torch.cat([rows_p, responses], dim=1)
@@ -148,7 +150,7 @@ def _step(variant: Variant, handle: RolloutHandle, trainer, task, s: GrpoSetting
     # the rollout's own log-probs: a sample of rows replayed through the rollout model now (its weights
     # are those it sampled with), against what verl is handed
     n = min(s.replay_rows, batch)
-    replayed = sampling.replay(handle.model, rows_p[:n], responses[:n], vocab_size, device)
+    replayed = sampling.replay(handle.model, rows_p[:n], responses[:n], vocab_size, device, variant.logit_scale)
     own_diff = float((replayed - rollout_logp[:n]).abs().max())
     adv = algo.advantages(reward, mask, [i // s.group for i in range(batch)])
     if variant.control == "tis_inverted":

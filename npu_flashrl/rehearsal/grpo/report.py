@@ -6,33 +6,10 @@ import math
 import sys
 from typing import Any, Dict, List, Optional
 
-from npu_flashrl.rehearsal.grpo import stats
-from npu_flashrl.rehearsal.grpo.settings import ALL, TRACKED, VARIANT_BF16, GrpoSettings
+from npu_flashrl.rehearsal.grpo import positive, stats
+from npu_flashrl.rehearsal.grpo.settings import ALL, EFFECT_LEARNERS, TRACKED_REAL, VARIANT_BF16, GrpoSettings
 from npu_flashrl.rehearsal.output import print_fault_and_checks
 from npu_flashrl.rehearsal.plotting import pyplot, save_png
-
-# What the search for a positive control (a setting where INT8 without TIS measurably trains worse than
-# INT8 + TIS) found; the claim the rehearsal makes follows from it.
-POSITIVE_CONTROL = {
-    "shown": False,
-    "claim": "not shown on this CPU task: no setting tried made int8 without TIS train measurably worse than "
-             "int8+tis, so the rehearsal claims only that TIS does not hurt at this mismatch (int8+tis trains like "
-             "bf16 within the printed detectable difference), not that it helps",
-    "tried": [
-        "the default INT8 rollout (token_mult_prob_error about 1.008): int8 without TIS trains like bf16 "
-        "(whole-curve difference +0.000, detectable 0.021 at 5 seeds)",
-        "a stress quantizer (the int8 grid coarsened to steps of 16: 15 levels, about 4 bits), 6-token answers, "
-        "4 policy updates per batch, 3 seeds x 6 steps (mismatch about 1.020): int8 +0.004, int8+tis +0.002 "
-        "over the curve against bf16 (detectable 0.14); held-out +0.008 / +0.009",
-        "the stress quantizer at steps of 42 (7 levels, under 3 bits), 6-token answers, 8 policy updates per "
-        "batch, 3 seeds x 6 steps (mismatch about 1.055): int8 +0.014, int8+tis -0.010 over the curve (the seeds "
-        "scatter: detectable 0.39)",
-        "the stress quantizer at steps of 64 (5 levels, about 2.3 bits), 8-token answers, 4 policy updates per "
-        "batch, 3 seeds x 6 steps (mismatch about 1.10): int8 -0.045 [-0.133, +0.044], int8+tis -0.068 "
-        "[-0.166, +0.030] over the curve, held-out +0.006 / -0.101 [-0.218, +0.016]: no difference detected, "
-        "and int8+tis no better than int8",
-    ],
-}
 
 # The rise bf16 must show at least, whatever the noise estimate says (reward is a 0/1 rate).
 MIN_RISE = 0.05
@@ -125,34 +102,58 @@ def summarize(results: Dict[str, Dict[str, Any]], s: GrpoSettings,
 
 def paired_level(s: GrpoSettings, results) -> float:
     """Per-comparison confidence: the family level split (Bonferroni) over the verdicts on real
-    variants (two per tracked variant: whole curve, held-out), so that a run with nothing wrong fails
-    one of them by chance with probability at most 1 - s.confidence."""
-    family = 2 * max(1, sum(1 for n in TRACKED if n in results and ALL[n].control is None))
+    variants (one per tracked variant: its held-out score, the primary outcome), so that a run with
+    nothing wrong fails one of them by chance with probability at most 1 - s.confidence."""
+    family = max(1, sum(1 for n in TRACKED_REAL if n in results))
     return 1 - (1 - s.confidence) / family
 
 
 def _paired(variants, results, s: GrpoSettings) -> Dict[str, Any]:
-    """Each full-size variant against bf16, seed by seed: whole-curve mean reward, held-out score, and
-    per step the reward difference with its 95% interval (the plot's band)."""
+    """Each full-size variant against bf16, seed by seed: held-out score (primary), whole-curve mean
+    reward (secondary), and per step the reward difference with its 95% interval (the plot's band).
+
+    The detectable difference of the tracked variants is computed with the SE under an effect: the
+    largest paired SE among this comparison's own and the effect learners' (`settings.EFFECT_LEARNERS`:
+    the slow learner and the 0.75x-lr probe) on the same outcome; a tracked variant's own samples nearly
+    coincide with bf16's, and a real effect pulls them apart."""
     base = variants.get(VARIANT_BF16)
     if base is None or base["seeds"] < 1:
         return {}
     level = paired_level(s, results)
     out: Dict[str, Any] = {}
     b_rows = {(r["seed"], r["step"]): r["reward"] for r in results[VARIANT_BF16]["rows"]}
-    for name, v in variants.items():
-        if name == VARIANT_BF16 or (v["seeds"], v["steps"]) != (base["seeds"], base["steps"]):
-            continue
-        rows = {(r["seed"], r["step"]): r["reward"] for r in results[name]["rows"]}
+    full = {n: v for n, v in variants.items()
+            if n != VARIANT_BF16 and (v["seeds"], v["steps"]) == (base["seeds"], base["steps"])}
+    keys = {"curve": "curve_per_seed", "heldout": "heldout_per_seed"}
+    under_effect: Dict[str, List[Any]] = {k: [] for k in keys}
+    for n in EFFECT_LEARNERS:
+        if n in full:
+            for k, col in keys.items():
+                if full[n][col] and base[col]:
+                    se = stats.paired(full[n][col], base[col], level)["se"]
+                    if math.isfinite(se):
+                        under_effect[k].append((n, se))
+
+    def power_se(k):
+        if not under_effect[k]:
+            return None, "this comparison's own SE (no effect learner ran: the MDD holds only when nothing is wrong)"
+        n, se = max(under_effect[k], key=lambda x: x[1])
+        listed = ", ".join(f"{a} {b:.4f}" for a, b in under_effect[k])
+        return se, f"the SE under an effect, the largest of the effect learners' ({listed})"
+
+    for name, v in full.items():
         per_step, band = [], []
+        rows = {(r["seed"], r["step"]): r["reward"] for r in results[name]["rows"]}
         for st in range(1, v["steps"] + 1):
             d = [rows[(sd, st)] - b_rows[(sd, st)] for sd in range(v["seeds"])]
             per_step.append(stats.mean(d))
             band.append(_ci_half(d))
-        entry = {"curve": stats.paired(v["curve_per_seed"], base["curve_per_seed"], level),
-                 "per_step": per_step, "per_step_ci95": band}
-        if v["heldout_per_seed"] and base["heldout_per_seed"]:
-            entry["heldout"] = stats.paired(v["heldout_per_seed"], base["heldout_per_seed"], level)
+        entry: Dict[str, Any] = {"per_step": per_step, "per_step_ci95": band}
+        for k, col in keys.items():
+            if not (v[col] and base[col]):
+                continue
+            se_p, source = power_se(k) if name in TRACKED_REAL else (None, "")
+            entry[k] = stats.paired(v[col], base[col], level, se_p, source)
         out[name] = entry
     return out
 
@@ -215,7 +216,7 @@ def write_plot(summary: Dict[str, Any], s: GrpoSettings, path: str) -> Optional[
 
 def _verdict_line(name: str, p: Dict[str, Any]) -> str:
     parts = []
-    for label, key in (("curve", "curve"), ("held-out", "heldout")):
+    for label, key in (("held-out", "heldout"), ("curve (secondary)", "curve")):
         c = p.get(key)
         if c is None:
             continue
@@ -266,16 +267,22 @@ def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, repor
             print(f"  {'[fails as it must]' if c['failed'] else '[PASSED - the check cannot see it]'} {name} "
                   f"({c['control']}) -> {c['must_fail']}: {c['detail']}", file=out)
         print("", file=out)
-    pc = g["positive_control"]
-    print(f"positive control (TIS helping): {pc['claim']}", file=out)
-    for t in pc["tried"]:
-        print(f"  tried: {t}", file=out)
+    tracked = [(n, summary["paired"][n]["heldout"]) for n in TRACKED_REAL
+               if "delta" in summary["paired"].get(n, {}).get("heldout", {})]  # one seed: no power
+    for n, p in tracked:
+        print(f"power of {n}'s held-out verdict: detectable >= {p['mdd']:.4f} = {p['delta']:.3f} (noncentral t, "
+              f"{p['seeds'] - 1} df, {stats.POWER:.0%} power at {p['level']:.2%}) x SE {p['power_se']:.4f}: "
+              f"{p['power_se_source']} (its own SE {p['se']:.4f})", file=out)
+    if tracked:
+        print("", file=out)
+    for line in positive.lines(g["positive_control"]):
+        print(line, file=out)
     print("", file=out)
     print_fault_and_checks(report, checks, out)
     tm = report["timings"]
     proc = f"; process wall time {tm['process_s']:.1f}s" if tm.get("process_s") else ""
-    print(f"time: total {tm['total_s']:.1f}s{proc}; CPU {tm['cpu_s']:.1f}s (+ {tm['children_cpu_s']:.1f}s in child "
-          f"processes) (model {tm['model_s']:.1f}s, setup {tm['setup_s']:.1f}s, GRPO runs {tm['grpo_s']:.1f}s)",
+    print(f"time: total {tm['total_s']:.1f}s{proc}; CPU {tm['cpu_s']:.1f}s ({tm['own_cpu_s']:.1f}s this process + "
+          f"{tm['children_cpu_s']:.1f}s in child processes) (model {tm['model_s']:.1f}s, setup {tm['setup_s']:.1f}s, GRPO runs {tm['grpo_s']:.1f}s)",
           file=out)
     print(f"report: {report_path}" + (f"; plot: {report['plot']}" if report["plot"] else
                                       (f"; {report['plot_note']}" if report["plot_note"] else "")), file=out)

@@ -11,7 +11,7 @@ import json
 import os
 import resource
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from npu_flashrl.rehearsal.common import RehearsalError, default_cache_root, json_safe, process_seconds, versions
 
@@ -22,6 +22,13 @@ STAND_INS = [
     "vLLM's attention backend: plain causal attention per sequence of the batch (no KV cache, the whole "
     "sequence re-run per sampled token), in place of the engine's paged attention",
     "sampling: softmax(logits) at temperature 1 with a private torch generator, in place of vLLM's sampler",
+]
+
+
+POSITIVE_STAND_IN = [
+    "positive control: the quantized rollout's departure from the trainer made larger by sampling from its logits "
+    "x a scale (temperature 1 / scale; log-probs of the distribution sampled, verl's logprobs_mode "
+    "processed_logprobs), standing in for a larger quantization-driven mismatch (positive.SETTINGS)",
 ]
 
 
@@ -98,11 +105,14 @@ class Setup:
 
 @dataclasses.dataclass
 class Runs:
-    """Phase 3: per variant its runs and rollout info, the INT8 state checks, the held-out scores."""
+    """Phase 3: per variant its runs and rollout info, the INT8 state checks, the held-out scores; the
+    positive control's runs (`positive.py`) and their held-out setup per task size."""
     results: Dict[str, Dict[str, Any]]
     infos: Dict[str, Dict[str, Any]]
     layer_results: Dict[str, List[Dict[str, Any]]]
     heldout: Dict[str, Any]
+    positive: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)
+    positive_pretrained: Dict[Any, float] = dataclasses.field(default_factory=dict)
 
 
 def _run(r: Run) -> int:
@@ -178,11 +188,14 @@ def _setup(r: Run, model: Model) -> Setup:
 
 
 def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
-    """Every variant (and control) on its rollout model, in the order of `plan`; one rollout model per
-    rollout kind serves all its variants and seeds. The fp32-head rollout (process-global patches) last."""
+    """Every variant (and control, and the positive control's runs) on its rollout model, in the order
+    of `plan`; one rollout model per rollout kind serves all its variants and seeds. The fp32-head
+    rollout (process-global patches) last."""
     from npu_flashrl.rehearsal import transport as transport_mod
     from npu_flashrl.rehearsal.grpo import heldout as heldout_mod
+    from npu_flashrl.rehearsal.grpo import positive
     from npu_flashrl.rehearsal.grpo.loop import RolloutHandle, run_variant_seeds
+    from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
     from npu_flashrl.rehearsal.grpo.trainer import GrpoTrainer
     from npu_flashrl.rehearsal.grpo.verl_algo import VerlGrpo
 
@@ -193,17 +206,38 @@ def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
     trainer.reset()
     heldout_info["pretrained"] = heldout_mod.score(trainer, task, prompts, False)
 
-    def heldout_score(tr, fp32_head: bool) -> float:
-        return heldout_mod.score(tr, task, prompts, fp32_head)
+    def scorer(tk, ps):
+        return lambda tr, fp32_head: heldout_mod.score(tr, tk, ps, fp32_head)
 
-    variants = [v for v in s.variants() if not (r.args.no_fp32_head and v.fp32_head)]
-    plan = [(kind, [v for v in variants if v.rollout == kind]) for kind in ("bf16", "int8", "int8+fp32head")]
-    results: Dict[str, Dict[str, Any]] = {}
+    # (variant, its settings, its task, its held-out scorer, where its results go)
+    Job = Tuple[Any, Any, Any, Callable[[Any, bool], float], str]
+    jobs: List[Job] = [(v, s, task, scorer(task, prompts), "main") for v in s.variants()
+                       if not (r.args.no_fp32_head and v.fp32_head)]
+    pc_pretrained: Dict[Any, float] = {}
+    if s.positive_control:
+        pc_tasks: Dict[Any, Any] = {}
+        for job in positive.jobs(s):
+            if job.task_key not in pc_tasks:  # the bf16 job of a task size comes first, with its most seeds
+                tk = GreedyChainTask(task.markov, s.prompt_len, job.task_key[0])
+                ps, _ = heldout_mod.heldout_prompts(tk, job.settings, r.args.seed)
+                trainer.reset()
+                pc_pretrained[job.task_key] = heldout_mod.score(trainer, tk, ps, False)
+                pc_tasks[job.task_key] = (tk, scorer(tk, ps))
+            tk, sc = pc_tasks[job.task_key]
+            jobs.append((job.variant, job.settings, tk, sc, "positive"))
+    kinds = ["bf16", "int8"] + sorted({v.rollout for v, *_ in jobs} - {"bf16", "int8", "int8+fp32head"}) + [
+        "int8+fp32head"]
+    unknown = [k for k in kinds if k not in setup.builders and any(v.rollout == k for v, *_ in jobs)]
+    if unknown:
+        raise RehearsalError(f"--grpo: no rollout model builder for {unknown} (a positive control setting's "
+                             f"`rollout`); known: {sorted(setup.builders)}")
+    results: Dict[str, Dict[str, Dict[str, Any]]] = {"main": {}, "positive": {}}
     infos: Dict[str, Dict[str, Any]] = {}
     layer_results: Dict[str, List[Dict[str, Any]]] = {}
     sync_counter = [0]
     with transport_mod.make(r.transport, r.args.buckets, r.work, r.device) as sync:
-        for kind, on_it in plan:
+        for kind in kinds:
+            on_it = [j for j in jobs if j[0].rollout == kind]
             if not on_it:
                 continue
             if kind == "int8+fp32head":
@@ -217,26 +251,46 @@ def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
                 handle = RolloutHandle(v, kind != "bf16", r.device, r.args.seed, setup.profile, _faults())
                 handle.info["build_s"] = time.perf_counter() - t0
                 sync.attach(v)
-                for variant in on_it:
+                for variant, vs, vtask, vscore, where in on_it:
                     infos[variant.name] = dict(handle.info, rollout=kind)
                     lr_list: List[Dict[str, Any]] = []
-                    results[variant.name] = run_variant_seeds(
-                        variant, handle, trainer, task, s, sync, model.vocab_size, r.device, r.args.seed,
-                        sync_counter, lr_list, r.progress, VerlGrpo, heldout_score)
+                    results[where][variant.name] = run_variant_seeds(
+                        variant, handle, trainer, vtask, vs, sync, model.vocab_size, r.device, r.args.seed,
+                        sync_counter, lr_list, r.progress, VerlGrpo, vscore)
                     if variant.int8:
                         layer_results[variant.name] = lr_list
                 del handle
         r.transport.update(sync.info())
     r.timings["grpo_s"] = time.perf_counter() - t
-    return Runs(results, infos, layer_results, heldout_info)
+    return Runs(results["main"], infos, layer_results, heldout_info, results["positive"], pc_pretrained)
 
 
 def _cpu_seconds() -> Dict[str, float]:
-    """CPU time of this process and of its finished children (the verl transport's sender): on a shared
-    machine the wall time says little about the run's own cost."""
+    """CPU time of the run: this process's, its children's, and their sum: on a shared machine the wall
+    time says little about the run's own cost. Children: the finished ones (RUSAGE_CHILDREN) and the
+    ones still alive, read through psutil (the verl transport's sender process stays up until this
+    process exits, so RUSAGE_CHILDREN alone does not see it)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"cpu_s": own.ru_utime + own.ru_stime, "children_cpu_s": kids.ru_utime + kids.ru_stime}
+    own_s, done_s = own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+    live_s, live_n, note = 0.0, 0, None
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except psutil.Error:  # it ended meanwhile: RUSAGE_CHILDREN has it once it is reaped
+                continue
+            live_s += t.user + t.system
+            live_n += 1
+    except ImportError:
+        note = "psutil not installed: children still running are not counted"
+    out = {"own_cpu_s": own_s, "children_cpu_s": done_s + live_s, "finished_children_cpu_s": done_s,
+           "live_children_cpu_s": live_s, "live_children": live_n, "cpu_s": own_s + done_s + live_s}
+    if note:
+        out["cpu_note"] = note
+    return out
 
 
 def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
@@ -244,6 +298,7 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
     from npu_flashrl import patches
     from npu_flashrl.config import atomic_write
     from npu_flashrl.rehearsal.grpo import checks as grpo_checks
+    from npu_flashrl.rehearsal.grpo import positive
     from npu_flashrl.rehearsal.grpo import report as grpo_report
     from npu_flashrl.rehearsal.grpo.settings import ALL
     from npu_flashrl.rehearsal.state import by_type, state_rules
@@ -252,6 +307,13 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
     summary = grpo_report.summarize(runs.results, s, runs.heldout)
     checks, controls = grpo_checks.evaluate(runs.results, summary, runs.infos, runs.layer_results, s, r.device,
                                             args.max_layer_error)
+    if s.positive_control:
+        pc = {"run": True, "table": positive.describe_table(), "quick": s.quick,
+              "settings": positive.summarize(runs.positive, s, runs.positive_pretrained)}
+        checks.extend(grpo_checks.positive_checks(runs.positive, runs.infos, runs.layer_results, r.device,
+                                                  args.max_layer_error))
+    else:
+        pc = positive.not_run("run `npu-flashrl rehearse --grpo --positive-control` to measure it")
     ok = all(c["ok"] for c in checks)
     plot_path = plot_note = None
     if not args.no_plot:
@@ -268,9 +330,11 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
         "grpo": {"settings": s.to_dict(), "task": task.to_dict(), "variants": summary["variants"],
                  "variant_specs": {n: ALL[n].to_dict() for n in runs.results},
                  "bounds": summary["bounds"], "paired": summary["paired"], "heldout": summary["heldout"],
-                 "controls": controls, "positive_control": grpo_report.POSITIVE_CONTROL,
+                 "controls": controls, "positive_control": pc,
                  "algorithm": {v: res["algo"] for v, res in runs.results.items()},
-                 "rows": [row for res in runs.results.values() for row in res["rows"]], "stand_ins": STAND_INS},
+                 "rows": [row for res in runs.results.values() for row in res["rows"]],
+                 "positive_rows": [row for res in runs.positive.values() for row in res["rows"]],
+                 "stand_ins": STAND_INS + (POSITIVE_STAND_IN if s.positive_control else [])},
         "resolved": {"device": r.device, "emulated_torch_npu": r.emulated, "threads": r.threads, "fn": setup.fn},
         "transport": r.transport, "model": {"source": "tiny", "dir": model.bf16_dir, "cache_hit": model.cache_hit},
         "rollouts": runs.infos, "checks": checks,

@@ -7,6 +7,12 @@ from vLLM's `compute_logits` at the last position, and the token is drawn from s
 private generator. The rollout log-prob recorded for it is log_softmax(logits)[token] in fp32, the
 value vLLM's sampler returns for the sampled token at temperature 1 (`SamplingParams(logprobs=0)`).
 
+`logit_scale` (the positive control's settings, `positive.SETTINGS`): the rollout samples from its
+logits x the scale, i.e. at temperature 1 / scale while the trainer computes at temperature 1, and
+records the log-probs of the distribution it sampled from (verl's rollout default
+`logprobs_mode: processed_logprobs`, vLLM's log-probs after temperature): a rollout / trainer mismatch
+of known size, standing in for one a quantized rollout would bring.
+
 Stand-in (harness): vLLM's attention backend is replaced by plain causal attention on the CPU
 (`cpu_vllm.use_plain_attention`, one sequence per forward); `batched_attention` lets one forward
 carry a batch of equally long sequences (flattened as vLLM flattens a batch), each attending only
@@ -70,7 +76,7 @@ def forward_last_logits(model, ids: torch.Tensor, vocab_size: int) -> torch.Tens
 
 
 def sample(model, prompts: torch.Tensor, n: int, response_len: int, generator: torch.Generator,
-           vocab_size: int, device: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           vocab_size: int, device: str, logit_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`n` responses per prompt (a GRPO group; rows of one group adjacent).
 
     Returns (prompt rows [P*n, Tp], responses [P*n, L], rollout log-probs [P*n, L] fp32), on the CPU."""
@@ -79,7 +85,7 @@ def sample(model, prompts: torch.Tensor, n: int, response_len: int, generator: t
     tokens, logps = [], []
     with torch.no_grad():
         for _ in range(response_len):
-            logp = torch.log_softmax(forward_last_logits(model, ids, vocab_size), dim=-1).cpu()
+            logp = torch.log_softmax(_scaled(forward_last_logits(model, ids, vocab_size), logit_scale), dim=-1).cpu()
             tok = torch.multinomial(logp.exp(), 1, generator=generator)
             tokens.append(tok)
             logps.append(logp.gather(1, tok))
@@ -88,7 +94,12 @@ def sample(model, prompts: torch.Tensor, n: int, response_len: int, generator: t
 
 
 
-def replay(model, rows: torch.Tensor, responses: torch.Tensor, vocab_size: int, device: str) -> torch.Tensor:
+def _scaled(logits: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    return logits if logit_scale == 1.0 else logits * logit_scale
+
+
+def replay(model, rows: torch.Tensor, responses: torch.Tensor, vocab_size: int, device: str,
+           logit_scale: float = 1.0) -> torch.Tensor:
     """The rollout model's log-probs [B, L] (fp32) of given responses, computed as `sample` computes
     them (one forward per position), without sampling: what the rollout log-probs of these rows must
     be if they are the rollout model's own."""
@@ -97,6 +108,7 @@ def replay(model, rows: torch.Tensor, responses: torch.Tensor, vocab_size: int, 
     out = []
     with torch.no_grad():
         for t in range(responses.shape[1]):
-            logp = torch.log_softmax(forward_last_logits(model, ids[:, :tp + t], vocab_size), dim=-1).cpu()
+            logp = torch.log_softmax(_scaled(forward_last_logits(model, ids[:, :tp + t], vocab_size), logit_scale),
+                                     dim=-1).cpu()
             out.append(logp.gather(1, responses[:, t:t + 1].cpu()))
     return torch.cat(out, dim=1)

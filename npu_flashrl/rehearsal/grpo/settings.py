@@ -5,7 +5,10 @@ loss, the fp32 lm head. A **negative control** is a variant with one thing delib
 named switch of the rehearsal, `Variant.control`) and the check it must fail: the run passes only
 when each control fails its check, so every check shown to pass is one that can fail. Controls whose
 check is structural (it sees the fault in every step) run at `CONTROL_SIZE`; the slow learner needs
-the statistics of the full size.
+the statistics of the full size. A **power probe** (`PROBES`) is a variant with a real effect of a
+known cause (int8+tis at 0.75x the learning rate): it need not fail, but the detectable difference
+printed for the tracked variants must cover its effect unless the run catches it, and its standard
+error (with the slow learner's) is the SE under an effect the power is computed with.
 
 Sizes are chosen for the time budget (default within 5 min of CPU time on a 2-core machine,
 `--quick` within about 2 min, the tiny model cached; see the README).
@@ -25,7 +28,8 @@ CHECK_TIS_RATIO = "TIS weights are the truncated trainer/rollout ratio"
 CHECK_TIS_IN_LOSS = "TIS weights in the loss"
 CHECK_OWN_LOGP = "rollout log-probs are the rollout model's own"
 CHECK_STATE_INT8 = "state: int8 values equal the reference quantization"
-CHECK_TRACKS = "trains like bf16 (paired, whole curve and held-out)"
+CHECK_TRACKS = "trains like bf16 (paired held-out score)"
+CHECK_POWER = "power: the detectable difference printed covers a 0.75x-lr learner, or the run catches it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Variant:
     lr_scale: float = 1.0
     fails: Optional[str] = None     # negative control: the check it must fail (name with `name: ` before it)
     full_size: bool = True          # False: runs at CONTROL_SIZE
+    logit_scale: float = 1.0        # the rollout samples from its logits x this (positive control settings)
 
     @property
     def int8(self) -> bool:
@@ -60,6 +65,7 @@ CONTROL_EFFECTS = {
                      "from before the step's update)",
     "slow_learner": "int8+tis at a quarter of the learning rate: a learner that lags bf16",
 }
+PROBE_EFFECT = "int8+tis at 0.75x the learning rate: a small real effect the printed power must cover"
 
 REAL = (
     Variant(VARIANT_BF16, "bf16", tis=False),
@@ -76,10 +82,14 @@ CONTROLS = (
             full_size=False),
     Variant("ctl:slow_learner", "int8", tis=True, control="slow_learner", lr_scale=0.25, fails=CHECK_TRACKS),
 )
-ALL = {v.name: v for v in REAL + CONTROLS}
+PROBES = (Variant("probe:lr_x0.75", "int8", tis=True, lr_scale=0.75),)
+# the comparisons that carry a real effect: their paired SE is the SE under an effect (the power's)
+EFFECT_LEARNERS = ("ctl:slow_learner", "probe:lr_x0.75")
+ALL = {v.name: v for v in REAL + CONTROLS + PROBES}
 VARIANTS = tuple(v.name for v in REAL)
 # the variants whose tracking of bf16 is a verdict (int8 without TIS is shown, compared, not required)
 TRACKED = (VARIANT_INT8_TIS, VARIANT_INT8_TIS_FP32HEAD, "ctl:slow_learner")
+TRACKED_REAL = tuple(n for n in TRACKED if not n.startswith("ctl:"))
 # variant -> (rollout model, TIS in the loss, fp32 lm head on both sides)
 VARIANT_SPEC = {v.name: (v.rollout, v.tis, v.fp32_head) for v in ALL.values()}
 
@@ -98,7 +108,9 @@ class GrpoSettings:
     heldout_prompts: int = 64   # prompts never trained on, scoring each trained policy
     replay_rows: int = 8        # sampled rows per step replayed through the rollout model (own log-probs)
     confidence: float = 0.95    # of the family of tracking comparisons (split over them, Bonferroni)
-    controls: bool = True
+    controls: bool = True       # the negative controls and the power probe
+    positive_control: bool = False  # `--positive-control`: the settings of `positive.SETTINGS` too
+    quick: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,7 +120,7 @@ class GrpoSettings:
         return (self.seeds, self.steps) if v.full_size else CONTROL_SIZE
 
     def variants(self) -> Tuple[Variant, ...]:
-        return REAL + (CONTROLS if self.controls else ())
+        return REAL + (CONTROLS + PROBES if self.controls else ())
 
 
 CONTROL_SIZE = (1, 2)  # (seeds, steps) of the controls whose check is structural
@@ -133,6 +145,10 @@ def resolve(args) -> GrpoSettings:
         changes["lr"] = args.step_lr
     if getattr(args, "no_controls", False):
         changes["controls"] = False
+    if getattr(args, "positive_control", False):
+        changes["positive_control"] = True
+    if getattr(args, "quick", False):
+        changes["quick"] = True
     s = dataclasses.replace(s, **changes)
     if s.window * 2 > s.steps:
         s = dataclasses.replace(s, window=max(1, s.steps // 2))
