@@ -68,13 +68,15 @@ COVERED: Tuple[Architecture, ...] = (
           "Llama 3.x: no bias, GQA, llama3 rope scaling, tied embeddings"),
     _arch("DeepseekV3ForCausalLM", "deepseek_v3", "yes", "yes",
           "yes (receiving end; MLA and shared-expert projections travel float)", MBRIDGE_UNTESTED,
-          "yes (weights; forward not run)", "partial: MLA attention and dense MLP; MoE layers not run",
-          ("tests/models/test_models_deepseek_v3.py",), _CURRENT,
+          "yes", "yes (MLA attention through a plain-torch stand-in)",
+          ("tests/models/test_models_deepseek_v3.py", "tests/kernels/test_emulation_shared_experts.py"),
+          _CURRENT,
           "MLA projections W8A8_DYNAMIC, kv_b_proj 16-bit (vllm-ascend's MLA asserts it) with its "
           "absorbed W_UK_T / W_UV re-derived after each sync; router + correction bias high precision; "
-          "shared experts and the first dense layers quantized. The MoE forward needs vllm-ascend's "
-          "swiglu_mode=1 dequant-swiglu kernel (not emulated); the attention forward on the CPU is a "
-          "plain-torch stand-in for vllm-ascend's NPU MLA kernels."),
+          "shared experts and the first dense layers quantized. The MoE layers run vllm-ascend 0.23's "
+          "forward on emulated kernels (the shared experts' swiglu_mode=1 kernel: not verified on "
+          "hardware); the attention forward on the CPU is a plain-torch stand-in for vllm-ascend's "
+          "NPU MLA kernels."),
 )
 
 # Architectures looked at and not covered, with why (anything else: not looked at).
