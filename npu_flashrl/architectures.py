@@ -51,6 +51,10 @@ _ALL = tuple(ln.name for ln in LINES)
 _NEWER, _CURRENT = _ALL[1:], _ALL[-1:]
 
 MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
+# tests/adapters/megatron/test_megatron_engine_archs.py holds this refusal to what the engine does
+DEEPSEEK_MEGATRON = ("no: verl 0.9.1's engine builds mbridge 0.15.1's DeepseekV3Bridge before it sets "
+                     "hf_config.rope_theta, and transformers 5's DeepseekV3Config has none (it is in "
+                     "rope_parameters): the bridge fails with AttributeError 'rope_theta'")
 
 COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen2ForCausalLM", "qwen2", "yes", "yes", "yes", "yes", "n/a", "yes",
@@ -63,11 +67,11 @@ COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen3MoeForCausalLM", "qwen3_moe", "yes", "yes", "yes", "yes", "yes", "yes",
           ("tests/adapters/vllm_ascend/test_moe_reload.py", "tests/adapters/vllm_ascend/test_int8_wire.py", "tests/adapters/vllm_ascend/test_moe_forward.py",
            "tests/adapters/megatron/test_megatron_engine.py"), _ALL),
-    _arch("LlamaForCausalLM", "llama", "yes", "yes", "yes (receiving end)", MBRIDGE_UNTESTED, "n/a", "yes",
-          ("tests/models/test_models_llama.py",), _NEWER,
+    _arch("LlamaForCausalLM", "llama", "yes", "yes", "yes (receiving end)", "yes (current line)", "n/a", "yes",
+          ("tests/models/test_models_llama.py", "tests/adapters/megatron/test_megatron_engine_archs.py"), _NEWER,
           "Llama 3.x: no bias, GQA, llama3 rope scaling, tied embeddings"),
     _arch("DeepseekV3ForCausalLM", "deepseek_v3", "yes", "yes",
-          "yes (receiving end; MLA and shared-expert projections travel float)", MBRIDGE_UNTESTED,
+          "yes (receiving end; MLA and shared-expert projections travel float)", DEEPSEEK_MEGATRON,
           "yes", "yes (MLA attention through a plain-torch stand-in)",
           ("tests/models/test_models_deepseek_v3.py", "tests/kernels/test_emulation_shared_experts.py"),
           _CURRENT,
