@@ -51,6 +51,10 @@ _ALL = tuple(ln.name for ln in LINES)
 _NEWER, _CURRENT = _ALL[1:], _ALL[-1:]
 
 MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
+# tests/adapters/megatron/test_megatron_engine_archs.py holds this refusal to what the engine does
+DEEPSEEK_MEGATRON = ("no: verl 0.9.1's engine builds mbridge 0.15.1's DeepseekV3Bridge before it sets "
+                     "hf_config.rope_theta, and transformers 5's DeepseekV3Config has none (it is in "
+                     "rope_parameters): the bridge fails with AttributeError 'rope_theta'")
 
 COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen2ForCausalLM", "qwen2", "yes", "yes", "yes", "yes", "n/a", "yes",
@@ -63,18 +67,20 @@ COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen3MoeForCausalLM", "qwen3_moe", "yes", "yes", "yes", "yes", "yes", "yes",
           ("tests/adapters/vllm_ascend/test_moe_reload.py", "tests/adapters/vllm_ascend/test_int8_wire.py", "tests/adapters/vllm_ascend/test_moe_forward.py",
            "tests/adapters/megatron/test_megatron_engine.py"), _ALL),
-    _arch("LlamaForCausalLM", "llama", "yes", "yes", "yes (receiving end)", MBRIDGE_UNTESTED, "n/a", "yes",
-          ("tests/models/test_models_llama.py",), _NEWER,
+    _arch("LlamaForCausalLM", "llama", "yes", "yes", "yes (receiving end)", "yes (current line)", "n/a", "yes",
+          ("tests/models/test_models_llama.py", "tests/adapters/megatron/test_megatron_engine_archs.py"), _NEWER,
           "Llama 3.x: no bias, GQA, llama3 rope scaling, tied embeddings"),
     _arch("DeepseekV3ForCausalLM", "deepseek_v3", "yes", "yes",
-          "yes (receiving end; MLA and shared-expert projections travel float)", MBRIDGE_UNTESTED,
-          "yes (weights; forward not run)", "partial: MLA attention and dense MLP; MoE layers not run",
-          ("tests/models/test_models_deepseek_v3.py",), _CURRENT,
+          "yes (receiving end; MLA and shared-expert projections travel float)", DEEPSEEK_MEGATRON,
+          "yes", "yes (MLA attention through a plain-torch stand-in)",
+          ("tests/models/test_models_deepseek_v3.py", "tests/kernels/test_emulation_shared_experts.py"),
+          _CURRENT,
           "MLA projections W8A8_DYNAMIC, kv_b_proj 16-bit (vllm-ascend's MLA asserts it) with its "
           "absorbed W_UK_T / W_UV re-derived after each sync; router + correction bias high precision; "
-          "shared experts and the first dense layers quantized. The MoE forward needs vllm-ascend's "
-          "swiglu_mode=1 dequant-swiglu kernel (not emulated); the attention forward on the CPU is a "
-          "plain-torch stand-in for vllm-ascend's NPU MLA kernels."),
+          "shared experts and the first dense layers quantized. The MoE layers run vllm-ascend 0.23's "
+          "forward on emulated kernels (the shared experts' swiglu_mode=1 kernel: not verified on "
+          "hardware); the attention forward on the CPU is a plain-torch stand-in for vllm-ascend's "
+          "NPU MLA kernels."),
 )
 
 # Architectures looked at and not covered, with why (anything else: not looked at).

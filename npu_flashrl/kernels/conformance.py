@@ -199,6 +199,42 @@ def _gating_softmax_golden(x, k):
     return v.to(x.dtype), i.to(torch.int32)
 
 
+# --------------------------------------------------------------------------- DeepSeek shared experts
+# vllm-ascend 0.23's INT8 shared-experts path (`op_rules`, "DeepSeek shared experts"): the int32
+# output of npu_quant_matmul and vllm-ascend's own _C_ascend.npu_dequant_swiglu_quant, swiglu_mode 1.
+
+def _quant_matmul_int32():
+    x1 = torch.randint(-128, 128, (7, 96), generator=_g(30), dtype=torch.int8)
+    x2 = torch.randint(-128, 128, (96, 48), generator=_g(31), dtype=torch.int8)
+    scale = torch.rand(48, generator=_g(32)) * 0.01  # fp32: vllm-ascend's weight_scale
+    return (x1, x2, scale), {"pertoken_scale": None, "bias": None, "output_dtype": torch.int32}
+
+
+def _quant_matmul_int32_golden(x1, x2, scale, pertoken_scale=None, bias=None, output_dtype=None):
+    # the unscaled int32 accumulator (see reference.npu_quant_matmul: NOT VERIFIED ON HARDWARE)
+    return (x1.long() @ x2.long()).to(torch.int32)
+
+
+def _dsq_mode1(clamp_limit=0.0, glu_alpha=1.0, glu_bias=0.0):
+    def build():
+        x = torch.randint(-400, 400, (5, 192), generator=_g(33), dtype=torch.int32)
+        ws = torch.rand(192, generator=_g(34)) * 0.01
+        act = torch.rand(5, generator=_g(35)) * 0.05
+        return (x,), {"weight_scale": ws, "activation_scale": act, "group_index": torch.tensor([5]),
+                      "activate_left": True, "quant_mode": 1, "swiglu_mode": 1,
+                      "clamp_limit": clamp_limit, "glu_alpha": glu_alpha, "glu_bias": glu_bias}
+    return build
+
+
+def _dsq_mode1_golden(x, weight_scale, activation_scale, group_index, activate_left, quant_mode,
+                      swiglu_mode, clamp_limit, glu_alpha, glu_bias):
+    d = x.double() * weight_scale.double() * activation_scale.double().unsqueeze(-1)
+    glu, lin = d.chunk(2, dim=-1)  # halves, as vllm-ascend 0.23's kernel reads them
+    if clamp_limit > 0:
+        glu, lin = glu.clamp(max=clamp_limit), lin.clamp(-clamp_limit, clamp_limit)
+    return _dq_rows(glu * torch.sigmoid(glu_alpha * glu) * (lin + glu_bias))
+
+
 CASES: List[Case] = [
     Case("npu_dynamic_quant", "page example (3, 3) fp16", _dynamic_quant,
          lambda x: _dq_rows(x.float())),
@@ -228,6 +264,17 @@ CASES: List[Case] = [
     Case("npu_grouped_matmul_swiglu_quant", "ND int8 weight (refused)", _gmm_swiglu_quant, valid=False),
     Case("npu_swiglu", "page example (2, 32, 6, 6) fp32", _swiglu, _swiglu_golden),
     Case("npu_moe_gating_top_k_softmax", "fp16, k=2", _gating_softmax, _gating_softmax_golden),
+    Case("npu_quant_matmul@int32", "int32 output (the unscaled accumulator)", _quant_matmul_int32,
+         _quant_matmul_int32_golden),
+    Case("npu_quant_matmul@int32", "int32 output with pertoken_scale (refused)",
+         lambda: (_quant_matmul_int32()[0], {**_quant_matmul_int32()[1], "pertoken_scale": torch.ones(7)}),
+         valid=False),
+    Case("_C_ascend.npu_dequant_swiglu_quant", "swiglu_mode 1, no clamp (DeepSeek's shared experts)",
+         _dsq_mode1(), _dsq_mode1_golden),
+    Case("_C_ascend.npu_dequant_swiglu_quant", "swiglu_mode 1, clamp 7, alpha 1.702, bias 1",
+         _dsq_mode1(7.0, 1.702, 1.0), _dsq_mode1_golden),
+    Case("_C_ascend.npu_dequant_swiglu_quant", "swiglu_mode 2 (refused)",
+         lambda: (_dsq_mode1()()[0], {**_dsq_mode1()()[1], "swiglu_mode": 2}), valid=False),
 ]
 
 
@@ -283,6 +330,24 @@ def torch_npu_module():
     return torch_npu, "cpu"
 
 
+def resolve_op(case_op: str, torch_npu, device: str):
+    """The callable a case names: `torch_npu.<op>` (an `@<variant>` suffix only names the case's
+    row), or vllm-ascend's compiled `torch.ops._C_ascend.<op>` for an `_C_ascend.` name (the
+    emulation's CPU kernel here, vllm-ascend's custom ops on an NPU host)."""
+    op = case_op.split("@", 1)[0]
+    if not op.startswith("_C_ascend."):
+        return getattr(torch_npu, op)
+    if device == "cpu":
+        from npu_flashrl.kernels import emulation
+
+        emulation.register_cpu_ops()
+    else:
+        from vllm_ascend.utils import enable_custom_op
+
+        enable_custom_op()
+    return getattr(torch.ops._C_ascend, op.split(".", 1)[1])
+
+
 def run_case(case: Case, torch_npu, device: str) -> Tuple[str, str]:
     args, kwargs = case.build()
     dev_args, dev_kwargs = _to(args, device), _to(kwargs, device)
@@ -291,7 +356,7 @@ def run_case(case: Case, torch_npu, device: str) -> Tuple[str, str]:
         for i in case.nz_args:
             dev_args[i] = torch_npu.npu_format_cast(dev_args[i], 29)
     try:
-        got = getattr(torch_npu, case.op)(*dev_args, **dev_kwargs)
+        got = resolve_op(case.op, torch_npu, device)(*dev_args, **dev_kwargs)
     except Exception as exc:  # noqa: BLE001  (a device refusal is a result)
         if not case.valid:
             # the emulation must refuse by the documented rule, not by some other failure

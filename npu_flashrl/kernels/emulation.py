@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from npu_flashrl.errors import NpuFlashrlError
-from npu_flashrl.kernels import moe_reference, reference
+from npu_flashrl.kernels import dequant_swiglu_v2, moe_reference, reference
 
 EMULATED_PACKAGES = ("torch_npu", "torchair")
 
@@ -96,7 +96,8 @@ def _dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=N
                           quant_scale=None, quant_offset=None, group_index=None,
                           activate_left=True, quant_mode=0, swiglu_mode=0, clamp_limit=0.0,
                           glu_alpha=1.0, glu_bias=0.0):
-    return moe_reference.npu_dequant_swiglu_quant(
+    # vllm-ascend's own op (aclnnDequantSwigluQuantV2, swiglu_mode 0 / 1), not torch_npu's
+    return dequant_swiglu_v2.npu_dequant_swiglu_quant(
         x, weight_scale=weight_scale, activation_scale=activation_scale, bias=bias,
         quant_scale=quant_scale, quant_offset=quant_offset, group_index=group_index,
         activate_left=activate_left, quant_mode=quant_mode, swiglu_mode=swiglu_mode,

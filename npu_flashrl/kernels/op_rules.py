@@ -40,6 +40,12 @@ DOC = {
     "npu_swiglu": _OP_PLUGIN.format("npu_swiglu"),
     "npu_format_cast": _OP_PLUGIN.format("npu_format_cast"),
     "get_npu_format": _OP_PLUGIN.format("get_npu_format"),
+    # the shared experts' path of vllm-ascend 0.23 (see the "DeepSeek shared experts" block below)
+    "npu_quant_matmul@int32": _OP_PLUGIN.format("npu_quant_matmul"),
+    "_C_ascend.npu_dequant_swiglu_quant":
+        "https://gitcode.com/cann/ops-nn/blob/master/quant/dequant_swiglu_quant/docs/aclnnDequantSwigluQuantV2.md",
+    "_C_ascend.npu_dequant_swiglu_quant@vllm-ascend":
+        "https://github.com/vllm-project/vllm-ascend/blob/v0.23.0/csrc/torch_binding.cpp",
 }
 
 
@@ -48,7 +54,10 @@ class OpRuleError(NpuFlashrlError, ValueError):
 
 
 def qualified(op: str) -> str:
-    """torch_npu.<op>, or vllm-ascend's compiled torch.ops._C_ascend.<op>."""
+    """torch_npu.<op>, or vllm-ascend's compiled torch.ops._C_ascend.<op> (an `_C_ascend.` prefix
+    names vllm-ascend's op where torch_npu has one of the same name)."""
+    if op.startswith("_C_ascend."):
+        return f"torch.ops.{op}"
     return f"torch_npu.{op}" if op.startswith(("npu_", "get_npu")) else f"torch.ops._C_ascend.{op}"
 
 
@@ -462,3 +471,79 @@ def check_format_cast(acl_format) -> None:
             f"must be an int acl format id, got {acl_format!r}")
     require(acl_format in KNOWN_ACL_FORMATS, op, "acl_format",
             f"must be one of the aclFormat ids {KNOWN_ACL_FORMATS}, got {acl_format}")
+
+
+# --------------------------------------------------------------------------- DeepSeek shared experts
+# What vllm-ascend 0.23's fused-MoE layer calls for a model's INT8 shared experts
+# (`ops/fused_moe/fused_moe_0_23_0.py` `_forward_shared_experts`): npu_quant_matmul with an int32
+# output, then its own `torch.ops._C_ascend.npu_dequant_swiglu_quant` with swiglu_mode=1. The
+# routed experts call the same _C_ascend op with swiglu_mode 0 (`ops/fused_moe/moe_mlp.py`).
+
+# vllm-ascend 0.23's binding (csrc/torch_binding.cpp `npu_dequant_swiglu_quant`): "swiglu_mode
+# only support 0 or 1", "clamp_limit should be positive finite" (checked as >= 0.0: its op
+# definition, csrc/moe/dequant_swiglu_quant/op_host/dequant_swiglu_quant_proto.h, documents
+# "Use 0.0 to disable clamp"), glu_alpha / glu_bias finite, "x last dim should be even", x more
+# than 1-D; it then runs aclnnDequantSwigluQuantV2, whose page gives the tensor rules below.
+DSQ_V2_MAX_DIMS = 8  # x: "shape不超过8维，不小于2维"
+
+
+def check_dequant_swiglu_quant_v2(x, weight_scale, activation_scale, bias, quant_scale, quant_offset,
+                                  group_index, activate_left, quant_mode, swiglu_mode, clamp_limit,
+                                  glu_alpha, glu_bias) -> None:
+    import math
+
+    op = "_C_ascend.npu_dequant_swiglu_quant"
+    binding = op + "@vllm-ascend"
+    require(2 <= x.dim() <= DSQ_V2_MAX_DIMS, op, "x", f"must have 2-{DSQ_V2_MAX_DIMS} dims, got shape {tuple(x.shape)}")
+    require(x.shape[-1] % 2 == 0, op, "x", f"the last dim must be even (2H), got {x.shape[-1]}")
+    require_dtype(x, (I32, F16, BF16), op, "x")
+    require(quant_mode in (0, 1), op, "quant_mode", f"must be 0 (static) or 1 (dynamic), got {quant_mode}", binding)
+    require(swiglu_mode in (0, 1), op, "swiglu_mode", f"must be 0 or 1, got {swiglu_mode}", binding)
+    require(math.isfinite(clamp_limit) and clamp_limit >= 0.0, op, "clamp_limit",
+            f"must be finite and >= 0 (0.0 disables the clamp), got {clamp_limit}", binding)
+    require(math.isfinite(glu_alpha) and math.isfinite(glu_bias), op, "glu_alpha/glu_bias",
+            f"must be finite, got {glu_alpha}, {glu_bias}", binding)
+    # "如果swigluMode为1，activateLeft必须为true"
+    require(swiglu_mode == 0 or activate_left, op, "activate_left", "must be True with swiglu_mode=1")
+    h2 = x.shape[-1]
+    rows = x.numel() // h2
+    if x.dtype == I32:
+        # "当输入x的数据类型为INT32时，weightScaleOptional不能为空"
+        require(weight_scale is not None, op, "weight_scale", "must be given for an int32 x")
+    else:
+        # "当输入x的数据类型不为INT32时，weightScaleOptional / activationScaleOptional /
+        # biasOptional 不允许输入"
+        require(weight_scale is None and activation_scale is None and bias is None, op,
+                "weight_scale/activation_scale/bias", f"must be None for a {_name(x.dtype)} x")
+    if weight_scale is not None:
+        require_dtype(weight_scale, (F32,), op, "weight_scale")
+        # [2H] without group_index, [groupNum, 2H] with it
+        want = "[groupNum, 2H]" if group_index is not None else "[2H]"
+        ok = weight_scale.shape[-1] == h2 and (
+            weight_scale.dim() == 2 if group_index is not None else weight_scale.dim() == 1)
+        # vllm-ascend passes a layer's flattened [2H] scale with a one-group group_index (its
+        # shared experts): one group's [2H] is accepted as [1, 2H]
+        ok = ok or (group_index is not None and weight_scale.dim() == 1 and weight_scale.shape[0] == h2
+                    and group_index.shape[0] == 1)
+        require(ok, op, "weight_scale", f"must be {want} with 2H = {h2}, got shape {tuple(weight_scale.shape)}")
+    if activation_scale is not None:
+        require_dtype(activation_scale, (F32,), op, "activation_scale")
+        # "shape为[X1,...,Xn]... 维度比x的维度少一维"
+        require(tuple(activation_scale.shape) == tuple(x.shape[:-1]), op, "activation_scale",
+                f"must be x's shape without its last dim {tuple(x.shape[:-1])}, got {tuple(activation_scale.shape)}")
+    if bias is not None:
+        require_dtype(bias, (F32, F16, BF16, I32), op, "bias")
+    if quant_scale is not None:
+        require_dtype(quant_scale, (F32, F16), op, "quant_scale")
+    if quant_offset is not None:
+        require_dtype(quant_offset, (F32,), op, "quant_offset")
+    if quant_mode == 0:
+        # "当quantModeOptional为static时，quantScaleOptional是空指针" is an error
+        require(quant_scale is not None, op, "quant_scale", "must be given with quant_mode 0 (static)")
+    if group_index is not None:
+        require_dtype(group_index, (I64,), op, "group_index")
+        require(group_index.dim() in (1, 2) and group_index.shape[0] >= 1, op, "group_index",
+                f"must be [groupNum] or [groupNum, 2] with groupNum >= 1, got shape {tuple(group_index.shape)}")
+        # "groupIndexOptional所有元素之和不能大于输入x除尾轴之外的剩余轴的乘积"
+        total = int(group_index.sum())
+        require(total <= rows, op, "group_index", f"its sum ({total}) must not exceed x's rows ({rows})")

@@ -288,21 +288,30 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     scaling; cast to output_dtype (the float cast rounds to nearest even, as torch's). The
     accumulation is exact (float64 holds every int32 sum of K <= 65535 int8 products).
     Documented constraints (the dtype combination table included): `op_rules.check_quant_matmul`.
-    Not emulated: the int8 / int32 outputs (the page does not say how the int8 output rounds or
-    what a scale does to an int32 output) and batched x2; vllm-ascend always passes a float
-    output_dtype and a 2-D weight."""
+    The int32 output (a row of the page's table 2: scale float32 / bfloat16, no offset, bias
+    int32 / None, no pertoken_scale) is the accumulator x1 @ x2 (+ an int32 bias), unscaled: the page
+    gives no dequantization for it, and vllm-ascend 0.23 (its shared experts, `fused_moe_0_23_0.py`)
+    dequantizes that output afterwards with the same weight scale in npu_dequant_swiglu_quant.
+    NOT VERIFIED ON HARDWARE (`npu-flashrl verify --kernels` compares it on an NPU host); a sum
+    outside int32 is not emulated (the page does not say whether it wraps or saturates).
+    Not emulated: the int8 output (the page does not say how it rounds) and batched x2;
+    vllm-ascend passes a float or int32 output_dtype and a 2-D weight."""
     op = "npu_quant_matmul"
     require_same_device(op, x1=x1, x2=x2, scale=scale, offset=offset, pertoken_scale=pertoken_scale,
                         bias=bias)
     op_rules.check_quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype)
-    if output_dtype in (None, torch.int8, torch.int32):
-        raise NotImplementedError(f"{op}: the {output_dtype or torch.int8} output is not emulated; "
-                                  "vllm-ascend always passes a float output_dtype")
+    if output_dtype in (None, torch.int8):
+        raise NotImplementedError(f"{op}: the int8 output is not emulated; vllm-ascend passes a "
+                                  "float or int32 output_dtype")
     if x2.dim() != 2 or (bias is not None and bias.dim() != 1):
         raise NotImplementedError(f"{op}: a batched x2 / 3-D bias is not emulated")
     acc = torch.matmul(x1.double(), x2.double())
     if bias is not None and bias.dtype == torch.int32:
         acc = acc + bias.double()
+    if output_dtype == torch.int32:
+        if acc.numel() and (acc.max() > 2**31 - 1 or acc.min() < -2**31):
+            raise NotImplementedError(f"{op}: an int32 output outside the int32 range is not emulated")
+        return acc.to(torch.int32)
     out = acc * decode_deq_scale(scale).double()
     if pertoken_scale is not None:
         out = out * pertoken_scale.double().reshape(pertoken_scale.shape[0], 1)

@@ -38,7 +38,7 @@ MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
 
 
 # the built-in tiny model's families (`sim.tiny_models`): the first is the default
-TINY_ARCHS = ("qwen2", "llama")
+TINY_ARCHS = ("qwen2", "llama", "deepseek_v3")
 
 
 def add_arguments(p) -> None:
@@ -47,10 +47,11 @@ def add_arguments(p) -> None:
                         "a Qwen3-MoE (fused-MoE experts checked per expert; --mode profile-free only) "
                         "(default: the built-in tiny Qwen2, pre-trained on a synthetic task and cached)")
     p.add_argument("--arch", choices=TINY_ARCHS, default=TINY_ARCHS[0],
-                   help="the built-in tiny model's family: qwen2 (default) or llama (Llama 3.x: no bias, "
-                        "llama3 rope scaling, untied as the 8B / 70B). Not offered: deepseek_v3 (its MoE layers' "
-                        "INT8 forward needs a vllm-ascend kernel the CPU emulation lacks) and the vision-"
-                        "language models (see docs/compatibility.md, Architectures)")
+                   help="the built-in tiny model's family: qwen2 (default), llama (Llama 3.x: no bias, "
+                        "llama3 rope scaling, untied as the 8B / 70B) or deepseek_v3 (MLA attention, a dense first "
+                        "layer, MoE layers with shared experts and sigmoid grouped routing; --mode profile-free; "
+                        "current line). Not offered: the vision-language models (see docs/compatibility.md, "
+                        "Architectures)")
     p.add_argument("--mode", choices=("profile-free", "profile"), default="profile-free",
                    help="profile-free: fn=int8_profile_free (fresh per-channel scales every sync); "
                         "profile: fn=int8 with a FlashRL profile (a w8a8 checkpoint is written from the "
@@ -196,6 +197,8 @@ def check_seq_len(args, model_cfg) -> None:
         if isinstance(model_cfg.get("text_config"), dict) and positions is None:
             positions = model_cfg["text_config"].get("max_position_embeddings")
         what = f"--model {args.model}"
+    if getattr(args, "model", None) is None:
+        what = "the built-in tiny model"
     if isinstance(positions, int) and args.seq_len > positions:
         raise RehearsalError(f"--seq-len {args.seq_len}: longer than the {positions} positions of {what} "
                              f"(max_position_embeddings); use --seq-len {positions} or less")

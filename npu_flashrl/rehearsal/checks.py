@@ -14,7 +14,8 @@ tests/rehearsal/test_rehearsal_checks.py, faults from `npu_flashrl.sim.faults`):
 
 MoE (--model Qwen3-MoE, tests/rehearsal/test_rehearsal_moe.py): the same checks cover each fused-MoE layer's
 experts (`state_moe.py`); one expert's down_proj scale x0.5 fails the scale check naming the
-expert, a stale expert the int8 check.
+expert, a stale expert the int8 check. MLA (--arch deepseek_v3): every variant's absorbed
+W_UK_T / W_UV against kv_b_proj after each sync (`state_mla.py`).
 """
 from __future__ import annotations
 
@@ -134,6 +135,14 @@ def evaluate_checks(rows, infos, args, layer_results=None, device: str = "cpu") 
             add(f"{variant} INT8 state checked after every sync", False, "no quantized layer was checked")
         else:
             checks.extend(state_checks(variant, results, device, args.max_layer_error))
+    for variant, info in infos.items():  # MLA models (state_mla.py), every variant
+        if "mla" in info:
+            steps = info["mla"]
+            bad = [f"sync {s['step']}: {p}" for s in steps for p in s["problems"]]
+            layers = steps[0]["layers"] if steps else 0
+            add(f"{variant} MLA W_UK_T / W_UV re-derived from kv_b_proj in place", steps and not bad,
+                f"{layers} MLA layers x {len(steps)} syncs: " + ("derived, unmoved" if steps and not bad else
+                                                                 _first(bad) or "not checked"))
     fp = infos.get(VARIANT_INT8_FP32HEAD)
     if fp is not None:
         add("int8+fp32head lm_head is fp32", fp.get("lm_head_dtype") == "torch.float32",

@@ -29,11 +29,15 @@ def run(args) -> int:
     device, emulated = resolve_device(args.device)
     model_cfg = check_model_dir(args.model) if args.model is not None else None
     check_arguments(args)
+    if args.model is None:
+        from npu_flashrl.rehearsal.model import tiny_model_config
+
+        model_cfg = tiny_model_config(args)  # a MoE tiny model's config drives the MoE checks
     check_seq_len(args, model_cfg)
     if args.baseline_tol is None:
         args.baseline_tol = MOE_BASELINE_TOL if is_moe(model_cfg) else DEFAULT_BASELINE_TOL
     if is_moe(model_cfg) and args.mode == "profile":
-        raise RehearsalError(f"--mode profile with --model {args.model}: a mixture-of-experts model; FlashRL's "
+        raise RehearsalError(f"--mode profile with {_what(args)}: a mixture-of-experts model; FlashRL's "
                              "int8 profile covers dense layers only (npu_flashrl refuses it for MoE). Use "
                              "--mode profile-free (fresh per-channel scales per expert at every sync)")
     from npu_flashrl.sim import faults
@@ -48,6 +52,10 @@ def run(args) -> int:
     prepare_environment(device, args.verbose)
     with quiet_logs(args.verbose):
         return _run(Run(args, device, emulated, t_start, model_cfg, transport))
+
+
+def _what(args) -> str:
+    return f"--model {args.model}" if args.model is not None else f"--arch {args.arch}"
 
 
 @dataclasses.dataclass

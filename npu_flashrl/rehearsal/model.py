@@ -1,11 +1,11 @@
-"""The rehearsal's model: the built-in tiny Qwen2 (pre-trained once, cached) or a local --model
-(a dense Qwen2/Llama-style decoder, or a Qwen3-MoE)."""
+"""The rehearsal's model: the built-in tiny model (Qwen2, Llama or DeepSeek-V3; pre-trained once,
+cached) or a local --model (a dense Qwen2/Llama-style decoder, or a Qwen3-MoE)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from npu_flashrl.rehearsal.common import (MOE_ARCHITECTURES, MOE_CONFIG_KEYS, RECIPE_VERSION, SUPPORTED_ARCHITECTURES,
                                           TINY_TRAIN, RehearsalError, progress_bar)
@@ -55,14 +55,25 @@ def is_moe(cfg) -> bool:
     return bool(cfg) and any(k in cfg for k in MOE_CONFIG_KEYS)
 
 
+def tiny_model_config(args) -> Optional[Dict[str, Any]]:
+    """The built-in tiny model's config.json keys when the run's checks need them (a MoE tiny
+    model: top-k, routing), else None (the dense tiny models need none)."""
+    if getattr(args, "arch", "qwen2") != "deepseek_v3":
+        return None
+    from npu_flashrl.sim.tiny_models import TINY_DEEPSEEK_V3
+
+    return dict(TINY_DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+
+
 def tiny_settings(args, task) -> Dict[str, Any]:
-    from npu_flashrl.sim.tiny_models import TINY_LLAMA, TINY_QWEN2
+    from npu_flashrl.sim.tiny_models import TINY_DEEPSEEK_V3, TINY_LLAMA, TINY_QWEN2
 
     arch = getattr(args, "arch", "qwen2")
     # llama: the 8B / 70B layout (untied). With tied embeddings (the 1B / 3B sizes) vLLM ties the
     # lm head to the bf16 embedding after FLASHRL_LMHEAD_FP32's init patch made it fp32, and the
     # rehearsal's "lm_head is fp32" check fails: a known gap of the fp32 lm head, not of the INT8 path
-    model_cfg = dict(TINY_LLAMA, tie_word_embeddings=False) if arch == "llama" else dict(TINY_QWEN2)
+    model_cfg = {"llama": dict(TINY_LLAMA, tie_word_embeddings=False),
+                 "deepseek_v3": dict(TINY_DEEPSEEK_V3)}.get(arch, dict(TINY_QWEN2))
     settings = {"recipe": RECIPE_VERSION, "model": model_cfg,
                 "task": task.to_dict(), "train": dict(TINY_TRAIN, iters=args.train_iters, seed=args.seed)}
     if arch != "qwen2":  # the default's cache key stays what it was
@@ -104,6 +115,12 @@ def ensure_tiny_model(cache_root: str, settings: Dict[str, Any], task, progress:
         from npu_flashrl.sim.tiny_models import tiny_llama_config
 
         model = LlamaForCausalLM(tiny_llama_config(**settings["model"])).float()
+    elif settings.get("arch") == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM
+
+        from npu_flashrl.sim.tiny_models import tiny_deepseek_v3_config
+
+        model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**settings["model"])).float()
     else:
         model = Qwen2ForCausalLM(tiny_qwen2_config(**settings["model"])).float()
     bar = progress_bar(train["iters"], f"pre-train tiny {type(model).__name__[:-len('ForCausalLM')]}", progress)

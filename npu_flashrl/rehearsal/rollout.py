@@ -86,11 +86,28 @@ def make_rollout(device: str, model_dir: str, quantization: Optional[str], load_
         return _NpuVllm(model_dir, torch.bfloat16, quantization, load_format, additional_config)
     from npu_flashrl.sim import cpu_vllm
 
+    if _is_mla(model_dir):
+        # MLA (DeepSeek-V2/V3): vllm-ascend's MLA layer and backend on the CPU platform, its
+        # NPU-kernel forward replaced by the same absorbed attention in plain torch
+        from npu_flashrl.sim import mla_harness
+
+        mla_harness.enable_ascend_mla()
     # no vLLM "Loading safetensors checkpoint shards" bar: the rehearsal has its own per-variant bars
     vc = cpu_vllm.make_vllm_config(model_dir, torch.bfloat16, quantization, load_format=load_format,
                                    use_tqdm_on_load=False, additional_config=additional_config)
     return cpu_vllm.CpuVllm(model_dir, dtype=torch.bfloat16, quantization=quantization, load_format=load_format,
                             use_tqdm_on_load=False, vllm_config=vc)
+
+
+def _is_mla(model_dir: str) -> bool:
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return bool(json.load(f).get("kv_lora_rank"))
+    except (OSError, ValueError):
+        return False
 
 
 def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=None):
@@ -180,8 +197,13 @@ def run_variant(variant: Variant, run: Rollouts
                                      "vllm-ascend W8A8_DYNAMIC fused-MoE layers to reload")
             fwd = forward_context_of(v, moe)
             info["online_quantizer"] = getattr(getattr(loader, "quantizer", None), "name", None)
-            info["layer0_qkv_weight_dtype"] = str(model.model.layers[0].self_attn.qkv_proj.weight.dtype)
-            w13 = getattr(getattr(getattr(model.model.layers[0], "mlp", None), "experts", None), "w13_weight", None)
+            attn0 = model.model.layers[0].self_attn
+            qkv = getattr(attn0, "qkv_proj", None) or getattr(attn0, "fused_qkv_a_proj", None)  # MLA: the latter
+            info["layer0_qkv_weight_dtype"] = str(qkv.weight.dtype) if qkv is not None else None
+            # the first MoE layer's experts (DeepSeek-V3's first layers are dense)
+            w13 = next((w for layer in model.model.layers
+                        if (w := getattr(getattr(getattr(layer, "mlp", None), "experts", None), "w13_weight", None))
+                        is not None), None)
             info["layer0_w13_weight_dtype"] = str(w13.dtype) if w13 is not None else None
             head = getattr(model, "lm_head", None)
             info["lm_head_dtype"] = str(head.weight.dtype) if head is not None else None
@@ -198,6 +220,11 @@ def run_variant(variant: Variant, run: Rollouts
                 except faults.FaultError as exc:
                     raise RehearsalError(str(exc)) from None
                 info["fault_injected"] = fault.name if fault else None
+            from npu_flashrl.rehearsal.state_mla import MlaAbsorbedCheck
+
+            mla = MlaAbsorbedCheck(model)  # empty without MLA layers
+            if mla:
+                info["mla"] = []
             sync.attach(v)
             bar.update(1)
             rng = random.Random(run.seed + 7)
@@ -219,6 +246,8 @@ def run_variant(variant: Variant, run: Rollouts
                         r["variant"] = name
                     layer_results += results
                     state = summarize_step(results)
+                if mla:
+                    info["mla"].append(mla.check(dict(snap), step))
                 logp_r = rollout_logp(model, run.eval_ids, run.vocab_size, device, forward_context=fwd)
                 logp_t = run.train_logps[step - 1][variant.logp_key]
                 mask = torch.ones_like(logp_t, dtype=torch.bool)

@@ -243,6 +243,92 @@ class ExpertLayerCheck:
         return {"output_rel_error": err, "output_tokens": int(idx.numel())}
 
 
+def grouped_sigmoid_route(x: torch.Tensor, gate_w: torch.Tensor, bias: Optional[torch.Tensor], n_group: int,
+                          topk_group: int, top_k: int, renormalize: bool, scaling: float):
+    """DeepSeek-V3's routing in fp32: (weights [T, k], experts [T, k], clear [T] bool). Scores
+    sigmoid(x W^T); the choice adds the correction bias; groups are ranked by the sum of their two
+    best choice scores and all but the best `topk_group` masked; the top-k experts' unbiased
+    scores, renormalised, times `scaling`. `clear`: both the group and the expert choice have a
+    margin of ROUTER_MARGIN (relative) to the next candidate."""
+    scores = torch.sigmoid(x.float() @ gate_w.float().t())
+    choice = scores + (bias.float() if bias is not None else 0.0)
+    t, e = choice.shape
+    groups = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+    gtop = groups.topk(min(topk_group + 1, n_group), dim=-1)
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, gtop.indices[:, :topk_group], True)
+    masked = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    top = masked.topk(top_k + 1, dim=-1)
+    scale = choice.abs().amax(dim=-1)
+    clear = (top.values[:, top_k - 1] - top.values[:, top_k]) > ROUTER_MARGIN * scale
+    if topk_group < n_group:
+        clear &= (gtop.values[:, topk_group - 1] - gtop.values[:, topk_group]) > ROUTER_MARGIN * scale
+    idx = top.indices[:, :top_k]
+    w = scores.gather(1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, idx, clear
+
+
+class GroupedSigmoidExpertLayerCheck(ExpertLayerCheck):
+    """A DeepSeek-V3 MoE layer (vLLM's DeepseekV2MoE): the output reference routes as the
+    checkpoint's config says (sigmoid scores, `e_score_correction_bias` added for the choice only,
+    experts in `n_group` groups of which the `topk_group` best by the sum of their top two are
+    kept, top-k, renormalised, times `routed_scaling_factor`) and adds the shared experts
+    (`mlp.shared_experts.{gate,up,down}_proj`, a SiLU-gated MLP), all in fp32 from the pushed
+    weights. Tokens are kept only where both choices (groups, then experts) are clear."""
+
+    def __init__(self, target, block, top_k, renormalize, forward_context, gen, moe_config):
+        super().__init__(target, block, top_k, renormalize, forward_context, gen)
+        parent = self.path.rpartition(".")[0]
+        self.bias_name = f"{parent}.gate.e_score_correction_bias"
+        self.shared_names = tuple(f"{parent}.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj"))
+        self.n_group = int(moe_config.get("n_group") or 1)
+        self.topk_group = int(moe_config.get("topk_group") or 1)
+        self.scaling = float(moe_config.get("routed_scaling_factor") or 1.0)
+        self._bias: Optional[torch.Tensor] = None
+
+    def _route(self, x: torch.Tensor, gate_w: torch.Tensor):
+        return grouped_sigmoid_route(x, gate_w, self._bias, self.n_group, self.topk_group, self.top_k,
+                                     self.renormalize, self.scaling)
+
+    def _tokens(self, gate_w: torch.Tensor) -> Optional[torch.Tensor]:
+        _, idx, clear = self._route(self.pool, gate_w)
+        per_expert = max(1, LAYER_ERROR_TOKENS * self.top_k // len(self.experts))
+        chosen: List[int] = []
+        for e, _, _ in self.experts:
+            hits = (clear & (idx == e).any(-1)).nonzero().flatten().tolist()
+            chosen += [i for i in hits if i not in chosen][:per_expert]
+        return torch.tensor(sorted(chosen)) if chosen else None
+
+    def _reference(self, x: torch.Tensor, weights: Dict[str, torch.Tensor], gate_w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        topv, topi, _ = self._route(x, gate_w)
+        out = torch.zeros_like(xf)
+        for e, _, (g_name, u_name, d_name) in self.experts:
+            w = (topv * (topi == e)).sum(-1)
+            rows = w.nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            g, u, d = (weights[n].cpu().to(torch.bfloat16).float() for n in (g_name, u_name, d_name))
+            xe = xf[rows]
+            out[rows] += w[rows, None] * ((torch.nn.functional.silu(xe @ g.t()) * (xe @ u.t())) @ d.t())
+        if all(n in weights for n in self.shared_names):
+            g, u, d = (weights[n].cpu().to(torch.bfloat16).float() for n in self.shared_names)
+            out += (torch.nn.functional.silu(xf @ g.t()) * (xf @ u.t())) @ d.t()
+        return out
+
+    def _output(self, weights: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        bias = weights.get(self.bias_name)
+        if bias is None:
+            live = getattr(getattr(self.block, "gate", None), "e_score_correction_bias", None)
+            bias = _host(live) if isinstance(live, torch.Tensor) else None
+        self._bias = bias.cpu() if bias is not None else None
+        if not all(n in weights for n in self.shared_names) and getattr(self.block, "shared_experts", None) is not None:
+            return {"output_rel_error": float("nan"), "output_tokens": 0,
+                    "output_note": "shared experts not pushed"}
+        return super()._output(weights)
+
+
 def _names(items: List[str], limit: int = 6) -> str:
     more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
@@ -272,5 +358,8 @@ def expert_checks(model, experts: Dict[str, Any], moe_config: Dict[str, Any],
             continue
         seen.add(t.path)
         block = model.get_submodule(t.path.rpartition(".")[0])  # the sparse MoE block (router + experts)
-        out.append(ExpertLayerCheck(t, block, top_k, renorm, forward_context, gen))
+        if moe_config.get("scoring_func") == "sigmoid":  # DeepSeek-V3: grouped sigmoid routing, shared experts
+            out.append(GroupedSigmoidExpertLayerCheck(t, block, top_k, renorm, forward_context, gen, moe_config))
+        else:
+            out.append(ExpertLayerCheck(t, block, top_k, renorm, forward_context, gen))
     return out

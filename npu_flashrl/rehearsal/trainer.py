@@ -55,10 +55,19 @@ def simulate_training(master, task, steps: int, inner: int, lr: float, seed: int
                 den = sum(float(q.float().norm() ** 2) for q in prev)
                 update_rel.append(math.sqrt(num / den) if den > 0 else float("nan"))
                 prev = [p.detach().clone() for p in master.parameters()]
-            snapshots.append([(n, p.detach().to(torch.bfloat16).clone()) for n, p in master.named_parameters()])
+            snapshots.append([(n, p.detach().to(torch.bfloat16).clone()) for n, p in master.named_parameters()]
+                             + persistent_buffers(master))
             bar.update(1)
     master.eval()
     return snapshots, losses, update_rel
+
+
+def persistent_buffers(model):
+    """(name, tensor) of the model's persistent buffers, in their own dtype: what the trainer's
+    `state_dict()` sends beside the parameters (DeepSeek-V3's router `e_score_correction_bias`,
+    fp32; rotary tables are not persistent)."""
+    keys = set(model.state_dict().keys())
+    return [(n, b.detach().clone()) for n, b in model.named_buffers() if n in keys]
 
 
 @contextlib.contextmanager
@@ -74,6 +83,7 @@ def trainer_logps(trainer, snapshots, eval_ids, fp32_head: bool, progress: bool)
     from npu_flashrl.adapters import transformers as hf_fp32
 
     params = dict(trainer.named_parameters())
+    params.update(trainer.named_buffers())  # persistent buffers travel too (see persistent_buffers)
     out = []
     with progress_bar(len(snapshots), "trainer log-probs (transformers bf16)", progress) as bar, _no_grad():
         for snap in snapshots:

@@ -11,15 +11,15 @@ each in-place sync, every tensor a forward reads must equal a fresh INT8 load's,
 absorbed per-head matrices `W_UK_T` / `W_UV` that vllm-ascend's `AscendMLAImpl` derives from
 kv_b_proj in post-processing (stale ones would decode with the old attention weights).
 
-Stand-ins (no NPU): torch_npu (reference kernels); `AscendMLAImpl.forward` (torch_npu MLA
+Stand-ins (no NPU): torch_npu and vllm-ascend's compiled MoE ops (reference kernels; the INT8
+shared experts' `npu_quant_matmul` int32 output and `_C_ascend.npu_dequant_swiglu_quant` with
+swiglu_mode=1 included, `kernels/dequant_swiglu_v2.py`); `AscendMLAImpl.forward` (torch_npu MLA
 kernels, paged latent KV cache), replaced by the same absorbed attention in plain torch reading the
 same tensors (`sim.mla_harness`); the second NPU stream of the shared experts (the in-order CPU
-stream); scipy where absent (imported, unused, by vllm-ascend's sparse-attention module). NOT run on
-the CPU: the MoE layers' forward (vllm-ascend 0.23 runs the INT8 shared experts through its own
-`_C_ascend.npu_dequant_swiglu_quant` with swiglu_mode=1, a variant the reference kernels do not
-emulate); their weights (int8 experts, scales, shared experts, router, correction bias) are
-compared bit for bit after every sync instead. So "logits" here are the outputs of every layer's
-MLA attention and of the first dense layer's MLP on fixed inputs, plus lm_head on the final norm.
+stream); scipy where absent (imported, unused, by vllm-ascend's sparse-attention module). The MoE
+layers run vllm-ascend 0.23's own fused-MoE forward (routing with the correction bias and grouped
+top-k, routed experts, INT8 shared experts), so "logits" here are the whole model's, plus every
+layer's MLA attention and MLP outputs on fixed inputs.
 """
 import os
 
@@ -47,17 +47,18 @@ def deepseek(va, tmp_path_factory):
 
 @torch.no_grad()
 def layer_outputs(v, ids):
-    """What runs on the CPU (see the module doc): each layer's MLA attention on the embedded
-    tokens, layer 0's dense MLP, lm_head on the final norm of the embeddings."""
+    """The whole model's logits (MoE layers included), and on fixed inputs each layer's MLA
+    attention and MLP (dense, then the MoE layers with their shared experts), lm_head on the final
+    norm of the embeddings."""
     m = v.model
     x = m.model.embed_tokens(ids[0])
     positions = torch.arange(ids.shape[1])
-    outs = []
+    outs = [v.logits(ids).float()]
     with v.forward_context(ids.shape[1]):
         for i in range(LAYERS):
             layer = m.model.layers[i]
             outs.append(layer.self_attn(positions, layer.input_layernorm(x), None).float())
-        outs.append(m.model.layers[0].mlp(x).float())
+            outs.append(layer.mlp(x).float())
         outs.append(m.lm_head.quant_method.apply(m.lm_head, m.model.norm(x)).float())
     return torch.cat([o.reshape(-1) for o in outs])
 
@@ -156,7 +157,8 @@ def test_engine_build_says_what_of_deepseek_v3_is_not_covered(va, deepseek, capl
     msgs = [r.getMessage() for r in caplog.records if r.name == "npu_flashrl.architectures"]
     assert len(msgs) == 1 and msgs[0].startswith(
         "INT8 rollout engine build: architecture DeepseekV3ForCausalLM is covered in part (")
-    assert "forward on CPU: partial: MLA attention and dense MLP; MoE layers not run" in msgs[0]
+    assert "forward on CPU" not in msgs[0] and "MoE:" not in msgs[0]  # both covered now
+    assert "The MoE layers run vllm-ascend 0.23's forward on emulated kernels" in msgs[0]
     assert "kv_b_proj 16-bit" in msgs[0]
 
 
@@ -185,3 +187,32 @@ def test_cpu_mla_stand_in_computes_transformers_deepseek_v3_attention(va, deepse
                              position_embeddings=hf.model.rotary_emb(x, positions[None]))[0][0]
     err = ((got - want).norm() / want.norm()).item()
     assert err < 1e-4, f"relative error {err:.2e}"  # fp32 rounding (measured 2.5e-5)
+
+
+def test_int8_moe_forward_follows_transformers_deepseek_v3(va, deepseek, tmp_path):
+    """The INT8 rollout's MoE layers run on the CPU as vllm-ascend 0.23 runs them (routing with
+    the correction bias and grouped top-k, W8A8_DYNAMIC routed experts, INT8 shared experts
+    through the int32 npu_quant_matmul and swiglu_mode=1): each MoE layer's output and the whole
+    model's logits stay near transformers' DeepseekV3 on the same weights in fp32. The bounds
+    leave room for INT8 error only: the same run with the shared experts' swiglu_mode=1 reading
+    gate / up interleaved (the pages' odd/even split) lands an order of magnitude outside both."""
+    from helpers import build
+
+    d = str(tmp_path / "m")
+    hf = build_tiny_deepseek_v3(d, seed=5, tokenizer=False)
+    hf.config._attn_implementation = "sdpa"
+    hf = hf.float()
+    x = torch.randn(9, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want_layers = [hf.model.layers[i].mlp(x[None])[0] for i in (1, 2)]
+        want_logits = hf(IDS).logits.float()
+    with build(va, d) as v:
+        with v.forward_context(x.shape[0]), torch.no_grad():
+            got_layers = [v.model.model.layers[i].mlp(x.bfloat16()).float() for i in (1, 2)]
+        got_logits = v.logits(IDS)
+        shared = v.model.model.layers[1].mlp.shared_experts
+        assert shared.gate_up_proj.weight.dtype == torch.int8  # the INT8 shared-experts path ran
+    errs = [((g - w).norm() / w.norm()).item() for g, w in zip(got_layers, want_layers)]
+    logit_err = ((got_logits - want_logits).norm() / want_logits.norm()).item()
+    assert all(e < 0.05 for e in errs), errs
+    assert logit_err < 0.1, logit_err
