@@ -125,6 +125,39 @@ def coverage_problem(name: Optional[str]) -> Optional[str]:
     return None
 
 
+def installed_line():
+    """The installed stack line (`lines.current()`), else the line pins.yaml matches, else None
+    (setup and verify run where the stack may be partly installed)."""
+    from npu_flashrl.lines import by_label, current
+
+    try:
+        return current()
+    except Exception:  # noqa: BLE001 - no vllm-ascend here: try the pins
+        pass
+    try:
+        from npu_flashrl import pins
+
+        name, _ = pins.match_line()
+        return by_label(name) if name else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def line_refusal(name: Optional[str], line=None) -> Optional[str]:
+    """Why the stack line (`line`, default the installed one) refuses an INT8 rollout of `name`."""
+    line = line if line is not None else installed_line()
+    return line.architecture_refusal(name) if line is not None and name else None
+
+
+def refuse_on_line(name: Optional[str], where: str, line=None) -> None:
+    """Raise `ArchitectureRefusedError` (prefixed with `where`) when the line refuses `name`."""
+    from npu_flashrl.errors import ArchitectureRefusedError
+
+    why = line_refusal(name, line)
+    if why:
+        raise ArchitectureRefusedError(f"{where}: {why}")
+
+
 def warn_if_not_covered(name: Optional[str], where: str) -> Optional[str]:
     """Log (WARNING) and return `coverage_problem(name)`, prefixed with `where`."""
     problem = coverage_problem(name)

@@ -345,14 +345,23 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
     return rows
 
 
-def architecture_rows(entries) -> List[Dict[str, str]]:
-    """WARN for a model whose architecture the INT8 rollout's tests do not (fully) cover
-    (`npu_flashrl.architectures`), saying what was verified instead."""
-    from npu_flashrl.architectures import coverage_problem, model_architecture
+def architecture_rows(entries, line=None) -> List[Dict[str, str]]:
+    """FAIL for a model whose architecture the stack line (`line`, default the installed one)
+    refuses for INT8 rollouts (`StackLine.refused_architectures`); WARN for one the INT8 rollout's
+    tests do not (fully) cover (`npu_flashrl.architectures`), saying what was verified instead."""
+    from npu_flashrl.architectures import coverage_problem, line_refusal, model_architecture
+    from npu_flashrl.config import FN_BF16
 
     rows = []
-    for model in dict.fromkeys(e.model for e in entries if e.model and os.path.isdir(e.model)):
+    int8 = [e for e in entries if getattr(e, "fn", None) != FN_BF16]
+    for model in dict.fromkeys(e.model for e in int8 if e.model and os.path.isdir(e.model)):
         arch = model_architecture(model)  # None: no readable config.json (other rows say so)
+        refusal = line_refusal(arch, line) if arch else None
+        if refusal:
+            rows.append(_row(f"architecture of {model}", FAIL, refusal,
+                             "install the current line (scripts/install_pinned.sh --line current), "
+                             "or drop the INT8 entry for this model"))
+            continue
         problem = coverage_problem(arch) if arch else None
         if problem:
             rows.append(_row(f"architecture of {model}", WARN, problem,

@@ -437,6 +437,9 @@ def attach(model: torch.nn.Module, quantizer: OnlineQuantizer,
            prequantized_checkpoint: bool = False) -> Int8WeightLoader:
     """Give `model` the INT8 `load_weights` (idempotent; returns the loader).
     `prequantized_checkpoint`: the model is cold-loaded from a W8A8 checkpoint."""
+    from npu_flashrl.architectures import refuse_on_line
+
+    refuse_on_line(type(model).__name__, "INT8 rollout engine build")  # before anything is attached
     existing = getattr(model, "_npu_flashrl_loader", None)
     if existing is not None:
         previous, existing.quantizer = existing.quantizer, quantizer
