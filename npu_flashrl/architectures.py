@@ -51,6 +51,10 @@ _ALL = tuple(ln.name for ln in LINES)
 _NEWER, _CURRENT = _ALL[1:], _ALL[-1:]
 
 MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
+_VL_NOTE = ("language model's projections W8A8_DYNAMIC, vision tower and merger 16-bit; vLLM's "
+            "hf_to_vllm_mapper honoured (trainer names model.language_model.* / model.visual.*, "
+            "checkpoint names model.* / visual.*); an image prompt through the rollout after a "
+            "sync (current line only: vLLM's VL models import torchvision).")
 
 COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen2ForCausalLM", "qwen2", "yes", "yes", "yes", "yes", "n/a", "yes",
@@ -75,17 +79,18 @@ COVERED: Tuple[Architecture, ...] = (
           "shared experts and the first dense layers quantized. The MoE forward needs vllm-ascend's "
           "swiglu_mode=1 dequant-swiglu kernel (not emulated); the attention forward on the CPU is a "
           "plain-torch stand-in for vllm-ascend's NPU MLA kernels."),
+    _arch("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "yes", "yes", "yes", MBRIDGE_UNTESTED, "n/a",
+          "yes", ("tests/models/test_models_qwen_vl.py",), _CURRENT, _VL_NOTE),
+    _arch("Qwen3VLForConditionalGeneration", "qwen3_vl", "yes", "yes", "yes", MBRIDGE_UNTESTED, "n/a",
+          "yes", ("tests/models/test_models_qwen_vl.py",), _CURRENT, _VL_NOTE + " Deepstack mergers 16-bit too."),
 )
 
 # Architectures looked at and not covered, with why (anything else: not looked at).
 NOT_COVERED: Dict[str, str] = {
-    "Qwen2_5_VLForConditionalGeneration":
-        "vLLM's Qwen2.5-VL model imports transformers' Qwen2-VL image processor, which imports "
-        "torchvision; the CPU test stack has none (its only wheel here is a CUDA build of another "
-        "torch), so the model cannot be built on the CPU harness. Not run: the vision tower staying "
-        "16-bit, vLLM's language-model name mapping, the multimodal rollout after a sync",
-    "Qwen3VLForConditionalGeneration": "as Qwen2_5_VLForConditionalGeneration (vLLM's Qwen3-VL "
-                                       "model imports the same Qwen2-VL processor)",
+    "Qwen3VLMoeForConditionalGeneration":
+        "not tried: Qwen3-VL's MoE sizes (30B-A3B, 235B-A22B) combine the VL name mapping "
+        "(tested on the dense Qwen3-VL) with fused-MoE experts under language_model.*; no tiny "
+        "model of it is built here",
 }
 
 

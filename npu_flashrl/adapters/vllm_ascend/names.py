@@ -2,7 +2,7 @@
 `hf_to_vllm_mapper` of multimodal models, honoured by the INT8 loader.
 
 A vision-language model in vLLM keeps its language model under another prefix than the HF
-checkpoint and the trainer's state dict: vLLM 0.23's Qwen2.5-VL and Qwen3-VL hold
+checkpoint and the trainer's state dict: the current line's vLLM Qwen2.5-VL and Qwen3-VL hold
 `language_model.model.layers.*`, `language_model.lm_head` and `visual.*`, while transformers 5
 names them `model.language_model.layers.*`, `lm_head` and `model.visual.*` in memory (what an FSDP
 trainer sends) and the checkpoints on disk use the pre-4.52 names `model.layers.*` / `visual.*`.
@@ -19,7 +19,7 @@ description): the published W8A8 Qwen2.5-VL checkpoints vLLM loads (compressed-t
 RedHatAI's) list every `model.visual.*` module under `ignore`, and ModelSlim's VLM table
 (msmodelslim `example/multimodal_vlm/README.md`) names Qwen2.5-VL W8A8 (static) and Qwen3-VL W8A8
 as deployable on vllm-ascend without saying the vision tower is quantized (not verified on
-hardware). The vision tower is small next to the language model (about 0.7B of Qwen2.5-VL-7B) and
+hardware). The vision tower is small next to the language model and
 runs once per image, so 16-bit costs little there.
 """
 from __future__ import annotations
