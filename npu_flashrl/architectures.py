@@ -55,6 +55,10 @@ MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
 DEEPSEEK_MEGATRON = ("no: verl 0.9.1's engine builds mbridge 0.15.1's DeepseekV3Bridge before it sets "
                      "hf_config.rope_theta, and transformers 5's DeepseekV3Config has none (it is in "
                      "rope_parameters): the bridge fails with AttributeError 'rope_theta'")
+_VL_NOTE = ("language model's projections W8A8_DYNAMIC, vision tower and merger 16-bit; vLLM's "
+            "hf_to_vllm_mapper honoured (trainer names model.language_model.* / model.visual.*, "
+            "checkpoint names model.* / visual.*); an image prompt through the rollout after a "
+            "sync (current line only: vLLM's VL models import torchvision).")
 
 COVERED: Tuple[Architecture, ...] = (
     _arch("Qwen2ForCausalLM", "qwen2", "yes", "yes", "yes", "yes", "n/a", "yes",
@@ -81,17 +85,18 @@ COVERED: Tuple[Architecture, ...] = (
           "forward on emulated kernels (the shared experts' swiglu_mode=1 kernel: not verified on "
           "hardware); the attention forward on the CPU is a plain-torch stand-in for vllm-ascend's "
           "NPU MLA kernels."),
+    _arch("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "yes", "yes", "yes", MBRIDGE_UNTESTED, "n/a",
+          "yes", ("tests/models/test_models_qwen_vl.py",), _CURRENT, _VL_NOTE),
+    _arch("Qwen3VLForConditionalGeneration", "qwen3_vl", "yes", "yes", "yes", MBRIDGE_UNTESTED, "n/a",
+          "yes", ("tests/models/test_models_qwen_vl.py",), _CURRENT, _VL_NOTE + " Deepstack mergers 16-bit too."),
 )
 
 # Architectures looked at and not covered, with why (anything else: not looked at).
 NOT_COVERED: Dict[str, str] = {
-    "Qwen2_5_VLForConditionalGeneration":
-        "vLLM's Qwen2.5-VL model imports transformers' Qwen2-VL image processor, which imports "
-        "torchvision; the CPU test stack has none (its only wheel here is a CUDA build of another "
-        "torch), so the model cannot be built on the CPU harness. Not run: the vision tower staying "
-        "16-bit, vLLM's language-model name mapping, the multimodal rollout after a sync",
-    "Qwen3VLForConditionalGeneration": "as Qwen2_5_VLForConditionalGeneration (vLLM's Qwen3-VL "
-                                       "model imports the same Qwen2-VL processor)",
+    "Qwen3VLMoeForConditionalGeneration":
+        "not tried: Qwen3-VL's MoE sizes (30B-A3B, 235B-A22B) combine the VL name mapping "
+        "(tested on the dense Qwen3-VL) with fused-MoE experts under language_model.*; no tiny "
+        "model of it is built here",
 }
 
 
@@ -129,6 +134,39 @@ def coverage_problem(name: Optional[str]) -> Optional[str]:
     if gaps:
         return f"architecture {a.name} is covered in part ({'; '.join(gaps)}); {a.note}"
     return None
+
+
+def installed_line():
+    """The installed stack line (`lines.current()`), else the line pins.yaml matches, else None
+    (setup and verify run where the stack may be partly installed)."""
+    from npu_flashrl.lines import by_label, current
+
+    try:
+        return current()
+    except Exception:  # noqa: BLE001 - no vllm-ascend here: try the pins
+        pass
+    try:
+        from npu_flashrl import pins
+
+        name, _ = pins.match_line()
+        return by_label(name) if name else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def line_refusal(name: Optional[str], line=None) -> Optional[str]:
+    """Why the stack line (`line`, default the installed one) refuses an INT8 rollout of `name`."""
+    line = line if line is not None else installed_line()
+    return line.architecture_refusal(name) if line is not None and name else None
+
+
+def refuse_on_line(name: Optional[str], where: str, line=None) -> None:
+    """Raise `ArchitectureRefusedError` (prefixed with `where`) when the line refuses `name`."""
+    from npu_flashrl.errors import ArchitectureRefusedError
+
+    why = line_refusal(name, line)
+    if why:
+        raise ArchitectureRefusedError(f"{where}: {why}")
 
 
 def warn_if_not_covered(name: Optional[str], where: str) -> Optional[str]:

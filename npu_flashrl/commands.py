@@ -252,10 +252,15 @@ def setup(fn: Optional[str] = None, model: Optional[str] = None, profile: Option
                            f"pass --force to replace it") from None
     entry = build_entry(fn, model, profile, parse_columns(list(columns)), check=check, allow_unknown_keys=force)
     if model and os.path.isdir(model):
-        from npu_flashrl.architectures import model_architecture, warn_if_not_covered
+        from npu_flashrl.architectures import line_refusal, model_architecture, warn_if_not_covered
 
         arch = model_architecture(model)
         if arch:
+            from npu_flashrl.config import FN_BF16
+
+            why = line_refusal(arch) if entry.fn != FN_BF16 else None
+            if why:
+                raise CliError(f"-m {model}: {why}; nothing written")
             warn_if_not_covered(arch, f"setup -m {model}")
     try:
         if append:

@@ -28,3 +28,9 @@ class UnquantizedRolloutError(NpuFlashrlError, RuntimeError):
 
 class ProfileError(NpuFlashrlError, ValueError):
     """A profile (or a checkpoint it is computed from) that cannot be used; names file and tensor."""
+
+
+class ArchitectureRefusedError(NpuFlashrlError, RuntimeError):
+    """An INT8 rollout of a model architecture that the installed stack line cannot keep right
+    across weight syncs (`StackLine.refused_architectures`): refused at setup, verify and engine
+    build, naming the reason and what to run instead."""

@@ -260,6 +260,7 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
     if mismatch:
         rows.append(_row(label, FAIL, mismatch, "point every entry's `model` at a checkpoint of the same model"))
     rows += architecture_rows(cfg.entries)
+    rows += tied_head_rows(cfg.entries)
     for i, entry in enumerate(cfg.entries):
         check = f"configs[{i}] ({entry.fn})"
         for problem in unknown_key_problems(entry, f"configs[{i}]"):
@@ -344,18 +345,64 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
     return rows
 
 
-def architecture_rows(entries) -> List[Dict[str, str]]:
-    """WARN for a model whose architecture the INT8 rollout's tests do not (fully) cover
-    (`npu_flashrl.architectures`), saying what was verified instead."""
-    from npu_flashrl.architectures import coverage_problem, model_architecture
+def architecture_rows(entries, line=None) -> List[Dict[str, str]]:
+    """FAIL for a model whose architecture the stack line (`line`, default the installed one)
+    refuses for INT8 rollouts (`StackLine.refused_architectures`); WARN for one the INT8 rollout's
+    tests do not (fully) cover (`npu_flashrl.architectures`), saying what was verified instead."""
+    from npu_flashrl.architectures import coverage_problem, line_refusal, model_architecture
+    from npu_flashrl.config import FN_BF16
 
     rows = []
-    for model in dict.fromkeys(e.model for e in entries if e.model and os.path.isdir(e.model)):
+    int8 = [e for e in entries if getattr(e, "fn", None) != FN_BF16]
+    for model in dict.fromkeys(e.model for e in int8 if e.model and os.path.isdir(e.model)):
         arch = model_architecture(model)  # None: no readable config.json (other rows say so)
+        refusal = line_refusal(arch, line) if arch else None
+        if refusal:
+            rows.append(_row(f"architecture of {model}", FAIL, refusal,
+                             "install the current line (scripts/install_pinned.sh --line current), "
+                             "or drop the INT8 entry for this model"))
+            continue
         problem = coverage_problem(arch) if arch else None
         if problem:
             rows.append(_row(f"architecture of {model}", WARN, problem,
                              "run `npu-flashrl rehearse` on a tiny model of a covered family first"))
+    return rows
+
+
+def tied_head_rows(entries, environ=None) -> List[Dict[str, str]]:
+    """With FLASHRL_LMHEAD_FP32=1, what a tied-embedding model's fp32 head costs: the one shared
+    embedding / lm-head weight is held in fp32 on the rollout (`adapters.vllm_lm_head`)."""
+
+    from npu_flashrl.config import ConfigError, lmhead_fp32_requested
+
+    try:
+        if not lmhead_fp32_requested(environ):
+            return []
+    except ConfigError:
+        return []  # activation_rows says so
+    rows = []
+    for model in dict.fromkeys(e.model for e in entries if e.model and os.path.isdir(e.model)):
+        try:
+            with open(os.path.join(model, "config.json")) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            continue  # the entry's rows say so
+        text = cfg.get("text_config") or {}
+        if not cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+            continue
+        from npu_flashrl.adapters.vllm_lm_head import tied_head_extra_bytes
+
+        try:
+            extra = tied_head_extra_bytes(cfg)
+        except (TypeError, ValueError) as exc:
+            rows.append(_row(f"FLASHRL_LMHEAD_FP32 ({model})", FAIL,
+                             f"config.json: vocab_size / hidden_size unreadable ({exc})",
+                             "use the model's own config.json"))
+            continue
+        rows.append(_row(f"FLASHRL_LMHEAD_FP32 ({model})", OK,
+                         f"tied embeddings: the shared embedding / lm-head weight is held in fp32 on the "
+                         f"rollout, +{extra / 2 ** 20:.1f} MiB per rank at TP 1 (2 x vocab x hidden bytes, "
+                         "divided by the rollout's TP)"))
     return rows
 
 

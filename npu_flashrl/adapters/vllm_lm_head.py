@@ -25,6 +25,18 @@ Pieces:
   pool of sleep mode) before anything is loaded. Only the policy rollout's model (its engine config
   carries npu_flashrl's `EngineChoice`, any entry): a reward or teacher model built in the same
   process keeps vLLM's lm head.
+* patch ``vllm_lmhead_fp32_tied`` wraps vLLM's ``BaseModelLoader.load_model``: a model with tied
+  embeddings gets its head from the input embedding *after* the init patch ran (vLLM's Qwen2 uses
+  ``embed_tokens`` itself as ``lm_head``; Llama, Qwen3 and most others call
+  ``ParallelLMHead.tie_weights``, which puts the bf16 embedding weight into the fp32 head). Once the
+  policy rollout's model is loaded (still inside the worker's load_model, so inside the "weights"
+  pool of sleep mode), the shared weight is held in fp32 for both of its uses
+  (:func:`upcast_lm_head`): the logits are computed from fp32 values, and the embedding's output is
+  cast back to the model dtype, which is exactly the bf16 lookup of a bf16-representable weight
+  (what FSDP's bf16 mixed precision sends). Memory: the shared weight grows from 2 to 4 bytes per
+  element, ``2 * vocab * hidden / tp`` bytes more per rank (:func:`tied_head_extra_bytes`): the same
+  as the fp32 head of an untied model of that size. Every weight sync writes the one fp32 storage
+  (``copy_`` casts), so there is no second copy to keep in step.
 * :func:`upcast_lm_head(model)` does the same on an already built/loaded model (and handles tied
   embeddings). Call it right after the model is loaded, before ACL graph capture and before the first
   ``sleep()``: it re-allocates the lm head storage (outside the sleep-mode pool when called later).
@@ -53,11 +65,13 @@ _VPE = "vllm.model_executor.layers.vocab_parallel_embedding"
 _ASCEND_VPE = "vllm_ascend.ops.vocab_parallel_embedding"
 PATCH_COMPUTE = "vllm_lmhead_fp32_compute"
 PATCH_INIT = "vllm_lmhead_fp32_init"
+PATCH_TIED = "vllm_lmhead_fp32_tied"
 MARK = "_npu_flashrl_fp32_lm_head"
 EMBED_MARK = "_npu_flashrl_embed_out_dtype"
 
 __all__ = ["upcast_lm_head", "enable_lm_head_fp32", "lmhead_fp32_requested", "find_lm_head",
-           "PATCH_COMPUTE", "PATCH_INIT"]
+           "tied_head_extra_bytes", "PATCH_COMPUTE", "PATCH_INIT", "PATCH_TIED", "PATCHES"]
+PATCHES = (PATCH_COMPUTE, PATCH_INIT, PATCH_TIED)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -144,8 +158,23 @@ def upcast_lm_head(model: nn.Module, include_tied: bool = True) -> bool:
 
 
 def enable_lm_head_fp32() -> dict:
-    """Apply both vLLM-side patches (compute + creation in fp32). Idempotent."""
-    return patches.apply_patches([PATCH_COMPUTE, PATCH_INIT])
+    """Apply the vLLM-side patches (compute, creation in fp32, tied heads after load). Idempotent."""
+    return patches.apply_patches(list(PATCHES))
+
+
+def tied_head_extra_bytes(hf_config, tp_size: int = 1) -> int:
+    """Bytes per rank FLASHRL_LMHEAD_FP32 adds to a model's 16-bit weights: the lm head (the shared
+    embedding weight when tied) grows from 2 to 4 bytes per element; vLLM shards it over the vocab
+    by tensor parallelism (the vocab padded to a multiple of 64 rows). `hf_config`: the model's config (a mapping
+    or an object; a VL model's `text_config` is read when present)."""
+    get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+    text = get("text_config")
+    if text:
+        return tied_head_extra_bytes(text, tp_size)
+    vocab, hidden = int(get("vocab_size")), int(get("hidden_size"))
+    padded = -(-vocab // 64) * 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE, then split over tp
+    rows = -(-padded // tp_size)
+    return 2 * rows * hidden
 
 
 # ---------------------------------------------------------------------------------- patches
@@ -193,6 +222,39 @@ def _make_init(original):
 
     __init__.__wrapped__ = original
     return __init__
+
+
+def _make_load_model(original):
+    def load_model(self, vllm_config, model_config, *args, **kwargs):
+        model = original(self, vllm_config, model_config, *args, **kwargs)
+        from npu_flashrl.adapters.engine_choice import engine_choice
+
+        if engine_choice(vllm_config) is None:
+            return model  # another engine (reward, teacher): vLLM's lm head
+        head = find_lm_head(model)
+        weight = getattr(head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype != torch.float32 and _is_unquantized(head):
+            # tied: the head is (or took the weight of) the 16-bit input embedding
+            if not upcast_lm_head(model) or head.weight.dtype != torch.float32:
+                raise RuntimeError(f"FLASHRL_LMHEAD_FP32: the lm head of {type(model).__name__} "
+                                   f"stayed {head.weight.dtype}; refusing a rollout whose logits "
+                                   "the trainer computes in fp32. Set FLASHRL_LMHEAD_FP32=0")
+            logger.info("FLASHRL_LMHEAD_FP32: %s ties its lm head to the input embedding; the shared "
+                        "weight is held in fp32 (+%.1f MiB on this rank)", type(model).__name__,
+                        2 * head.weight.numel() / 2 ** 20)
+        return model
+
+    load_model.__wrapped__ = original
+    return load_model
+
+
+_LOADER = "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model"
+
+
+@register(PATCH_TIED, _LOADER, lines.versions("vllm"),
+          doc="tied embeddings: the shared embedding / lm head weight held in fp32 once the policy model is loaded")
+def _apply_tied() -> None:
+    patches.replace(_LOADER, _make_load_model)
 
 
 @register(PATCH_INIT, f"{_VPE}:ParallelLMHead.__init__", lines.versions("vllm", "vllm-ascend"),

@@ -90,6 +90,8 @@ class StackLine:
     #   "comm-method module:attribute" of the all-gather comm method's fused gmm+swiglu switch
     quant_method_map: str = ""  # "module:ATTR" of the table W8A8 scheme classes are picked from
     weight_prefetch: bool = False  # the static scheme needs utils.set_weight_prefetch_method
+    refused_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #   {HF architecture: why} the INT8 rollout refuses on this line (setup / verify / engine build)
     source: str = ""      # how the line was recognised (for `verify` / error messages)
 
     # patch names, the same on every line (their targets and bodies are the line's)
@@ -115,6 +117,12 @@ class StackLine:
     @property
     def override_target(self) -> str:
         return self.quant_config + ".override_quantization_method"
+
+    def architecture_refusal(self, name: Optional[str]) -> Optional[str]:
+        """Why this line refuses an INT8 rollout of architecture `name` (None: not refused)."""
+        why = self.refused_architectures.get(name or "")
+        return f"{name} INT8 rollouts are refused on the {self.label} line ({self.describe()}): {why}" \
+            if why else None
 
     def describe(self) -> str:
         """One line for `verify` and logs: what this line is and was tested with."""

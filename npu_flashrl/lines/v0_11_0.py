@@ -9,6 +9,17 @@ from npu_flashrl.lines.v0_10_1rc1 import QuantConfigLine
 
 _MOE = "vllm_ascend.ops.common_fused_moe"
 
+# verl 0.6.1's sync-mode `vLLMRollout.update_weights` is `model.load_weights(weights)` and nothing
+# after it: no `process_weights_after_loading`, so MLA's absorbed matrices, which vllm-ascend 0.11
+# derives from kv_b_proj only when it post-processes (and re-allocates each time it does), keep the
+# cold load's values after every sync
+_MLA_STALE = ("verl 0.6.1's sync-mode update_weights calls model.load_weights and never "
+              "process_weights_after_loading, so vllm-ascend's MLA keeps W_UK_T / W_UV (derived from "
+              "kv_b_proj at load) at the cold load's values after every sync: the rollout would "
+              "generate from stale attention weights (a bf16 rollout here has the same stale "
+              "matrices: verl's own). Use the current line (verl 0.9.1 server mode, vLLM / "
+              "vllm-ascend 0.23, which post-processes after every sync)")
+
 LINE = QuantConfigLine(
     vllm_ascend="0.11.0", vllm="0.11.0", verl="0.6.1", verl_mode="sync", label="0.11",
     nz="utils_flag",
@@ -22,4 +33,5 @@ LINE = QuantConfigLine(
     hccl_token_dispatchers=("vllm_ascend.ops.moe.moe_comm_method:TokenDispatcherWithMC2",),
     per_model_caches=("_IS_MOE_MODEL",),
     quant_method_map=f"{_Q}.utils:ASCEND_QUANTIZATION_METHOD_MAP",
+    refused_architectures={"DeepseekV2ForCausalLM": _MLA_STALE, "DeepseekV3ForCausalLM": _MLA_STALE},
 )

@@ -66,7 +66,7 @@ VARIABLES: Tuple[Var, ...] = (
     # --- the launch scripts (configs/*.sh), every trainer
     _v("RECIPE_LINE", "enum", choices=("pinned", "current")),
     _v("ROLLOUT_PRECISION", "enum", choices=("int8", "bf16")),
-    _v("DATASET", "enum", ("all", "entry"), choices=("gsm8k", "dapo")),
+    _v("DATASET", "enum", ("all", "entry"), choices=("gsm8k", "dapo", "geo3k")),
     _v("NNODES", "int", hi=NPU_MAX, key="trainer.nnodes"),
     _v("NPUS_PER_NODE", "int", hi=NPU_MAX, key="trainer.n_gpus_per_node"),
     _v("MAX_PROMPT_LENGTH", "int", key="data.max_prompt_length"),

@@ -146,5 +146,6 @@ def evaluate_checks(rows, infos, args, layer_results=None, device: str = "cpu") 
     fp = infos.get(VARIANT_INT8_FP32HEAD)
     if fp is not None:
         add("int8+fp32head lm_head is fp32", fp.get("lm_head_dtype") == "torch.float32",
-            f"lm_head weight {fp.get('lm_head_dtype')}")
+            f"lm_head weight {fp.get('lm_head_dtype')}"
+            + (" (tied with the input embedding: one fp32 weight for both)" if fp.get("lm_head_tied") else ""))
     return checks

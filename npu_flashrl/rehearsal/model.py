@@ -69,9 +69,9 @@ def tiny_settings(args, task) -> Dict[str, Any]:
     from npu_flashrl.sim.tiny_models import TINY_DEEPSEEK_V3, TINY_LLAMA, TINY_QWEN2
 
     arch = getattr(args, "arch", "qwen2")
-    # llama: the 8B / 70B layout (untied). With tied embeddings (the 1B / 3B sizes) vLLM ties the
-    # lm head to the bf16 embedding after FLASHRL_LMHEAD_FP32's init patch made it fp32, and the
-    # rehearsal's "lm_head is fp32" check fails: a known gap of the fp32 lm head, not of the INT8 path
+    # llama: the 8B / 70B layout (untied). Tied embeddings (the 1B / 3B sizes) hold the shared
+    # weight in fp32 under FLASHRL_LMHEAD_FP32 (patch vllm_lmhead_fp32_tied,
+    # tests/adapters/test_lm_head_fp32_tied.py); the rehearsal's check names the tie
     model_cfg = {"llama": dict(TINY_LLAMA, tie_word_embeddings=False),
                  "deepseek_v3": dict(TINY_DEEPSEEK_V3)}.get(arch, dict(TINY_QWEN2))
     settings = {"recipe": RECIPE_VERSION, "model": model_cfg,

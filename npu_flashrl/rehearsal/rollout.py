@@ -207,6 +207,8 @@ def run_variant(variant: Variant, run: Rollouts
             info["layer0_w13_weight_dtype"] = str(w13.dtype) if w13 is not None else None
             head = getattr(model, "lm_head", None)
             info["lm_head_dtype"] = str(head.weight.dtype) if head is not None else None
+            emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+            info["lm_head_tied"] = head is not None and getattr(emb, "weight", None) is head.weight
             if int8 and (loader is None or not loader.targets):
                 raise RehearsalError(f"rollout {name}: the vLLM model has no npu_flashrl INT8 loader / no "
                                      "vllm-ascend W8A8 layers: npu_flashrl was not active when it was built")

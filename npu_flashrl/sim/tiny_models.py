@@ -262,3 +262,64 @@ def save_tiny_tokenizer(out_dir: str, vocab_size: int) -> None:
 def read_config(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)
+
+
+# Qwen2.5-VL (the 3B / 7B layout at toy size): a Qwen2 language model (q/k/v bias, GQA) with
+# M-RoPE, a vision tower of windowed + full-attention blocks whose MLPs are gate/up/down (the
+# projection names of the language model) and a patch merger into the language model's width.
+TINY_QWEN2_5_VL = dict(
+    text_config=dict(TINY_QWEN2, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+    vision_config=dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=128,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                       fullatt_block_indexes=[1], in_channels=3),
+    image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_qwen2_5_vl_config(**overrides):
+    from transformers import Qwen2_5_VLConfig
+
+    kwargs = dict(TINY_QWEN2_5_VL)
+    kwargs.update(overrides)
+    return Qwen2_5_VLConfig(**kwargs)
+
+
+def build_tiny_qwen2_5_vl(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                          config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny Qwen2.5-VL in `out_dir` (see build_tiny_qwen2)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return _build(Qwen2_5_VLForConditionalGeneration, tiny_qwen2_5_vl_config(**(config_overrides or {})),
+                  out_dir, dtype, seed, tokenizer)
+
+
+# Qwen3-VL (the dense 2B-32B layout at toy size): a Qwen3 language model (q_norm / k_norm, no
+# q/k/v bias) with interleaved M-RoPE, a vision tower with learned position embeddings whose MLPs
+# are linear_fc1 / linear_fc2, a merger and deepstack mergers feeding early decoder layers.
+TINY_QWEN3_VL = dict(
+    text_config=dict(TINY_QWEN3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [8, 8, 8], "mrope_interleaved": True}),
+    vision_config=dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=128,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                       num_position_embeddings=64, deepstack_visual_indexes=[0], in_channels=3),
+    image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_qwen3_vl_config(**overrides):
+    from transformers import Qwen3VLConfig
+
+    kwargs = dict(TINY_QWEN3_VL)
+    kwargs.update(overrides)
+    return Qwen3VLConfig(**kwargs)
+
+
+def build_tiny_qwen3_vl(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                        config_overrides: Optional[dict] = None, tokenizer: bool = True):
+    """Create a random tiny Qwen3-VL in `out_dir` (see build_tiny_qwen2)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return _build(Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(**(config_overrides or {})),
+                  out_dir, dtype, seed, tokenizer)

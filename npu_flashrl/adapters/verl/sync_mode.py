@@ -4,8 +4,13 @@ INT8 loader's check (the rule shared with server mode is :mod:`.sync_end`).
 In sync (SPMD) mode the FSDP worker (``fsdp_workers.py`` ``rollout_mode``) and the Megatron worker
 stream the trainer's full tensors into ``vLLMRollout.update_weights``
 (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py``), which calls
-``model.load_weights(weights)`` on the vLLM model and then vLLM's ``process_weights_after_loading``
-(a no-op on already processed INT8 layers, see the vllm_ascend adapter). Nothing in verl says where
+``model.load_weights(weights)`` on the vLLM model. Whether vLLM's
+``process_weights_after_loading`` follows depends on the verl release (a line fact): the pinned
+line's verl calls it (a no-op on already processed INT8 layers, see the vllm_ascend adapter); the
+sync-mode verl of the middle line calls nothing after ``load_weights``, so whatever vllm-ascend
+derives only when it post-processes stays at its cold-load values there: MLA's ``W_UK_T`` /
+``W_UV`` (DeepSeek-V2 / V3), which that line therefore refuses for INT8 rollouts
+(``StackLine.refused_architectures``, in ``npu_flashrl/lines/``). Nothing in verl says where
 a sync ends, so a layer whose shard never arrived would stay staged and stale, unreported, and a
 later sync could commit it with an earlier sync's shards. The wrapper below ends the sync once
 verl's ``update_weights`` returns: ``end_weight_sync`` raises naming the missing tensors (their

@@ -28,6 +28,7 @@ import re
 from typing import List, Optional, Sequence
 
 from npu_flashrl.adapters.vllm_ascend.mla import MLA_PROJECTIONS
+from npu_flashrl.adapters.vllm_ascend.names import in_vision_tower
 from npu_flashrl.errors import NpuFlashrlError
 
 # The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names); MoE experts
@@ -62,8 +63,8 @@ class QuantDescription(dict):
 
     def quant_type(self, key: str) -> str:
         module = key[: -len(".weight")] if key.endswith(".weight") else key
-        if matches_ignore(module, self.ignore):
-            return FLOAT
+        if matches_ignore(module, self.ignore) or in_vision_tower(module):
+            return FLOAT  # a VL model's vision tower and merger stay 16-bit (names.py)
         last = module.rsplit(".", 1)[-1]
         if key.endswith(".weight") and (last in PROJECTIONS or last in MLA_PROJECTIONS
                                         or last == FUSED_EXPERTS):

@@ -11,7 +11,8 @@ quantizes, following vllm-ascend and ModelSlim.
   matrices `W_UK_T` [heads, nope, kv_lora] and `W_UV` [heads, kv_lora, v] (written in place after
   the first run, so their storage stays put for captured graphs). An in-place weight sync writes
   kv_b_proj through vLLM's loader; verl's `process_weights_after_loading` after the last bucket
-  re-derives the two matrices.
+  re-derives the two matrices (server-mode verl and the pinned line's verl call it after every
+  sync; a line whose verl does not refuses MLA INT8 rollouts: `StackLine.refused_architectures`).
 - The router `mlp.gate` (and its `e_score_correction_bias`), embeddings, norms, lm_head: FLOAT, as
   for every MoE model (the description's rule). Shared experts (`mlp.shared_experts.*_proj`) and
   the first dense layers' MLP: quantized like any decoder projection.

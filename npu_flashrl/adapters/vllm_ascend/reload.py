@@ -22,6 +22,7 @@ from npu_flashrl._logging import get_logger
 from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend import schemes
 from npu_flashrl.adapters.vllm_ascend.schemes import LinearTarget  # noqa: F401
+from npu_flashrl.adapters.vllm_ascend.names import to_model_names
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import find_linear_targets as find_targets
 from npu_flashrl.adapters.vllm_ascend.sync import Consistency, SyncState, failure_reason, short_list
 from npu_flashrl.adapters.vllm_ascend.validate import Validator
@@ -124,6 +125,7 @@ class Int8WeightLoader:
         return self.state
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        weights = to_model_names(self.model, weights)  # a VL model's hf_to_vllm_mapper (names.py)
         # Until vLLM's layerwise reload is finalized every tensor is its (the float ones arriving
         # after the last quantized layer was processed again too): none of it begins a sync.
         layerwise = lines.current().layerwise_reload_active(self.model)
@@ -437,6 +439,9 @@ def attach(model: torch.nn.Module, quantizer: OnlineQuantizer,
            prequantized_checkpoint: bool = False) -> Int8WeightLoader:
     """Give `model` the INT8 `load_weights` (idempotent; returns the loader).
     `prequantized_checkpoint`: the model is cold-loaded from a W8A8 checkpoint."""
+    from npu_flashrl.architectures import refuse_on_line
+
+    refuse_on_line(type(model).__name__, "INT8 rollout engine build")  # before anything is attached
     existing = getattr(model, "_npu_flashrl_loader", None)
     if existing is not None:
         previous, existing.quantizer = existing.quantizer, quantizer

@@ -3,14 +3,17 @@
 # recipes expect: $DATA_ROOT/<dataset>/train.parquet and test.parquet.
 #   gsm8k: examples/data_preprocess/gsm8k.py (HF dataset openai/gsm8k; GSM8K_LOCAL_PATH for an offline copy)
 #   dapo:  recipe/dapo/prepare_dapo_data.sh (DAPO-Math-17k for training, AIME-2024 as test set)
+#   geo3k: examples/data_preprocess/geo3k.py (HF dataset hiyouga/geometry3k, images + questions: the
+#          vision-language recipes; GEO3K_LOCAL_PATH for an offline copy)
 #
 # Usage: prepare_data.sh [--dry-run]
 #
 # Environment (defaults in brackets):
-#   DATASET           gsm8k | dapo | all [gsm8k]
+#   DATASET           gsm8k | dapo | geo3k | all (gsm8k and dapo) [gsm8k]
 #   DATA_ROOT         [$HOME/data]
 #   VERL_DIR          verl checkout at the pinned commit [$HOME/npu_flashrl_stack/verl] (install_pinned.sh)
 #   GSM8K_LOCAL_PATH  local copy of openai/gsm8k for nodes without hub access [empty]
+#   GEO3K_LOCAL_PATH  local copy of hiyouga/geometry3k (its data/*.parquet) [empty]
 #   OVERWRITE         1 = regenerate existing files [0]
 #   PYTHON            [python3]
 set -euo pipefail
@@ -24,14 +27,15 @@ DATASET="${DATASET:-gsm8k}"
 DATA_ROOT="${DATA_ROOT:-$HOME/data}"
 VERL_DIR="${VERL_DIR:-$HOME/npu_flashrl_stack/verl}"
 GSM8K_LOCAL_PATH="${GSM8K_LOCAL_PATH:-}"
+GEO3K_LOCAL_PATH="${GEO3K_LOCAL_PATH:-}"
 OVERWRITE="${OVERWRITE:-0}"
 PYTHON="${PYTHON:-python3}"
 
 case "$OVERWRITE" in 0|1) ;; *) recipe_die "OVERWRITE must be 0 or 1, got '$OVERWRITE'" ;; esac
 case "$DATASET" in
-  gsm8k|dapo) datasets=("$DATASET") ;;
-  all) datasets=(gsm8k dapo) ;;
-  *) recipe_die "DATASET must be gsm8k, dapo or all, got '$DATASET'" ;;
+  gsm8k|dapo|geo3k) datasets=("$DATASET") ;;
+  all) datasets=(gsm8k dapo) ;;  # the text recipes' data; geo3k on its own
+  *) recipe_die "DATASET must be gsm8k, dapo, geo3k or all, got '$DATASET'" ;;
 esac
 require_dir VERL_DIR "$VERL_DIR"
 
@@ -61,6 +65,17 @@ for ds in "${datasets[@]}"; do
       run_or_print mkdir -p "$out"
       run_or_print env "VERL_HOME=$DATA_ROOT" "TRAIN_FILE=$out/train.parquet" "TEST_FILE=$out/test.parquet" \
         "OVERWRITE=$OVERWRITE" bash "$script"
+      ;;
+    geo3k)
+      script="$VERL_DIR/examples/data_preprocess/geo3k.py"
+      require_file "VERL_DIR/examples/data_preprocess/geo3k.py" "$script"
+      cmd=("$PYTHON" "$script" --local_dir "$out")
+      if [[ -n "$GEO3K_LOCAL_PATH" ]]; then
+        require_dir GEO3K_LOCAL_PATH "$GEO3K_LOCAL_PATH"
+        cmd+=(--local_dataset_path "$GEO3K_LOCAL_PATH")
+      fi
+      run_or_print mkdir -p "$out"
+      run_or_print "${cmd[@]}"
       ;;
   esac
 done
