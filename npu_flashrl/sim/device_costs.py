@@ -261,7 +261,12 @@ class DeviceCounter(CostCounter):
         self._install()
         _active = self
         try:
-            return super().__enter__()
+            out = super().__enter__()
+            from npu_flashrl.kernels import npu
+
+            with self.paused():  # the once-per-process probes of the device's op semantics
+                npu.device_facts(torch.device("cpu"))
+            return out
         except BaseException:
             _active = None
             self._uninstall()
