@@ -24,7 +24,7 @@ from npu_flashrl.adapters.vllm_ascend import schemes
 from npu_flashrl.adapters.vllm_ascend.schemes import LinearTarget  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import find_linear_targets as find_targets
 from npu_flashrl.adapters.vllm_ascend.sync import Consistency, SyncState, failure_reason, short_list
-from npu_flashrl.adapters.vllm_ascend.validate import Validator
+from npu_flashrl.adapters.vllm_ascend.validate import DeferredChecks, Validator
 from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
@@ -200,20 +200,23 @@ class Int8WeightLoader:
                 # refuse a bad call before writing anything of it
                 weights = [validator.item(i, w) for i, w in enumerate(weights)]
                 halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
+                # the call's value checks, read back in one host synchronisation
+                deferred = DeferredChecks()
                 for i, (name, tensor) in enumerate(weights):
                     validator.once(name, i, seen)
                     self._once_per_sync(name)
                     wired = st.wire.weight_of(name, tensor)
                     if wired is None:
-                        validator.check(name, tensor, self.quantizer)
+                        validator.check(name, tensor, self.quantizer, deferred=deferred)
                     else:
-                        st.wire.validate(name, wired, tensor)
+                        st.wire.validate(name, wired, tensor, deferred=deferred)
                         if name == wired or name.endswith(".weight_scale"):
                             half = halves.setdefault(wired, st.wire.held(wired))
                             half[0 if name == wired else 1] = tensor
                 for wired, (q, scale) in halves.items():  # pairs this call completes
                     if q is not None and scale is not None:
-                        st.wire.check_pair(wired, q, scale)
+                        st.wire.check_pair(wired, q, scale, deferred=deferred)
+                deferred.raise_first()
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
                 st.items += 1
