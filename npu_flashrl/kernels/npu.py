@@ -13,7 +13,8 @@ from npu_flashrl.kernels import op_rules, reference
 
 
 def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None,
-                                transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                                transposed: bool = False, finite: Optional[list] = None
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The device's kernel mix (what `sim.device_costs` counts): one `npu_dynamic_quant` over the
     weight, with the NaN / Inf refusal read off its scales when this device's op carries a NaN
     or Inf row into its scale (`device_facts`), else one all-finite pass before it; rows longer
@@ -23,7 +24,8 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
     produces it; npu_dynamic_quant's [out, in] result is returned as it is (a transposing copy
     here would read and write every int8 byte once more, and the copy that takes it into the
     processed layout, the staging's weight_loader, transposes at a plain copy's traffic).
-    Callers rely on the values, not on the memory layout."""
+    Callers rely on the values, not on the memory layout. `finite` (a list): the NaN / Inf
+    refusal is appended to it as a device-side bool instead of read back here (`kernels`)."""
     import torch_npu  # noqa: F401  (real torch_npu on an NPU node)
 
     if compute_dtype is not None and weight.dtype != compute_dtype:
@@ -35,22 +37,31 @@ def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[to
         # npu_dynamic_quant's page limits a row to 11264 values on Atlas A2 up to Ascend
         # Extension for PyTorch 6.0.RC3 (Qwen2.5-7B's down_proj rows have 18944); the release
         # cannot be told reliably from torch_npu.__version__, so the probe tried one such row
-        return _per_channel_by_quantize(weight, transposed)
+        return _per_channel_by_quantize(weight, transposed, finite)
     if not facts["nonfinite_in_scale"]:
         # The reference's refusal, in one reduction pass: a NaN/Inf row would otherwise give a
         # non-finite scale (or, on hardware, a saturated int8 row) and poison the rollout silently.
-        if not reference.all_finite(weight):
-            raise ValueError("quantize_weight_per_channel: weight contains NaN or Inf")
+        lo, hi = torch.aminmax(weight)
+        _refuse_nonfinite(torch.isfinite(lo) & torch.isfinite(hi), finite)
     # Per-row symmetric int8 with scale = rowmax/127 is exactly npu_dynamic_quant on the rows.
     q, scale = torch_npu.npu_dynamic_quant(weight)
-    if facts["nonfinite_in_scale"] and not bool(torch.isfinite(scale).all()):
-        raise ValueError("quantize_weight_per_channel: weight contains NaN or Inf")
+    if facts["nonfinite_in_scale"]:
+        _refuse_nonfinite(torch.isfinite(scale).all(), finite)
     # An all-zero row: the reference defines scale 1.0 (q is 0 either way).
     scale = torch.where(scale > 0, scale, 1.0)
     return q, scale
 
 
-def _per_channel_by_quantize(weight: torch.Tensor, transposed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _refuse_nonfinite(ok: torch.Tensor, finite: Optional[list]) -> None:
+    """Raise on a False device flag now (one host synchronisation), or hand it to the caller."""
+    if finite is not None:
+        finite.append(ok)
+    elif not bool(ok):
+        raise ValueError("quantize_weight_per_channel: weight contains NaN or Inf")
+
+
+def _per_channel_by_quantize(weight: torch.Tensor, transposed: bool, finite: Optional[list] = None
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """scale = rowmax|w| / 127 in fp32 (1.0 for an all-zero row), q = npu_quantize(w / scale):
     div_mode True takes a float32 scales tensor along the LAST axis (the only elementwise axis
     older releases document), so it quantizes w^T [in, out] with one scale per column; the
@@ -60,8 +71,7 @@ def _per_channel_by_quantize(weight: torch.Tensor, transposed: bool) -> Tuple[to
     import torch_npu  # noqa: F401
 
     lo, hi = torch.aminmax(weight, dim=1)
-    if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
-        raise ValueError("quantize_weight_per_channel: weight contains NaN or Inf")
+    _refuse_nonfinite(torch.isfinite(lo).all() & torch.isfinite(hi).all(), finite)
     absmax = torch.maximum(hi, lo.neg()).float()
     scale = torch.where(absmax > 0, absmax / reference.INT8_MAX, 1.0)
     q_t = torch_npu.npu_quantize(weight.t(), scale, None, torch.qint8, -1, True).contiguous()  # [in, out]
