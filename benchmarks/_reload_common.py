@@ -273,5 +273,32 @@ def counted(fn):
     return c.costs
 
 
+def device_counted(fn):
+    """`fn()` under `npu_flashrl.sim.device_costs.DeviceCounter`: its costs in the NPU's units."""
+    from npu_flashrl.sim.device_costs import DeviceCounter
+
+    with DeviceCounter() as c:
+        fn()
+    return c.costs
+
+
+def limit_bytes(weights, projection):
+    """The device traffic a rollout-side quantizing reload cannot go below: each projection read
+    once in bf16, its int8 written once with one fp32 scale per row; every other tensor read and
+    written once."""
+    total = 0
+    for name, t in weights:
+        if projection(name) and t.dim() == 2:
+            total += t.numel() * t.element_size() + t.numel() + 4 * t.shape[0]
+        else:
+            total += 2 * t.numel() * t.element_size()
+    return total
+
+
+def syncs_per_layer(costs, layers, calls=1):
+    """Host synchronisations per decoder layer beyond one per load_weights call (a bucket)."""
+    return max(0, costs.host_syncs - calls) / layers
+
+
 def verdict(ok):
     return "met" if ok else "NOT met"

@@ -42,9 +42,10 @@ import torch  # noqa: E402
 
 # the shared pieces sit next to this script (it is run as a file, not imported as a package)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reload_common import (PeakMemory, check_positive, counted, flashrl_style_reload,  # noqa: E402
-                            has_layerwise_reload, kernel_throughput, load_line, print_throughput,
-                            print_variants, same_state, timed, verdict, vllm_layerwise_reload)
+from _reload_common import (PeakMemory, check_positive, counted, device_counted,  # noqa: E402
+                            flashrl_style_reload, has_layerwise_reload, kernel_throughput,
+                            limit_bytes, load_line, print_throughput, print_variants, same_state,
+                            syncs_per_layer, timed, verdict, vllm_layerwise_reload)
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=1024, max_position_embeddings=4096,
@@ -158,6 +159,66 @@ def print_costs(costs, weight_bytes):
     return out
 
 
+# the layer counts of `peak extra 4 layers / 1 layer`
+PEAK_LAYERS = (1, 4)
+
+
+def device_peaks(cfg, layers, vllm_ascend, cpu_vllm):
+    """Device peak extra bytes of (b) and (c) on a model of `layers` decoder layers, same shapes."""
+    cfg = dict(cfg, num_hidden_layers=layers)
+    weights = make_weights(cfg, layers)
+    model_dir = tempfile.mkdtemp(prefix="npu_flashrl_bench_")
+    try:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        with cpu_vllm.CpuVllm(model_dir, quantization="ascend", load_format="dummy",
+                              choice=cpu_vllm.int8()) as v:
+            m = v.model
+            m._bench_model_config = v.vllm_config.model_config
+
+            def ours():
+                m.load_weights(iter(weights))
+                vllm_ascend.end_weight_sync(m)
+
+            ours()  # the first sync after a dummy load
+            return {"b": device_counted(ours).peak_extra_bytes,
+                    "c": device_counted(lambda: flashrl_style_reload(m, iter(weights))).peak_extra_bytes}
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def print_device_costs(dcosts, weights, layers, peaks):
+    """Each variant's costs of one sync in the NPU's units (`sim.device_costs`) and the lines
+    A (traffic / limit), P (peak extra 4 layers / 1 layer) and H (host syncs per layer)."""
+    from _reload_common import LABELS
+    from npu_flashrl.quant.wire import is_projection
+
+    limit = limit_bytes(weights, is_projection)
+    print(f"\ndevice costs of one sync (NPU kernels: kernels/npu.py's mix on the emulated torch_npu, "
+          f"each op one launch; limit = each projection read once in bf16 and written once in "
+          f"int8 with its scales, every other tensor copied once = {limit / 2**20:.1f} MB):")
+    print(f"{'variant':<36}{'launches':>10}{'read MB':>10}{'written MB':>11}{'traffic/limit':>14}"
+          f"{'peak MB':>9}{'host syncs':>11}")
+    for k, c in sorted(dcosts.items()):
+        print(f"{k}) {LABELS[k]:<33}{c.launches:>10}{c.read_bytes / 2**20:>10.1f}"
+              f"{c.written_bytes / 2**20:>11.1f}{c.traffic_bytes / limit:>14.2f}"
+              f"{c.peak_extra_bytes / 2**20:>9.1f}{c.host_syncs:>11}")
+    a = dcosts["b"].traffic_bytes / limit
+    lo, hi = PEAK_LAYERS
+    p = {k: peaks[hi][k] / peaks[lo][k] if peaks[lo][k] else float("inf") for k in "bc"}
+    h = {k: syncs_per_layer(c, layers) for k, c in dcosts.items()}
+    worst = max(h, key=h.get)
+    print(f"device traffic in-place / limit = {a:.2f} (target <= 2.5: {verdict(a <= 2.5)})")
+    print(f"peak extra {hi} layers / {lo} layer in-place = {p['b']:.2f} (target <= 1.05: "
+          f"{verdict(p['b'] <= 1.05)}; {peaks[lo]['b'] / 2**20:.1f} -> {peaks[hi]['b'] / 2**20:.1f} MB); "
+          f"flashrl-style = {p['c']:.2f} ({peaks[lo]['c'] / 2**20:.1f} -> {peaks[hi]['c'] / 2**20:.1f} MB)")
+    print(f"host syncs per layer, max over receivers = {h[worst]:.1f} (target 0: "
+          f"{verdict(h[worst] == 0)}; beyond one per load_weights call; "
+          + ", ".join(f"{k}) {v:.1f}" for k, v in sorted(h.items())) + ")")
+    return {"limit_bytes": limit, "traffic_over_limit": a, "peak_ratio": p,
+            "peaks": {str(n): v for n, v in peaks.items()}, "host_syncs_per_layer": h}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--moe", action="store_true",
@@ -219,7 +280,7 @@ def _run_dense(args, vllm_ascend, cpu_vllm, cfg, layers, model_dir):
           f"weights per sync; torch threads={torch.get_num_threads()}")
     layer_bf16 = 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"]  # gate_up, the largest fused layer
 
-    results, costs = {}, {}
+    results, costs, dcosts = {}, {}, {}
     with cpu_vllm.CpuVllm(model_dir, quantization=None, load_format="dummy") as v:
         results["a"] = timed(lambda: v.model.load_weights(iter(weights)), args.repeats)
         costs["a"] = counted(lambda: v.model.load_weights(iter(weights)))
@@ -236,18 +297,26 @@ def _run_dense(args, vllm_ascend, cpu_vllm, cfg, layers, model_dir):
         costs["b"] = counted(ours)
         state_b = {n: p.detach().clone() for n, p in m.named_parameters()}
         ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+        dcosts["b"] = device_counted(ours)
         results["c"] = timed(lambda: flashrl_style_reload(m, iter(weights)), args.repeats)
         costs["c"] = counted(lambda: flashrl_style_reload(m, iter(weights)))
+        dcosts["c"] = device_counted(lambda: flashrl_style_reload(m, iter(weights)))
         same, kept = same_state(m, state_b, ptrs)
         if has_layerwise_reload():
             results["d"] = timed(lambda: vllm_layerwise_reload(m, weights), args.repeats)
             costs["d"] = counted(lambda: vllm_layerwise_reload(m, weights))
+            dcosts["d"] = device_counted(lambda: vllm_layerwise_reload(m, weights))
             same_d, kept_d = same_state(m, state_b, ptrs)
     del m, v
     fp32 = streamed_fp32_sync(cfg, weights, args) if args.fp32_vocab else None
 
+    peaks = {layers: {k: dcosts[k].peak_extra_bytes for k in "bc"}}
+    for n in PEAK_LAYERS:
+        if n not in peaks:
+            peaks[n] = device_peaks(cfg, n, vllm_ascend, cpu_vllm)
     ratios = print_variants(results)
     count_ratios = print_costs(costs, nbytes(weights))
+    device = print_device_costs(dcosts, weights, layers, peaks)
     print(f"peak extra memory: b = {results['b'][1] / 2**20:.0f} MB vs one fused layer's bf16 weights "
           f"(gate_up) = {layer_bf16 / 2**20:.0f} MB; c = {results['c'][1] / 2**20:.0f} MB")
     print(f"(b) and (c) give the same INT8 state: {same}; (c) keeps data pointers: {kept}")
@@ -273,6 +342,10 @@ def _run_dense(args, vllm_ascend, cpu_vllm, cfg, layers, model_dir):
                        "counts": {k: dict(c.as_dict(), by_op=dict(c.by_op), bytes_by_op=dict(c.bytes_by_op))
                                   for k, c in costs.items()},
                        "count_ratios": count_ratios, "weight_bytes": nbytes(weights),
+                       "device_counts": {k: dict(c.as_dict(), by_op=dict(c.by_op),
+                                                 bytes_by_op=dict(c.bytes_by_op))
+                                         for k, c in dcosts.items()},
+                       "device": device, "layers": layers, "config": cfg,
                        "streamed_fp32_sync": fp32}, f, indent=1)
     return 0
 

@@ -95,15 +95,18 @@ class Rollout:
                                   choice=None if variant == "a" else cpu_vllm.int8()).__enter__()
         self.model = self.v.model
         self.seconds = 0.0
+        self.calls = 0
 
     def begin(self):
         self.seconds = 0.0
+        self.calls = 0
         if self.variant == "d":
             from vllm.model_executor.model_loader import reload
 
             reload.initialize_layerwise_reload(self.model)
 
     def load(self, weights):
+        self.calls += 1
         t0 = time.perf_counter()
         if self.variant == "a":
             self.model.load_weights(weights)
@@ -143,7 +146,11 @@ def _untrack_attached_segments():
         return
 
     def rebuild_shared_memory(name, size, dtype=torch.uint8):
+        from npu_flashrl.sim.device_costs import active
+
         tensor, shm = original(name, size, dtype=dtype)
+        if active() is not None:  # host memory: verl's `.to(device)` of it is a copy to the device
+            active().mark_host(tensor)
         try:
             resource_tracker.unregister(shm._name, "shared_memory")
         except Exception:  # noqa: BLE001 - Python >= 3.13 does not track attached segments
@@ -237,12 +244,19 @@ def sync_ce(rollout, path, trainer, counter=None):
         # CheckpointEngineWorker copies them into its BucketedWeightSender's buffer. Time spent
         # waiting for the broadcast, and this copy, are transfer, not receiver.
         it = trainer.gce.iter_received(trainer.engine)
+        on_device = hasattr(counter, "device_copy")  # a DeviceCounter: the copies are the device's
         while True:
             t = time.perf_counter()
             with counter.paused() if counter is not None else _nothing():
                 item = next(it, None)
-                if item is not None:
+                if item is not None and not on_device:
                     item = (item[0], item[1].clone())
+            if item is not None and on_device:
+                # the broadcast lands in the engine's device bucket (HCCL writes it), then verl's
+                # CheckpointEngineWorker copies it into its sender's buffer on the device
+                counter.device_write(item[1].numel() * item[1].element_size(), "hccl_broadcast",
+                                     launches=0)
+                item = (item[0], counter.device_copy(item[1], "ce_bucket_copy"))
             pulled[0] += time.perf_counter() - t
             if item is None:
                 return
@@ -292,6 +306,7 @@ def run(args, root, threads):
     from npu_flashrl.quant.wire import int8_wire
     from npu_flashrl.sim import cpu_vllm, verl_transfer
     from npu_flashrl.sim.costs import CostCounter
+    from npu_flashrl.sim.device_costs import DeviceCounter
 
     print(load_line("start"), flush=True)
     cpu_vllm.prepare_process()
@@ -312,6 +327,10 @@ def run(args, root, threads):
     wire = list(int8_wire(weights, torch.bfloat16, stats=stats))
     quant_s = time.perf_counter() - t0
     int8_file = verl_transfer.save_weights(wire, os.path.join(root, "int8.safetensors"))
+    with DeviceCounter() as trainer_counter:  # the trainer side of the INT8 wire, on its device
+        for _ in int8_wire(weights, torch.bfloat16):
+            pass  # each item dropped as sent (a bucket holds it; its copy is the transport's)
+    trainer_costs = dict(trainer_counter.costs.as_dict(), by_op=dict(trainer_counter.costs.by_op))
     wire_bytes = {"bf16": sum(t.numel() * t.element_size() for _, t in weights),
                   "int8": sum(t.numel() * t.element_size() for _, t in wire)}
     del wire
@@ -339,6 +358,9 @@ def run(args, root, threads):
                             runs = [fn(rollout, files[k]) for _ in range(args.repeats)]
                             counter = CostCounter()
                             fn(rollout, files[k], counter)
+                            dcounter = DeviceCounter()
+                            fn(rollout, files[k], dcounter)
+                            calls = rollout.calls
                         except RuntimeError as exc:  # reported in the table; the other runs go on
                             print(f"     failed: {exc}", flush=True)
                             results[(k, transport)] = {"failed": str(exc)}
@@ -352,7 +374,11 @@ def run(args, root, threads):
                             "wire_bytes": wire_bytes["int8" if k in "cd" else "bf16"],
                             "peak_extra_bytes": max(m for _, _, m in runs),
                             "counts": dict(counter.costs.as_dict(), by_op=dict(counter.costs.by_op),
-                                           bytes_by_op=dict(counter.costs.bytes_by_op))}
+                                           bytes_by_op=dict(counter.costs.bytes_by_op)),
+                            "device_counts": dict(dcounter.costs.as_dict(),
+                                                  by_op=dict(dcounter.costs.by_op),
+                                                  bytes_by_op=dict(dcounter.costs.bytes_by_op),
+                                                  load_calls=calls)}
                     states[k] = rollout.state() if k != "a" else None
                 finally:
                     rollout.close()
@@ -360,12 +386,12 @@ def run(args, root, threads):
             trainer.close()
     same = {k: all(torch.equal(states[k][n], states["b"][n]) for n in states["b"])
             for k in variants if k in "cd" and k in states and "b" in states}
-    report(args, results, same, wire_bytes, stats)
+    report(args, results, same, wire_bytes, stats, trainer_costs)
     print(load_line("end"), flush=True)
     return 0
 
 
-def report(args, results, same, wire_bytes, stats):
+def report(args, results, same, wire_bytes, stats, trainer):
     med = lambda xs: median_spread(xs)[0]  # noqa: E731
     print(f"\nCPU seconds, median of {args.repeats} [min-max]:")
     print(f"{'variant':<31}{'via':>4}{'quant s':>8}{'transfer s':>22}{'receiver s':>22}"
@@ -378,6 +404,10 @@ def report(args, results, same, wire_bytes, stats):
               f"{fmt_spread(r['receiver_s']):>22}{r['wire_bytes'] / 2**20:>9.1f}"
               f"{r['peak_extra_bytes'] / 2**20:>9.1f}")
     print(f"INT8 state after (c) and (d) equals (b)'s: {same}")
+    print(f"trainer side of the INT8 wire on its device: {trainer['launches']} launches, "
+          f"{trainer['traffic_bytes'] / 2**20:.1f} MB read + written for {wire_bytes['bf16'] / 2**20:.1f} MB "
+          f"of bf16, peak extra {trainer['peak_extra_bytes'] / 2**20:.1f} MB, "
+          f"{trainer['host_syncs']} host syncs")
 
     limit = 2 * wire_bytes["int8"]
     print(f"\nreceiver costs of one sync (machine-independent; limit = each INT8-wire byte read once "
@@ -393,6 +423,20 @@ def report(args, results, same, wire_bytes, stats):
               f"{c['written_bytes'] / 2**20:>11.1f}{c['traffic_bytes'] / limit:>14.2f}"
               f"{c['allocated_bytes'] / 2**20:>10.1f}{c['peak_extra_bytes'] / 2**20:>9.1f}"
               f"{r['wire_bytes'] / 2**20:>9.1f}")
+
+    print(f"\nreceiver costs of one sync on the device (`sim.device_costs`: NPU kernels, the "
+          "transport's device-side copy counted: shm's host-to-device copy of every bucket tensor, "
+          "the checkpoint engine's copy out of its bucket):")
+    print(f"{'variant':<31}{'via':>4}{'launches':>10}{'read MB':>10}{'written MB':>11}"
+          f"{'traffic/limit':>14}{'peak MB':>9}{'H2D MB':>8}{'syncs':>7}")
+    for (k, tr), r in results.items():
+        if "failed" in r:
+            continue
+        c = r["device_counts"]
+        print(f"{k}) {LABELS[k]:<28}{tr:>4}{c['launches']:>10}{c['read_bytes'] / 2**20:>10.1f}"
+              f"{c['written_bytes'] / 2**20:>11.1f}{c['traffic_bytes'] / limit:>14.2f}"
+              f"{c['peak_extra_bytes'] / 2**20:>9.1f}{c['host_to_device_bytes'] / 2**20:>8.1f}"
+              f"{c['host_syncs']:>7}")
 
     ratios = {}
     for tr in ("shm", "ce"):
@@ -420,21 +464,38 @@ def report(args, results, same, wire_bytes, stats):
         else:
             print("layerwise/in-place = - (this vLLM has no layerwise reload)")
         print(f"end-to-end b/c = {ratios[tr]['end_to_end_b_c']:.2f}")
-        x = ratios[tr]["receiver_traffic_over_limit"]
-        print(f"receiver traffic / limit = {x:.2f} (target <= 1.5: {verdict(x <= 1.5)})")
-        if d is not None:
-            dp = d["counts"]["peak_extra_bytes"]
-            y = c["counts"]["peak_extra_bytes"] / dp if dp else float("inf")
+        dc, dd = c["device_counts"], (d["device_counts"] if d is not None else None)
+        x = ratios[tr]["device_traffic_over_limit"] = dc["traffic_bytes"] / limit
+        print(f"receiver traffic / limit = {x:.2f} (device, the transport's device-side copy "
+              f"counted; target <= 1.5: {verdict(x <= 1.5)}; CPU count "
+              f"{ratios[tr]['receiver_traffic_over_limit']:.2f})")
+        if dd is not None:
+            dp = dd["peak_extra_bytes"]
+            y = dc["peak_extra_bytes"] / dp if dp else float("inf")
             ratios[tr]["peak_extra_in_place_over_layerwise"] = y
-            print(f"peak extra in-place / layerwise = {y:.2f} (target < 1: {verdict(y < 1)}; "
-                  f"{c['counts']['peak_extra_bytes'] / 2**20:.1f} MB vs {dp / 2**20:.1f} MB)")
+            print(f"peak extra in-place / layerwise = {y:.2f} (device; target < 1: {verdict(y < 1)}; "
+                  f"{dc['peak_extra_bytes'] / 2**20:.1f} MB vs {dp / 2**20:.1f} MB)")
+            lr = ratios[tr]["launches_wire_over_layerwise"] = dc["launches"] / dd["launches"]
+            print(f"launches wire receiver / layerwise = {lr:.2f} (device; target <= 1: "
+                  f"{verdict(lr <= 1)}; {dc['launches']} vs {dd['launches']})")
         else:
             print("peak extra in-place / layerwise = - (this vLLM has no layerwise reload)")
+            print("launches wire receiver / layerwise = - (this vLLM has no layerwise reload)")
+    h = {key: max(0, r["device_counts"]["host_syncs"] - r["device_counts"]["load_calls"]) / args.layers
+         for key, r in ((f"{k}/{tr}", r) for (k, tr), r in results.items()) if "failed" not in r}
+    if h:
+        worst = max(h, key=h.get)
+        ratios["host_syncs_per_layer"] = h
+        print(f"\nhost syncs per layer, max over receivers = {h[worst]:.1f} (target 0: "
+              f"{verdict(h[worst] == 0)}; beyond one per load_weights call; "
+              + ", ".join(f"{k} {v:.1f}" for k, v in h.items()) + ")")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": {f"{k}/{tr}": r for (k, tr), r in results.items()},
                        "ratios": ratios, "same_int8_state_as_b": same, "limit_traffic_bytes": limit,
-                       "load": os.getloadavg(), "quantize_stats": stats}, f, indent=1)
+                       "load": os.getloadavg(), "quantize_stats": stats,
+                       "trainer_device_counts": trainer, "wire_bytes": wire_bytes,
+                       "layers": args.layers}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,17 @@ def backend_for(t: torch.Tensor) -> str:
 
 
 def quantize_weight_per_channel(weight: torch.Tensor, compute_dtype: Optional[torch.dtype] = None,
-                                transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel INT8 (see `reference.quantize_weight_per_channel`)."""
+                                transposed: bool = False, finite: Optional[list] = None
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8 (see `reference.quantize_weight_per_channel`).
+    `finite`: instead of reading the NaN / Inf refusal back to the host (a host synchronisation
+    per weight), append it to this list as a device-side bool tensor (True: finite); the caller
+    must then read it before the result is used anywhere (on False the result is garbage)."""
     if backend_for(weight) == "npu":
         from npu_flashrl.kernels import npu
 
-        return npu.quantize_weight_per_channel(weight, compute_dtype, transposed)
-    return reference.quantize_weight_per_channel(weight, compute_dtype, transposed)
+        return npu.quantize_weight_per_channel(weight, compute_dtype, transposed, finite)
+    return reference.quantize_weight_per_channel(weight, compute_dtype, transposed, finite)
 
 
 def quantize_weight_with_scales(weight: torch.Tensor, output_scale: Union[torch.Tensor, float],

@@ -101,7 +101,8 @@ def _quantize_blocks(weight: torch.Tensor, block_fn, transposed: bool) -> torch.
 
 def quantize_weight_per_channel(weight: torch.Tensor,
                                 compute_dtype: Optional[torch.dtype] = None,
-                                transposed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                                transposed: bool = False,
+                                finite: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8: weight [out, in] -> (int8 [out, in], fp32 scale [out]).
 
     scale = absmax(row) / 127 and q = round_half_even(w / scale), both in fp32 (|w / scale| <= 127
@@ -110,7 +111,8 @@ def quantize_weight_per_channel(weight: torch.Tensor,
     e.g. bf16) is applied first: fp32 FSDP masters then quantize exactly like their bf16 cast.
     An all-zero row gets scale 1.0 (q = 0). NaN or Inf raise ValueError.
     `transposed=True` returns the same values as an [out, in] view of [in, out]-contiguous memory
-    (the layout vllm-ascend's processed W8A8 weights use).
+    (the layout vllm-ascend's processed W8A8 weights use). `finite` (a list): the NaN / Inf
+    refusal is appended to it as a device-side bool instead of raised (see `kernels`).
     """
     op = "quantize_weight_per_channel"
     _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
@@ -120,7 +122,10 @@ def quantize_weight_per_channel(weight: torch.Tensor,
         weight = weight.to(compute_dtype)
     q, absmax, scale = _per_channel_strips(weight, transposed)
     # NaN propagates through amax/amin, -Inf shows as +Inf after the negation
-    _require(all_finite(absmax), op, "weight contains NaN or Inf")
+    if finite is not None:  # the caller reads it back (with others) before using the result
+        finite.append(torch.isfinite(absmax).all())
+    else:
+        _require(all_finite(absmax), op, "weight contains NaN or Inf")
     return q, scale
 
 

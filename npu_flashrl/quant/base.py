@@ -19,7 +19,10 @@ class OnlineQuantizer:
 
     name = ""
     writes_scales = True
-    dense_only = False  # True: cannot quantize fused-MoE experts (refused at engine build)
+    dense_only = False
+    # True: `quantize(..., finite=list)` appends its NaN / Inf refusal as a device-side bool
+    # instead of raising (the caller reads a call's flags back together, before any write)
+    defers_finite_check = False  # True: cannot quantize fused-MoE experts (refused at engine build)
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16):
         self.compute_dtype = compute_dtype

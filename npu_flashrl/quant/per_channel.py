@@ -10,5 +10,9 @@ from npu_flashrl.quant.registry import register_quantizer
 class PerChannelQuantizer(OnlineQuantizer):
     """Profile-free: fresh symmetric per-channel scales on every sync (absmax / 127)."""
 
-    def quantize(self, name, weight, transposed=False):
-        return kernels.quantize_weight_per_channel(weight, self.compute_dtype, transposed=transposed)
+    # `quantize(..., finite=[])` hands its NaN / Inf refusal back as a device flag (`kernels`)
+    defers_finite_check = True
+
+    def quantize(self, name, weight, transposed=False, finite=None):
+        return kernels.quantize_weight_per_channel(weight, self.compute_dtype, transposed=transposed,
+                                                   finite=finite)

@@ -49,7 +49,9 @@ def test_reload_counts_held_at_tiny_shapes(tmp_path):
                          env=_tmp_env(tmp_path), cwd=str(tmp_path))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     for line in ("traffic flashrl-style / in-place = ", "traffic layerwise / in-place = ",
-                 "launches flashrl-style / in-place = ", "machine load (start)", "machine load (end)"):
+                 "launches flashrl-style / in-place = ", "machine load (start)", "machine load (end)",
+                 "device traffic in-place / limit = ", "peak extra 4 layers / 1 layer in-place = ",
+                 "host syncs per layer, max over receivers = "):
         assert res.stdout.count(line) == 1, (line, res.stdout[-3000:])
     r = json.loads(out.read_text())
     assert r["weight_bytes"] == 4002304
@@ -64,6 +66,12 @@ def test_reload_counts_held_at_tiny_shapes(tmp_path):
     assert r["counts"]["b"]["by_op"].get("round_", 0) <= 2 * 14  # 14 projections, <= 2 chunks each
     assert r["count_ratios"]["traffic_c_b"] == pytest.approx(
         (28897072 + 21475468) / (25919028 + 17463586), rel=0.05)
+    # the device counts (sim.device_costs): the quantizer one kernel mix, not CPU chunks; the
+    # in-place reload within 2.5x of the limit and flat in the layer count, FlashRL-style not
+    dev, dc = r["device"], r["device_counts"]
+    assert "round_" not in dc["b"]["by_op"] and dc["b"]["by_op"]["npu_dynamic_quant"] == 14
+    assert dev["traffic_over_limit"] <= 2.5 and dev["peak_ratio"]["b"] <= 1.05
+    assert dev["peak_ratio"]["c"] > 1.5
     assert not list(tmp_path.glob("npu_flashrl_bench_*"))
 
 
