@@ -110,6 +110,8 @@ class Checker:
         value = self.get(key)
         if value is None:
             return default
+        if isinstance(value, str) and "${" in value:
+            return None  # an interpolation: resolved and checked by verl's own checks (verl_check)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             self.problems.append(f"{self.name(key)}: expected a positive integer")
             return None
@@ -388,7 +390,31 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
         problems += [f"{p} (verl's config schema)" for p in lint_found]
         if note and not dry_run:
             notes.append(note)
+    if not problems:
+        found, more = verl_own_checks(cmd, line, environ)
+        problems += found
+        notes += more
     return problems, notes
+
+
+def verl_own_checks(cmd: Command, line: str, environ: Mapping[str, str]) -> Tuple[List[str], List[str]]:
+    """verl's own validation of the composed job (`verl_check`), when the installed verl runs the
+    recipe's line. NPU_FLASHRL_PREFLIGHT_VERL=0 skips it (said in a note): it imports verl and so
+    torch, some seconds of CPU."""
+    raw = environ.get("NPU_FLASHRL_PREFLIGHT_VERL", "1").strip().lower()
+    if raw not in V.BOOL_TRUE + V.BOOL_FALSE:
+        return [f"NPU_FLASHRL_PREFLIGHT_VERL must be 1 or 0 (also true/false, yes/no, on/off), got {raw!r}"], []
+    if raw in V.BOOL_FALSE:
+        return [], ["NPU_FLASHRL_PREFLIGHT_VERL=0: verl's own config checks were skipped"]
+    if importlib.util.find_spec("verl") is None:
+        return [], ["verl is not installed for this interpreter: verl's own config checks did not run"]
+    installed = verl_lines.verl_line()
+    if installed != line:
+        return [], [f"the installed verl runs the {installed} config line, not this recipe's: verl's own config "
+                    "checks did not run"]
+    from npu_flashrl.recipes import verl_check
+
+    return verl_check.check(cmd, line)
 
 
 # ------------------------------------------------------------------------------ CLI

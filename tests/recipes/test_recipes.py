@@ -83,7 +83,10 @@ def inputs(tmp_path):
            if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     # PYTHON: the recipes run `npu-flashrl preflight` with the stack's interpreter
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data),
-               RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable)
+               RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable,
+               # verl's own checks import verl and torch (seconds of CPU per dry run): on in the tests
+               # of tests/recipes/test_recipe_verl_checks.py only
+               NPU_FLASHRL_PREFLIGHT_VERL="0")
     return {"tmp": tmp_path, "model": model, "quant": quant, "data": data, "env": env}
 
 
