@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import io
 import os
+import warnings
 from typing import Any, List, Optional, Tuple
 
 from npu_flashrl.lines import verl as verl_lines
@@ -130,8 +131,6 @@ def _critic(config: Any) -> Tuple[bool, Optional[str]]:
         return (bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"), (
             f"verl's need_critic is not importable here ({exc}): critic taken as "
             "critic.enable, else adv_estimator == gae")
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return bool(need_critic(config)), None
@@ -186,7 +185,9 @@ def check(cmd: Command, line: str) -> Tuple[List[str], List[str]]:
     for where, step in steps:
         out = io.StringIO()
         try:
-            with contextlib.redirect_stdout(out):  # verl prints its "checks passed" banner
+            # verl prints its "checks passed" banner and warns about its own defaults (profiler tool config)
+            with contextlib.redirect_stdout(out), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 step()
         except Exception as exc:  # noqa: BLE001 - verl's AssertionError / ValueError / TypeError
             problems.append(f"verl refuses this job at launch ({where}): {_message(exc)}")

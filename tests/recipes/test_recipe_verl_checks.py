@@ -135,3 +135,34 @@ def test_the_checks_can_be_skipped_only_with_a_note(recipe_commands):
     problems, _ = P.launch_phase(words, dict(env, NPU_FLASHRL_PREFLIGHT_VERL="maybe"), ["fsdp"],
                                  verl_lines.SERVER, True, None, "hint")
     assert problems and "NPU_FLASHRL_PREFLIGHT_VERL" in problems[0], problems
+
+
+@pytest.mark.every_line
+def test_the_installed_lines_verl_refuses_through_the_recipe(tmp_path):
+    """On every stack line: the recipe of the installed verl's line (51d2104: the pinned recipe;
+    0.9.1: the _verl09 one) runs that verl's own validate_config in its dry run; a value verl
+    refuses stops the recipe before anything is printed to launch, the same recipe without it passes."""
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("verl is not installed for this interpreter")
+    line = verl_lines.verl_line()
+    script = EX / ("test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh" if verl_lines.is_server_line(line)
+                   else "test_grpo_qwen25_7b_fsdp_int8_A2.sh")
+    model = tmp_path / "Qwen2.5-7B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768}')
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    cfg = tmp_path / "flashrl.yaml"
+    cfg.write_text("configs: []\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS",)}
+    env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(tmp_path), FLASHRL_CONFIG=str(cfg),
+               PYTHON=sys.executable)
+    bad = subprocess.run(["bash", str(script), "--dry-run", f"{ACTOR}loss_agg_mode=token-avg"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "verl refuses this job at launch (verl.utils.config.validate_config)" in bad.stderr, bad.stderr
+    assert "Invalid loss_agg_mode: token-avg" in bad.stderr and "verl.trainer.main_ppo" not in bad.stdout
+    good = subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stderr
+    assert "verl.trainer.main_ppo" in good.stdout
