@@ -106,6 +106,16 @@ def test_valid_layouts_are_accepted(env, layout):
     assert ov["rollout.nnodes"] == layout.get("ROLLOUT_NNODES", "1")
 
 
+@pytest.mark.parametrize("key", [("int8", "fully_async"), ("bf16", "one_step_off")], ids="-".join)
+def test_a_twins_messages_carry_its_own_name(env, key):
+    """A twin hands over to the int8 one-step-off script with exec; its messages keep the name
+    of the recipe the user ran."""
+    proc = run(RECIPES[key], dict(env, ROLLOUT_TP="8"), "--dry-run")
+    name = RECIPES[key].stem
+    assert proc.returncode == 1 and f"[{name}] ERROR: ROLLOUT_TP=8" in proc.stderr, proc.stderr
+    assert "[test_grpo_qwen25_7b_fsdp_int8_A2_one_step_off]" not in proc.stderr
+
+
 def test_help_is_its_own():
     proc = subprocess.run(["bash", str(RECIPES[("bf16", "fully_async")]), "--help"],
                           capture_output=True, text=True, timeout=60)

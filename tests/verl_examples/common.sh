@@ -10,9 +10,13 @@
 DRY_RUN="${DRY_RUN:-0}"
 EXTRA_ARGS=()
 
-recipe_log() { printf '[%s] %s\n' "$(basename "$0" .sh)" "$*" >&2; }
-recipe_die() { printf '[%s] ERROR: %s\n' "$(basename "$0" .sh)" "$*" >&2; exit 1; }
-recipe_usage_die() { printf '[%s] ERROR: %s (see --help)\n' "$(basename "$0" .sh)" "$*" >&2; exit 2; }
+# The recipe the user ran names every message, also after it handed over to another script (a twin's
+# exec, an entry's config script).
+RECIPE_NAME="${NPU_FLASHRL_RECIPE:-$(basename "$0" .sh)}"
+export NPU_FLASHRL_RECIPE="$RECIPE_NAME"
+recipe_log() { printf '[%s] %s\n' "$RECIPE_NAME" "$*" >&2; }
+recipe_die() { printf '[%s] ERROR: %s\n' "$RECIPE_NAME" "$*" >&2; exit 1; }
+recipe_usage_die() { printf '[%s] ERROR: %s (see --help)\n' "$RECIPE_NAME" "$*" >&2; exit 2; }
 
 # print_header: the calling script's header comment (its --help).
 print_header() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
@@ -51,7 +55,7 @@ run_preflight() {
   local out rc=0 line features="${FEATURES}" dry=()
   [[ "${RECIPE_MOE:-0}" == 1 ]] && features+=",moe"
   [[ "$DRY_RUN" == 1 ]] && dry=(--dry-run)
-  out="$(NPU_FLASHRL_NO_AUTOACTIVATE=1 "$PYTHON" -m npu_flashrl.recipes.preflight "$1" --name "$(basename "$0" .sh)" --line "$RECIPE_LINE" \
+  out="$(NPU_FLASHRL_NO_AUTOACTIVATE=1 "$PYTHON" -m npu_flashrl.recipes.preflight "$1" --name "$RECIPE_NAME" --line "$RECIPE_LINE" \
     --features "$features" --hint "$INSTALL_HINT" "${dry[@]}" "${PREFLIGHT_ARGS[@]}" "${@:2}")" || rc=$?
   [[ "$rc" == 3 ]] && exit 1
   if [[ "$rc" != 0 || "$out" != *NPU_FLASHRL_PREFLIGHT=ok* ]]; then
