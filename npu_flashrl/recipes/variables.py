@@ -141,13 +141,13 @@ VARIABLES: Tuple[Var, ...] = (
     _v("ENFORCE_EAGER", "bool", key=RO + "enforce_eager", default="False"),
     _v("REF_PARAM_OFFLOAD", "bool", default="True"),
     # pinned: sequence level as the published Ascend INT8 recipe; current: token level, the combination
-    # tests/adapters/verl/test_verl_server_tis.py runs through verl 0.9.1's own driver and loss code
+    # tests/adapters/verl/test_verl_server_tis.py runs through the server-mode verl's own driver and loss code
     _v("TIS_LEVEL", "enum", choices=("null", "token", "sequence"), key="algorithm.rollout_correction.rollout_is",
        default=lambda job: "token" if job.line == "current" else "sequence"),
     _v("TIS_THRESHOLD", "float", lo=0, hi=1e300, lo_open=True,
        key="algorithm.rollout_correction.rollout_is_threshold", default="2.0"),
     _v("TIS_BATCH_NORMALIZE", "bool", key="algorithm.rollout_correction.rollout_is_batch_normalize", default="True"),
-    # decoupled mode: at verl 51d2104 the only combination whose truncated IS weights reach the loss
+    # decoupled mode: on the sync (pinned) verl line the only combination whose truncated IS weights reach the loss
     _v("TIS_BYPASS_MODE", "bool", key="algorithm.rollout_correction.bypass_mode", default="False"),
     _v("TIS_USE_POLICY_GRADIENT", "bool", ("pinned",), key="algorithm.rollout_correction.use_policy_gradient",
        default="False"),

@@ -105,8 +105,8 @@ def _message(exc: BaseException) -> str:
 
 
 def _reference_policy(config: Any, line: str) -> Tuple[bool, Optional[str]]:
-    """(use_reference_policy, note) as the entry point computes it: verl 0.9.1's
-    `need_reference_policy(config)`; at 51d2104 it asks the role-worker mapping, which the task
+    """(use_reference_policy, note) as the entry point computes it: the server-mode line's
+    `need_reference_policy(config)`; the sync (pinned) line's asks the role-worker mapping, which the task
     runner fills with a ref worker when the KL loss or the in-reward KL is on
     (`add_ref_policy_worker`)."""
     if verl_lines.is_server_line(line):

@@ -589,3 +589,21 @@ def test_lint_of_an_empty_input_is_not_ok(tmp_path, capsys):
     assert mod.main([str(empty)]) == 1
     out = capsys.readouterr().out
     assert "no verl command" in out and not out.startswith("ok")
+
+
+@pytest.mark.parametrize("value, true", [(True, True), (1, True), ("1", True), ("True", True), ("true", True),
+                                         (2.0, True), (False, False), (0, False), ("0", False), ("0.0", False),
+                                         ("False", False), (None, False), ("null", False)])
+def test_booleans_are_read_as_verl_reads_them(value, true):
+    from npu_flashrl.values import is_true
+
+    assert is_true(value) is true
+
+
+def test_use_mbridge_1_is_true_as_verl_reads_it():
+    """Hydra types use_mbridge=1 as the int 1, which verl's engine takes as true: not refused."""
+    meg = "actor_rollout_ref.actor.megatron."
+    words = [*MAIN, "--config-name=ppo_megatron_trainer", "actor_rollout_ref.actor.strategy=megatron",
+             f"{meg}tensor_model_parallel_size=1"]
+    assert problems([*words, f"{meg}use_mbridge=1"], features=("megatron",)) == []
+    one([*words, f"{meg}use_mbridge=0"], ["use_mbridge"], features=("megatron",))
