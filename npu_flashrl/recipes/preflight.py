@@ -51,6 +51,14 @@ TIS_RECIPE_FIX = {verl_lines.SYNC: "TIS_BYPASS_MODE=False TIS_USE_POLICY_GRADIEN
                   verl_lines.SERVER: "TIS_BYPASS_MODE=False"}
 
 
+def _nonzero(text: str) -> bool:
+    """A count written as a number (0, 0.0, 00) is off only when it is zero."""
+    try:
+        return float(text) != 0
+    except ValueError:
+        return not is_null(text)
+
+
 class Checker:
     """The rules applied to one verl command (recipe or `verify --verl-overrides`)."""
 
@@ -110,6 +118,8 @@ class Checker:
         value = self.get(key)
         if value is None:
             return default
+        if isinstance(value, str) and "${" in value:
+            return None  # an interpolation: resolved and checked by verl's own checks (verl_check)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             self.problems.append(f"{self.name(key)}: expected a positive integer")
             return None
@@ -118,6 +128,8 @@ class Checker:
     # ------------------------------------------------------------------ rules
     def check(self) -> "Checker":
         self.rollout_dtype()
+        self.precision()
+        self.grpo_group()
         self.tis()
         self.rollout_mode()
         if verl_lines.is_server_line(self.line):
@@ -134,6 +146,30 @@ class Checker:
                 f"{RO}dtype={dtype}: vLLM takes a float model dtype ({', '.join(verl_lines.ROLLOUT_DTYPES)}); "
                 "the INT8 rollout comes from FLASHRL_CONFIG (npu-flashrl setup --fn int8...), with the "
                 "rollout dtype left at bfloat16")
+
+    def precision(self) -> None:
+        """An INT8 recipe run whose FLASHRL_CONFIG quantizes nothing would launch an "int8" experiment
+        with a bf16 rollout."""
+        fns = self.flashrl_fns()
+        if self.recipe and fns and self.environ.get("ROLLOUT_PRECISION") == "int8" and \
+                all(fn == "bf16" for fn in fns):
+            self.problems.append(
+                f"ROLLOUT_PRECISION=int8 but FLASHRL_CONFIG {self.flashrl_config()} has only fn: bf16 (no INT8 "
+                "rollout): run the bf16 recipe for a bf16 baseline, or write an INT8 config (npu-flashrl setup "
+                "--fn int8_profile_free, or set FLASHRL_CONFIG to another file)")
+
+    def grpo_group(self) -> None:
+        """GRPO's baseline is the mean of a prompt's group of responses; verl's
+        compute_grpo_outcome_advantage takes mean 0 and std 1 for a group of one, so with
+        rollout.n=1 the advantage is the raw reward (no baseline): not the GRPO asked for."""
+        estimator = str(self.get("algorithm.adv_estimator", "")).strip()
+        n = self.get(RO + "n")
+        if estimator.startswith("grpo") and isinstance(n, int) and not isinstance(n, bool) and n == 1:
+            self.problems.append(
+                f"{self.name(RO + 'n', n)} with algorithm.adv_estimator={estimator}: GRPO compares each response "
+                "with the other responses to its prompt, and with one response per prompt verl's "
+                "compute_grpo_outcome_advantage uses mean 0 / std 1 (the advantage is the raw reward, no "
+                "baseline); set it to 2 or more (the recipes use 4)")
 
     def tis(self) -> None:
         problems = self.rules.tis_problems(lambda key, default: self.get(key, default), verl_lines.MISSING)
@@ -223,7 +259,7 @@ class Checker:
             key, _, value = ov.partition("=")
             leaf, text = key.rsplit(".", 1)[-1], value.strip("'\"").strip()
             on = {"dynamic_eplb": text.lower() in ("true", "1"), "enable_eplb": text.lower() in ("true", "1"),
-                  "expert_map_path": not is_null(text), "num_redundant_experts": text.strip("0") != ""}.get(leaf)
+                  "expert_map_path": not is_null(text), "num_redundant_experts": _nonzero(text)}.get(leaf)
             if on:
                 self.problems.append(
                     f"{ov}: {EPLB[leaf]}, which npu_flashrl's in-place INT8 expert reload does not track (it "
@@ -249,6 +285,12 @@ class Checker:
         if None in (n, nnodes, tp):
             return
         tp_name = self.name(RO + "tensor_model_parallel_size", tp)
+        ray = self.environ.get("RAY_ADDRESS", "").strip() or self.get("ray_kwargs.ray_init.address")
+        if self.recipe and not self.cmd.experimental and nnodes > 1 and is_null(ray):
+            self.problems.append(
+                f"{self.name('trainer.nnodes', nnodes)} needs a Ray cluster of {nnodes} nodes, but RAY_ADDRESS is "
+                "empty (a local Ray on this one node would wait for the other nodes' NPUs forever): start the "
+                "cluster (ray start) and set RAY_ADDRESS=head_ip:6379, or NNODES=1")
         if self.cmd.experimental:
             self.pools(n, nnodes, tp, tp_name)
         elif tp > n or n % tp:
@@ -318,6 +360,24 @@ def check_command(cmd: Command, line: str, environ: Mapping[str, str], features:
 
 # ------------------------------------------------------------------------------ recipe phases
 
+def model_problems(checker: Checker, line: str) -> Tuple[List[str], List[str]]:
+    """The model's config.json against the command (`model_check`): its context limit, its
+    `architectures` and their coverage on the recipe's line."""
+    from npu_flashrl.recipes import model_check
+
+    model = checker.get("actor_rollout_ref.model.path")
+    if model is None or not str(model).strip():
+        return [], []
+    context = checker.get(RO + "max_model_len")
+    if not isinstance(context, int) or isinstance(context, bool):
+        prompt = checker.get("data.max_prompt_length")
+        response = checker.get("data.max_response_length")
+        ints = [v for v in (prompt, response) if isinstance(v, int) and not isinstance(v, bool)]
+        context = sum(ints) if len(ints) == 2 else None
+    recipe_line = "current" if verl_lines.is_server_line(line) else "pinned"
+    return model_check.check(str(model), context, recipe_line, checker.environ)
+
+
 def lint_problems(cmd: Command, line: str) -> Tuple[List[str], Optional[str]]:
     """(problems, note) of the schema lint against the installed verl when it runs `line`."""
     from npu_flashrl.recipes import lint
@@ -376,6 +436,9 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
     cmd = read_words(list(words))
     checker = Checker(cmd, line, environ, features, node_npus).check()
     problems += checker.problems
+    found, more = model_problems(checker, line)
+    problems += found
+    notes += more
     if not dry_run:
         problem = installed_line_problem(line, hint)
         if problem:
@@ -388,7 +451,31 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
         problems += [f"{p} (verl's config schema)" for p in lint_found]
         if note and not dry_run:
             notes.append(note)
+    if not problems:
+        found, more = verl_own_checks(cmd, line, environ)
+        problems += found
+        notes += more
     return problems, notes
+
+
+def verl_own_checks(cmd: Command, line: str, environ: Mapping[str, str]) -> Tuple[List[str], List[str]]:
+    """verl's own validation of the composed job (`verl_check`), when the installed verl runs the
+    recipe's line. NPU_FLASHRL_PREFLIGHT_VERL=0 skips it (said in a note): it imports verl and so
+    torch, some seconds of CPU."""
+    raw = environ.get("NPU_FLASHRL_PREFLIGHT_VERL", "1").strip().lower()
+    if raw not in V.BOOL_TRUE + V.BOOL_FALSE:
+        return [f"NPU_FLASHRL_PREFLIGHT_VERL must be 1 or 0 (also true/false, yes/no, on/off), got {raw!r}"], []
+    if raw in V.BOOL_FALSE:
+        return [], ["NPU_FLASHRL_PREFLIGHT_VERL=0: verl's own config checks were skipped"]
+    if importlib.util.find_spec("verl") is None:
+        return [], ["verl is not installed for this interpreter: verl's own config checks did not run"]
+    installed = verl_lines.verl_line()
+    if installed != line:
+        return [], [f"the installed verl runs the {installed} config line, not this recipe's: verl's own config "
+                    "checks did not run"]
+    from npu_flashrl.recipes import verl_check
+
+    return verl_check.check(cmd, line)
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -402,20 +489,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="recipe", help="the recipe's name, for messages")
     p.add_argument("--dry-run", action="store_true", help="the recipe's --dry-run: skip the installed-verl checks")
     p.add_argument("--node-npus", help="NPUS_PER_NODE, the node's size (a separate rollout pool)")
+    p.add_argument("--resolve", action="store_true",
+                   help="vars: also every variable the recipe reads, defaults filled (printed with their source)")
+    p.add_argument("--experiment", default="", help="vars --resolve: EXPERIMENT_NAME's prefix (config scripts)")
     p.add_argument("--hint", default="scripts/install_pinned.sh", help="how to install the line, for messages")
     p.add_argument("command", nargs="*", help="the verl command (launch), after -- (options go before the phase)")
 
 
+FEATURES = ("entry", "any", "fsdp", "megatron", "moe", "async", "one_step_off", "fully_async")
+
+
 def run(args) -> int:
-    features = [f for f in args.features.split(",") if f]
+    features = [f.strip() for f in args.features.split(",") if f.strip()]
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown:  # a typo would turn every check into a "not read" note
+        print(f"[{args.name}] ERROR: --features {args.features!r}: unknown {', '.join(map(repr, unknown))}; "
+              f"known: {', '.join(FEATURES)}", file=sys.stderr)
+        return REFUSED
     features.append(args.line)
     words = list(args.command)
     if words[:1] == ["--"]:
         words = words[1:]
+    if args.phase == "launch" and not words:
+        print(f"[{args.name}] ERROR: preflight launch needs the verl command after `--` "
+              "(e.g. -- python3 -m verl.trainer.main_ppo key=value ...)", file=sys.stderr)
+        return REFUSED
     environ = os.environ
     values: Dict[str, str] = {}
+    job: List[Tuple[str, str, str]] = []
     if args.phase == "vars":
         problems, notes, values = vars_phase(environ, features)
+        if args.resolve and not problems:
+            problems, _, job = V.resolve_job(environ, features, args.line, args.experiment)
+            values = {name: value for name, value, _ in job}
     else:
         problems, notes = launch_phase(words, environ, features, verl_lines.verl_line(args.line), args.dry_run,
                                        args.node_npus, args.hint)
@@ -425,6 +531,10 @@ def run(args) -> int:
         print(f"[{args.name}] ERROR: {problem}", file=sys.stderr)
     if problems:
         return REFUSED
+    if job and "entry" not in features:  # the job as it will run (once: the config script's)
+        print(f"[{args.name}] the job's variables (where each value came from, then the value):", file=sys.stderr)
+        for name, value, source in job:
+            print(f"[{args.name}]   {source:<11}  {name}={value}", file=sys.stderr)
     for name, value in values.items():
         print(f"{name}={value}")
     print("NPU_FLASHRL_PREFLIGHT=ok")  # the shell's proof that the checks ran

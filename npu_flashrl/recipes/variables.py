@@ -12,6 +12,8 @@ the entry scripts check what their config script will read).
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
@@ -21,6 +23,8 @@ INT_MAX = 999_999_999  # large enough for any token count; keeps every product b
 NPU_MAX = 65_536
 _INT = re.compile(r"-?(0|[1-9][0-9]*)")
 _FLOAT = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+# ray.init(address=...): "auto", "host:port" of a running cluster's GCS, or a Ray Client "ray://host:port"
+_RAY_ADDRESS = re.compile(r"auto|(ray://)?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}")
 BOOL_TRUE = ("1", "true", "yes", "on")
 BOOL_FALSE = ("0", "false", "no", "off")
 # verl's kl_penalty names (core_algos.kl_penalty_forward); a trailing '+' is its straight-through form
@@ -38,18 +42,24 @@ class Var:
     choices: Tuple[str, ...] = ()
     key: str = ""  # the Hydra key the recipe writes it to (named in relation messages)
     spellings: str = "True or False (or 1/0)"  # what a bool accepts, as said in messages
+    # the recipe's default: a value, a template of other variables ("{HOME}/data/{DATASET}"), or a
+    # function of a `Job` (line-dependent and derived defaults); None: no default (unset stays unset)
+    default: object = None
+    cite: str = ""  # where the range comes from, when it is not verl's schema
 
     def expected(self) -> str:
         if self.kind == "int":
-            return f"an integer >= {int(self.lo)} and <= {int(self.hi)}"
+            return f"an integer >= {int(self.lo)} and <= {int(self.hi)}" + (f" ({self.cite})" if self.cite else "")
         if self.kind == "float":
             low = f"> {self.lo:g}" if self.lo_open else f">= {self.lo:g}"
             high = f" and <= {self.hi:g}" if self.hi is not None else ""
-            return f"a number {low}{high} (e.g. 0.3 or 5e-8)"
+            return f"a finite number {low}{high} (e.g. 0.3 or 5e-8)"
         if self.kind == "bool":
             return self.spellings
         if self.kind == "enum":
             return "one of " + ", ".join(self.choices)
+        if self.kind == "address":
+            return "a Ray cluster address: auto, host:port or ray://host:port (ray.init's `address`)"
         return "a value"
 
 
@@ -62,49 +72,107 @@ def _v(name, kind, uses=("all",), **kw) -> Var:
 
 RO = "actor_rollout_ref.rollout."
 MEG = "actor_rollout_ref.actor.megatron."
+CANN_CONNECT = ("CANN's HCCL_CONNECT_TIMEOUT: an integer in [120, 7200] s, hiascend.com "
+                "canncommercial/83RC1/maintenref/envvar/envref_07_0149.html")
+CANN_EXEC = ("CANN's HCCL_EXEC_TIMEOUT on Atlas A2/A3: [0, 2147483647] s, 0 never times out, hiascend.com "
+             "canncommercial/latest/maintenref/envvar/envref_07_0078.html")
+ENTRY = ("all", "entry")  # read by the config scripts and, before them, by the entry scripts
+
+
+def _precision(job: "Job") -> str:
+    return "bf16" if job.entry and job.get("FLASHRL_FN") == "bf16" else "int8"
+
+
+def _flashrl_config(job: "Job") -> str:  # the entry writes one (npu-flashrl setup); a config script needs one given
+    if not job.entry:
+        return ""
+    model = os.path.basename(job.get("MODEL_PATH").rstrip("/"))
+    return f"{job.get('RUN_DIR')}/configs/{model}.{job.get('FLASHRL_FN')}.yaml"
+
+
+def _profile(job: "Job") -> str:
+    model = os.path.basename(job.get("MODEL_PATH").rstrip("/"))
+    return f"{job.get('RUN_DIR')}/profiles/{model}.int8_profile.pt"
+
+
+def _experiment(job: "Job") -> str:
+    suffix = "_verl09" if job.line == "current" else ""
+    return f"{job.experiment}_{job.get('ROLLOUT_PRECISION')}_A2{suffix}" if job.experiment else ""
+
+
 VARIABLES: Tuple[Var, ...] = (
     # --- the launch scripts (configs/*.sh), every trainer
-    _v("RECIPE_LINE", "enum", choices=("pinned", "current")),
-    _v("ROLLOUT_PRECISION", "enum", choices=("int8", "bf16")),
-    _v("DATASET", "enum", ("all", "entry"), choices=("gsm8k", "dapo", "geo3k")),
-    _v("NNODES", "int", hi=NPU_MAX, key="trainer.nnodes"),
-    _v("NPUS_PER_NODE", "int", hi=NPU_MAX, key="trainer.n_gpus_per_node"),
-    _v("MAX_PROMPT_LENGTH", "int", key="data.max_prompt_length"),
-    _v("MAX_RESPONSE_LENGTH", "int", key="data.max_response_length"),
-    _v("TRAIN_BATCH_SIZE", "int", key="data.train_batch_size"),
-    _v("PPO_MINI_BATCH_SIZE", "int", key="actor_rollout_ref.actor.ppo_mini_batch_size"),
-    _v("ROLLOUT_N", "int", key=RO + "n"),
-    _v("PPO_MAX_TOKEN_LEN", "int", key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
-    _v("ROLLOUT_TP", "int", hi=NPU_MAX, key=RO + "tensor_model_parallel_size"),
-    _v("MICRO_BATCH_PER_NPU", "int", key="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    _v("TOTAL_EPOCHS", "int", key="trainer.total_epochs"),
-    _v("SAVE_FREQ", "int", lo=-1, key="trainer.save_freq"),
-    _v("TEST_FREQ", "int", lo=-1, key="trainer.test_freq"),
-    _v("HCCL_CONNECT_TIMEOUT", "int"),
-    _v("HCCL_EXEC_TIMEOUT", "int"),
-    _v("LR", "float", lo=0, key="actor_rollout_ref.actor.optim.lr"),
-    _v("KL_LOSS_COEF", "float", lo=0, key="actor_rollout_ref.actor.kl_loss_coef"),
+    _v("RECIPE_LINE", "enum", ENTRY, choices=("pinned", "current")),
+    _v("FLASHRL_FN", "enum", ("entry",), choices=("int8", "int8_profile_free", "bf16"), default="int8"),
+    _v("BASELINE_NPU_FLASHRL", "bool", ("entry",), default="True"),
+    _v("ROLLOUT_PRECISION", "enum", ENTRY, choices=("int8", "bf16"), default=_precision),
+    _v("MODEL_PATH", "str", ENTRY, default="{HOME}/models/Qwen2.5-7B-Instruct"),
+    _v("DATASET", "enum", ENTRY, choices=("gsm8k", "dapo", "geo3k"), default="gsm8k"),
+    _v("DATA_DIR", "str", ENTRY, default="{HOME}/data/{DATASET}"),
+    _v("TRAIN_FILE", "str", ENTRY, default="{DATA_DIR}/train.parquet"),
+    _v("VAL_FILE", "str", ENTRY, default="{DATA_DIR}/test.parquet"),
+    # --- the entry scripts (flash_rl/*.sh): profile and setup before the config script
+    _v("RUN_DIR", "str", ("entry",), default="{HOME}/npu_flashrl_runs"),
+    _v("QUANT_MODEL_PATH", "str", ("entry",), default=lambda job: job.get("MODEL_PATH").rstrip("/") + "-W8A8"),
+    _v("PROFILE_PATH", "str", ("entry",), default=_profile),
+    _v("NPU_FLASHRL_CLI", "str", ("entry",), default="npu-flashrl"),
+    _v("SETUP_EXTRA", "str", ("entry",), default=""),
+    _v("FLASHRL_CONFIG", "str", ENTRY, default=_flashrl_config),
+    _v("NNODES", "int", hi=NPU_MAX, key="trainer.nnodes", default="1"),
+    _v("NPUS_PER_NODE", "int", hi=NPU_MAX, key="trainer.n_gpus_per_node", default="8"),
+    _v("RAY_ADDRESS", "address", default=""),
+    _v("MAX_PROMPT_LENGTH", "int", key="data.max_prompt_length", default="2048"),
+    _v("MAX_RESPONSE_LENGTH", "int", key="data.max_response_length", default="10240"),
+    _v("TRAIN_BATCH_SIZE", "int", key="data.train_batch_size", default="16"),
+    _v("PPO_MINI_BATCH_SIZE", "int", key="actor_rollout_ref.actor.ppo_mini_batch_size", default="8"),
+    _v("ROLLOUT_N", "int", key=RO + "n", default="4"),
+    _v("USE_DYNAMIC_BSZ", "bool", key="actor_rollout_ref.actor.use_dynamic_bsz", default="True"),
+    # a whole sequence fits one micro-batch: prompt + response
+    _v("PPO_MAX_TOKEN_LEN", "int", key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+       default=lambda job: str(int(job.get("MAX_PROMPT_LENGTH")) + int(job.get("MAX_RESPONSE_LENGTH")))),
+    _v("LR", "float", lo=0, key="actor_rollout_ref.actor.optim.lr", default="5e-8"),
+    _v("KL_LOSS_COEF", "float", lo=0, key="actor_rollout_ref.actor.kl_loss_coef", default="0.001"),
     _v("KL_LOSS_TYPE", "enum", choices=KL_TYPES + tuple(k + "+" for k in KL_TYPES),
-       key="actor_rollout_ref.actor.kl_loss_type"),
-    _v("GPU_MEMORY_UTILIZATION", "float", lo=0, hi=1, lo_open=True, key=RO + "gpu_memory_utilization"),
-    _v("TIS_LEVEL", "enum", choices=("null", "token", "sequence"), key="algorithm.rollout_correction.rollout_is"),
+       key="actor_rollout_ref.actor.kl_loss_type", default="low_var_kl"),
+    _v("ROLLOUT_TP", "int", hi=NPU_MAX, key=RO + "tensor_model_parallel_size", default="4"),
+    _v("GPU_MEMORY_UTILIZATION", "float", lo=0, hi=1, lo_open=True, key=RO + "gpu_memory_utilization",
+       default="0.3"),
+    _v("MICRO_BATCH_PER_NPU", "int", key="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", default="1"),
+    _v("ENFORCE_EAGER", "bool", key=RO + "enforce_eager", default="False"),
+    _v("REF_PARAM_OFFLOAD", "bool", default="True"),
+    # pinned: sequence level as the published Ascend INT8 recipe; current: token level, the combination
+    # tests/adapters/verl/test_verl_server_tis.py runs through the server-mode verl's own driver and loss code
+    _v("TIS_LEVEL", "enum", choices=("null", "token", "sequence"), key="algorithm.rollout_correction.rollout_is",
+       default=lambda job: "token" if job.line == "current" else "sequence"),
     _v("TIS_THRESHOLD", "float", lo=0, hi=1e300, lo_open=True,
-       key="algorithm.rollout_correction.rollout_is_threshold"),
-    _v("TIS_BATCH_NORMALIZE", "bool", key="algorithm.rollout_correction.rollout_is_batch_normalize"),
-    _v("TIS_BYPASS_MODE", "bool", key="algorithm.rollout_correction.bypass_mode"),
-    _v("TIS_USE_POLICY_GRADIENT", "bool", ("pinned",), key="algorithm.rollout_correction.use_policy_gradient"),
-    _v("USE_DYNAMIC_BSZ", "bool", key="actor_rollout_ref.actor.use_dynamic_bsz"),
-    _v("ENFORCE_EAGER", "bool", key=RO + "enforce_eager"),
-    _v("REF_PARAM_OFFLOAD", "bool"),
+       key="algorithm.rollout_correction.rollout_is_threshold", default="2.0"),
+    _v("TIS_BATCH_NORMALIZE", "bool", key="algorithm.rollout_correction.rollout_is_batch_normalize", default="True"),
+    # decoupled mode: on the sync (pinned) verl line the only combination whose truncated IS weights reach the loss
+    _v("TIS_BYPASS_MODE", "bool", key="algorithm.rollout_correction.bypass_mode", default="False"),
+    _v("TIS_USE_POLICY_GRADIENT", "bool", ("pinned",), key="algorithm.rollout_correction.use_policy_gradient",
+       default="False"),
+    # the trainer->rollout sync buffer (verl's default), one per trainer rank
     _v("UPDATE_WEIGHTS_BUCKET_MB", "int", ("current",), hi=1_048_576,
-       key=RO + "checkpoint_engine.update_weights_bucket_megabytes"),
-    _v("FLASHRL_LMHEAD_FP32", "bool", ("all", "entry"), spellings="1 or 0 (also true/false, yes/no, on/off)"),
-    # --- the entry scripts (flash_rl/*.sh)
-    _v("FLASHRL_FN", "enum", ("entry",), choices=("int8", "int8_profile_free", "bf16")),
-    _v("BASELINE_NPU_FLASHRL", "bool", ("entry",)),
+       key=RO + "checkpoint_engine.update_weights_bucket_megabytes", default="2048"),
+    _v("TOTAL_EPOCHS", "int", key="trainer.total_epochs", default="5"),
+    _v("SAVE_FREQ", "int", lo=-1, key="trainer.save_freq", default="-1"),
+    _v("TEST_FREQ", "int", lo=-1, key="trainer.test_freq", default="5"),
+    _v("LOGGER", "str", default="console"),
+    _v("PROJECT_NAME", "str", default="npu_flashrl_grpo"),
+    _v("EXPERIMENT_NAME", "str", default=_experiment),
+    _v("CKPT_DIR", "str", default="{HOME}/npu_flashrl_runs/ckpts/{PROJECT_NAME}/{EXPERIMENT_NAME}"),
+    _v("FLASHRL_LMHEAD_FP32", "bool", ENTRY, spellings="1 or 0 (also true/false, yes/no, on/off)", default="1"),
+    _v("FLASHRL_LOGGING_LEVEL", "str", default="DEBUG"),
+    _v("FLASHRL_LOGGING_FILE", "str", default=""),
+    _v("VERL_LOGGING_LEVEL", "str", default="DEBUG"),
+    _v("VLLM_LOGGING_LEVEL", "str", default="DEBUG"),
+    _v("HCCL_CONNECT_TIMEOUT", "int", lo=120, hi=7200, cite=CANN_CONNECT, default="3000"),
+    _v("HCCL_EXEC_TIMEOUT", "int", lo=0, hi=2_147_483_647, cite=CANN_EXEC, default="3000"),
+    _v("HCCL_HOST_SOCKET_PORT_RANGE", "str", default="60000-60050"),
+    _v("HCCL_NPU_SOCKET_PORT_RANGE", "str", default="61000-61050"),
     # --- FSDP
-    _v("ACTOR_PARAM_OFFLOAD", "bool", ("fsdp",)),
-    _v("ACTOR_OPTIMIZER_OFFLOAD", "bool", ("fsdp",)),
+    _v("ACTOR_PARAM_OFFLOAD", "bool", ("fsdp",), default="False"),
+    _v("ACTOR_OPTIMIZER_OFFLOAD", "bool", ("fsdp",), default="False"),
     # --- Megatron
     _v("TRAIN_TP", "int", ("megatron",), hi=NPU_MAX, key=MEG + "tensor_model_parallel_size"),
     _v("TRAIN_PP", "int", ("megatron",), hi=NPU_MAX, key=MEG + "pipeline_model_parallel_size"),
@@ -130,9 +198,10 @@ VARIABLES: Tuple[Var, ...] = (
     _v("ROLLOUT_NNODES", "int", ("async",), hi=NPU_MAX, key="rollout.nnodes"),
     _v("CHECKPOINT_ENGINE", "enum", ("async",), choices=verl_lines.CHECKPOINT_ENGINES,
        key=RO + "checkpoint_engine.backend"),
-    _v("TRIGGER_SYNC_STEPS", "int", ("async",), key="async_training.trigger_parameter_sync_step"),
-    _v("STALENESS", "float", ("async",), lo=0, hi=1e6, key="async_training.staleness_threshold"),
-    _v("TOTAL_ROLLOUT_STEPS", "int", ("async",), key="rollout.total_rollout_steps"),
+    # fully-async only: a one-step-off run does not read them
+    _v("TRIGGER_SYNC_STEPS", "int", ("fully_async",), key="async_training.trigger_parameter_sync_step"),
+    _v("STALENESS", "float", ("fully_async",), lo=0, hi=1e6, key="async_training.staleness_threshold"),
+    _v("TOTAL_ROLLOUT_STEPS", "int", ("fully_async",), key="rollout.total_rollout_steps"),
 )
 BY_NAME: Dict[str, Var] = {v.name: v for v in VARIABLES}
 
@@ -164,7 +233,7 @@ def parse(var: Var, raw: str) -> Tuple[Optional[str], Optional[str]]:
         if not _FLOAT.fullmatch(raw):
             return None, shown
         value = float(raw)
-        if value != value or (var.lo_open and value <= var.lo) or value < var.lo or \
+        if not math.isfinite(value) or (var.lo_open and value <= var.lo) or value < var.lo or \
                 (var.hi is not None and value > var.hi):
             return None, shown
         return raw, None
@@ -179,6 +248,8 @@ def parse(var: Var, raw: str) -> Tuple[Optional[str], Optional[str]]:
         return None, shown
     if var.kind == "enum":
         return (raw, None) if raw in var.choices else (None, shown)
+    if var.kind == "address":
+        return (raw, None) if raw == "" or _RAY_ADDRESS.fullmatch(raw) else (None, shown)
     return raw, None
 
 
@@ -214,3 +285,60 @@ def check_variables(environ: Mapping[str, str], features: Iterable[str]
         else:
             values[var.name] = value
     return problems, notes, values
+
+
+@dataclasses.dataclass
+class Job:
+    """What a recipe's defaults are computed from: the values so far, the stack line, whether an
+    entry script (flash_rl/) asks, and the config script's experiment-name prefix."""
+    values: Dict[str, str]
+    line: str = "pinned"
+    entry: bool = False
+    experiment: str = ""
+    home: str = ""
+
+    def get(self, name: str) -> str:
+        if name == "HOME":
+            return self.home
+        return self.values[name]
+
+
+SOURCES = ("environment", "default", "derived")
+
+
+def default_of(var: Var, job: Job) -> Tuple[str, str]:
+    """(value, source) of `var`'s default for `job`: "default" for a constant, "derived" for a
+    value computed from other variables or the line."""
+    if callable(var.default):
+        return var.default(job), "derived"
+    text = str(var.default)
+    names = re.findall(r"{([A-Z_]+)}", text)
+    if not names:
+        return text, "default"
+    for name in names:
+        text = text.replace("{" + name + "}", job.get(name))
+    return text, "derived"
+
+
+def resolve_job(environ: Mapping[str, str], features: Iterable[str], line: str, experiment: str = ""
+                ) -> Tuple[List[str], List[str], List[Tuple[str, str, str]]]:
+    """(problems, notes, job): every variable the recipe reads with its value and where it came
+    from (SOURCES), defaults filled in declaration order (derived ones after what they read)."""
+    feats = set(features)
+    entry = "entry" in feats
+    problems, notes, values = check_variables(environ, feats)
+    if problems:
+        return problems, notes, []
+    reads = {"entry"} if entry else feats | {"all"}
+    job = Job(dict(values), line, entry, experiment, environ.get("HOME", ""))
+    out: List[Tuple[str, str, str]] = []
+    for var in VARIABLES:
+        if not var.uses & reads:
+            continue
+        if var.name in values:
+            out.append((var.name, values[var.name], "environment"))
+        elif var.default is not None:
+            value, source = default_of(var, job)
+            job.values[var.name] = value
+            out.append((var.name, value, source))
+    return problems, notes, out

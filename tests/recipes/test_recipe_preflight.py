@@ -22,12 +22,13 @@ SYNC, SERVER = verl_lines.SYNC, verl_lines.SERVER
 RO = "actor_rollout_ref.rollout."
 MAIN = ["python3", "-m", "verl.trainer.main_ppo"]
 OSO = ["python3", "-m", "verl.experimental.one_step_off_policy.main_ppo"]
+RAY = {"RAY_ADDRESS": "10.0.0.1:6379"}  # a multi-node run's Ray cluster
 
 
 # ------------------------------------------------------------------------------------ variables
 
 BAD_VALUES = {  # name: (environment, features, words the message must hold)
-    "staleness_word": ({"STALENESS": "abc"}, ["async"], ["STALENESS", "'abc'", "a number"]),
+    "staleness_word": ({"STALENESS": "abc"}, ["async", "fully_async"], ["STALENESS", "'abc'", "a finite number"]),
     "tp_padded": ({"ROLLOUT_TP": " 4"}, [], ["ROLLOUT_TP", "' 4'", "no spaces"]),
     "tp_trailing_space": ({"NNODES": "2 "}, [], ["NNODES", "'2 '"]),
     "bool_maybe": ({"VANILLA_MBRIDGE": "maybe"}, ["megatron"], ["VANILLA_MBRIDGE", "'maybe'", "True or False"]),
@@ -48,7 +49,7 @@ BAD_VALUES = {  # name: (environment, features, words the message must hold)
     "bucket_huge": ({"UPDATE_WEIGHTS_BUCKET_MB": "2000000"}, ["current"], ["UPDATE_WEIGHTS_BUCKET_MB", "1048576"]),
     "fn_word": ({"FLASHRL_FN": "int4"}, ["entry"], ["FLASHRL_FN", "int8_profile_free"]),
     "async_mode": ({"ASYNC_MODE": "both"}, ["async"], ["ASYNC_MODE", "one_step_off, fully_async"]),
-    "two_lines": ({"LOGGER": "x", "TRAIN_BATCH_SIZE": "16\n8"}, [], ["TRAIN_BATCH_SIZE", "one line"]),
+    "two_lines": ({"NOT_A_RECIPE_VARIABLE": "x", "TRAIN_BATCH_SIZE": "16\n8"}, [], ["TRAIN_BATCH_SIZE", "one line"]),
 }
 
 
@@ -66,7 +67,7 @@ def test_good_values_pass_and_booleans_are_normalised():
     env = {"USE_DYNAMIC_BSZ": "1", "ENFORCE_EAGER": "false", "TIS_THRESHOLD": "2", "LR": "5e-8", "SAVE_FREQ": "-1",
            "GPU_MEMORY_UTILIZATION": "1", "STALENESS": "0", "CHECKPOINT_ENGINE": "nccl", "KL_LOSS_TYPE": "k3+",
            "FLASHRL_LMHEAD_FP32": "yes", "RECOMPUTE_GRANULARITY": "selective"}
-    problems, notes, values = V.check_variables(env, ["async", "megatron"])
+    problems, notes, values = V.check_variables(env, ["async", "fully_async", "megatron"])
     assert problems == [] and notes == []
     assert values["USE_DYNAMIC_BSZ"] == "True" and values["ENFORCE_EAGER"] == "False"
     assert values["FLASHRL_LMHEAD_FP32"] == "yes"  # npu_flashrl's switch keeps its spelling
@@ -225,9 +226,10 @@ def test_megatron_parallelism_divides_the_trainers_npus(sizes, ok):
              "actor_rollout_ref.actor.strategy=megatron", f"{meg}tensor_model_parallel_size={tp}",
              f"{meg}pipeline_model_parallel_size={pp}", f"{meg}context_parallel_size={cp}", f"{meg}use_mbridge=True"]
     if ok:
-        assert problems(words, features=("megatron",)) == []
+        assert problems(words, features=("megatron",), env=RAY) == []
     else:
-        one(words, [f"TRAIN_TP={tp}", f"TRAIN_PP={pp}", "must divide the trainer's 16 NPUs"], features=("megatron",))
+        one(words, [f"TRAIN_TP={tp}", f"TRAIN_PP={pp}", "must divide the trainer's 16 NPUs"], features=("megatron",),
+            env=RAY)
 
 
 @pytest.mark.parametrize("backend, ok", [("hccl", False), ("nccl", True), ("naive", True), ("nixl", True)])
@@ -409,3 +411,199 @@ def test_verify_reads_every_entry_point_and_prefix_alike(tmp_path, prefix, entry
             assert rows[0]["detail"].startswith("3 overrides"), rows
         else:
             assert extra.strip() in rows[0]["detail"], rows
+
+
+# ------------------------------------------------------------------------------------ the user's words (issue 37)
+
+@pytest.mark.parametrize("name, raw, needle", [
+    ("LR", "1e999", "a finite number"),  # float('1e999') is inf
+    ("KL_LOSS_COEF", "1e999", "a finite number"),
+    ("HCCL_CONNECT_TIMEOUT", "1", "[120, 7200]"),  # CANN's documented range
+    ("HCCL_CONNECT_TIMEOUT", "946080000", "[120, 7200]"),  # about 30 years
+    ("HCCL_EXEC_TIMEOUT", "99999999999", "2147483647"),
+    ("RAY_ADDRESS", "my cluster", "host:port"),
+    ("RAY_ADDRESS", "10.0.0.1", "host:port"),
+])
+def test_numbers_are_finite_and_within_documented_ranges(name, raw, needle):
+    problems, _, _ = V.check_variables({name: raw}, ["fsdp"])
+    assert len(problems) == 1 and name in problems[0] and needle in problems[0], problems
+
+
+@pytest.mark.parametrize("name, raw", [("HCCL_EXEC_TIMEOUT", "0"), ("HCCL_CONNECT_TIMEOUT", "7200"),
+                                       ("RAY_ADDRESS", "auto"), ("RAY_ADDRESS", "10.0.0.1:6379"),
+                                       ("RAY_ADDRESS", "ray://head.example:10001")])
+def test_documented_values_are_accepted(name, raw):
+    assert V.check_variables({name: raw}, ["fsdp"])[0] == []
+
+
+def test_every_default_lives_in_variables_and_the_job_says_where_each_came_from():
+    """The recipe defaults are `Var.default` (issue 38): line-dependent (TIS_LEVEL), derived
+    (PPO_MAX_TOKEN_LEN from the lengths the user set, paths from HOME and DATASET), constants."""
+    env = {"HOME": "/h", "MAX_PROMPT_LENGTH": "100", "DATASET": "dapo"}
+    for line, tis in (("current", "token"), ("pinned", "sequence")):
+        problems, _, job = V.resolve_job(env, ["fsdp", line], line, "qwen")
+        assert problems == []
+        got = {name: (value, source) for name, value, source in job}
+        assert got["TIS_LEVEL"] == (tis, "derived")
+        assert got["PPO_MAX_TOKEN_LEN"] == ("10340", "derived")
+        assert got["MAX_PROMPT_LENGTH"] == ("100", "environment")
+        assert got["LR"] == ("5e-8", "default")
+        assert got["TRAIN_FILE"] == ("/h/data/dapo/train.parquet", "derived")
+        assert got["EXPERIMENT_NAME"][0] == "qwen_int8_A2" + ("_verl09" if line == "current" else "")
+        assert "TRAIN_TP" not in got and "QUANT_MODEL_PATH" not in got  # megatron / entry only
+    # the entry scripts: their own defaults (the profile and config paths), ROLLOUT_PRECISION from FLASHRL_FN
+    _, _, job = V.resolve_job({"HOME": "/h", "FLASHRL_FN": "bf16"}, ["entry", "any", "current"], "current")
+    got = {name: value for name, value, _ in job}
+    assert got["ROLLOUT_PRECISION"] == "bf16"
+    assert got["FLASHRL_CONFIG"] == "/h/npu_flashrl_runs/configs/Qwen2.5-7B-Instruct.bf16.yaml"
+
+
+def test_the_vars_phase_prints_the_resolved_job(capsys, monkeypatch):
+    monkeypatch.setenv("LR", "1e-6")
+    assert P.main(["vars", "--features", "fsdp", "--line", "current", "--resolve", "--experiment", "x",
+                   "--name", "r"]) == 0
+    out, err = capsys.readouterr()
+    assert "LR=1e-6" in out.splitlines() and "PPO_MAX_TOKEN_LEN=12288" in out.splitlines()
+    assert "[r]   environment  LR=1e-6" in err and "[r]   derived      PPO_MAX_TOKEN_LEN=12288" in err
+
+
+def test_grpo_with_one_response_per_prompt_is_refused():
+    one([*MAIN, "algorithm.adv_estimator=grpo", f"{RO}n=1"], ["ROLLOUT_N=1", "compute_grpo_outcome_advantage"])
+    assert problems([*MAIN, "algorithm.adv_estimator=grpo", f"{RO}n=2"]) == []
+
+
+def test_several_colocated_nodes_need_a_ray_cluster():
+    one([*MAIN, "trainer.nnodes=2"], ["NNODES=2", "RAY_ADDRESS is empty"])
+    assert problems([*MAIN, "trainer.nnodes=2"], env={"RAY_ADDRESS": "10.0.0.1:6379"}) == []
+
+
+def test_an_int8_run_with_a_bf16_config_is_refused(tmp_path):
+    cfg = tmp_path / "bf16.yaml"
+    cfg.write_text("configs:\n- fn: bf16\n")
+    one([*MAIN], ["ROLLOUT_PRECISION=int8", "only fn: bf16"], env={"FLASHRL_CONFIG": str(cfg), "ROLLOUT_PRECISION": "int8"})
+    assert problems([*MAIN], env={"FLASHRL_CONFIG": str(cfg), "ROLLOUT_PRECISION": "bf16"}) == []
+
+
+@pytest.mark.parametrize("value, refused", [("0.0", False), ("00", False), ("0", False), ("1", True), ("2.0", True)])
+def test_redundant_experts_read_as_a_number(tmp_path, value, refused):
+    cfg = tmp_path / "int8.yaml"
+    cfg.write_text("configs:\n- fn: int8_profile_free\n")
+    found = problems([*MAIN, f"+{RO}engine_kwargs.vllm.additional_config.num_redundant_experts={value}"],
+                     env={"FLASHRL_CONFIG": str(cfg)}, features=("fsdp", "moe"))
+    assert bool(found) == refused, found
+
+
+# ------------------------------------------------------------------------------------ the model's own limits
+
+def model_dir(tmp_path, config):
+    import json
+
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(d)
+
+
+def launch_with_model(path, prompt=2048, response=10240, env=None, extra=()):
+    words = [*MAIN, f"actor_rollout_ref.model.path={path}", f"data.max_prompt_length={prompt}",
+             f"data.max_response_length={response}", *extra]
+    return P.launch_phase(words, {"NPU_FLASHRL_PREFLIGHT_VERL": "0", **(env or {})}, ["fsdp"], SERVER, True, None, "h")
+
+
+QWEN = {"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768}
+
+
+def test_a_context_past_the_models_positions_is_refused(tmp_path):
+    path = model_dir(tmp_path, QWEN)
+    found, _ = launch_with_model(path, 2048, 40000)
+    assert len(found) == 1 and "42048 tokens" in found[0] and "max_position_embeddings=32768" in found[0], found
+    assert launch_with_model(path, 2048, 10240)[0] == []
+    # vLLM's own opt-in: said, not refused
+    found, notes = launch_with_model(path, 2048, 40000, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    assert found == [] and any("VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in n for n in notes), notes
+    # an explicit rollout.max_model_len is what vLLM checks
+    assert launch_with_model(path, 2048, 40000, extra=[f"{RO}max_model_len=30000"])[0] == []
+
+
+def test_rope_scaling_extends_the_limit_as_vllm_reads_it(tmp_path):
+    path = model_dir(tmp_path, dict(QWEN, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 32768}))
+    assert launch_with_model(path, 2048, 100000)[0] == []
+    found, _ = launch_with_model(path, 2048, 140000)
+    assert len(found) == 1 and "131072" in found[0], found
+
+
+@pytest.mark.parametrize("config, needle, refused", [
+    ({"max_position_embeddings": 32768}, "has no `architectures`", False),
+    ({"architectures": "Qwen2ForCausalLM", "max_position_embeddings": 32768}, "must be a list of class names", True),
+    ("{not json", "not a readable JSON config", True),
+    ("[1, 2]", "expected a JSON object", True),
+])
+def test_the_models_architectures_are_read_as_vllm_reads_them(tmp_path, config, needle, refused):
+    found, notes = launch_with_model(model_dir(tmp_path, config))
+    said = found if refused else notes
+    assert any(needle in m for m in said), (found, notes)
+    if not refused:
+        assert found == []
+
+
+def test_coverage_is_said_for_the_recipes_line(tmp_path, monkeypatch):
+    """An architecture whose tests do not run on the recipe's stack line is said to be not
+    verified there; one not covered at all gets architectures.py's message."""
+    from npu_flashrl import architectures
+    from npu_flashrl.recipes import model_check
+
+    arch = architectures.covered("Qwen2ForCausalLM")
+    monkeypatch.setattr(architectures, "COVERED", (architectures.Architecture(
+        arch.name, arch.family, arch.cells, arch.tests, (model_check.STACK_OF["pinned"],), arch.note),))
+    _, notes = launch_with_model(model_dir(tmp_path, QWEN))
+    assert any("not verified on this line" in n and model_check.STACK_OF["current"] in n for n in notes), notes
+    _, notes = launch_with_model(model_dir(tmp_path, dict(QWEN, architectures=["GPT2LMHeadModel"])))
+    assert any("GPT2LMHeadModel is not covered" in n for n in notes), notes
+
+
+# ------------------------------------------------------------------------------------ the CLI leftovers
+
+def test_a_misspelt_feature_is_refused_not_turned_into_notes(capsys, monkeypatch):
+    monkeypatch.setenv("TRAIN_TP", "2")
+    assert P.main(["vars", "--features", "megatorn", "--name", "r"]) == P.REFUSED
+    err = capsys.readouterr().err
+    assert "--features 'megatorn': unknown 'megatorn'" in err and "megatron" in err
+
+
+def test_launch_without_a_command_is_refused(capsys):
+    assert P.main(["launch", "--features", "fsdp", "--dry-run", "--name", "r"]) == P.REFUSED
+    assert "needs the verl command after `--`" in capsys.readouterr().err
+    assert P.main(["launch", "--features", "fsdp", "--dry-run", "--name", "r", "--"]) == P.REFUSED
+
+
+def test_lint_of_an_empty_input_is_not_ok(tmp_path, capsys):
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("lint_overrides_cli", os.path.join(
+        os.path.dirname(__file__), "..", "verl_examples", "lint_overrides.py"))
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert mod.main([str(empty)]) == 1
+    out = capsys.readouterr().out
+    assert "no verl command" in out and not out.startswith("ok")
+
+
+@pytest.mark.parametrize("value, true", [(True, True), (1, True), ("1", True), ("True", True), ("true", True),
+                                         (2.0, True), (False, False), (0, False), ("0", False), ("0.0", False),
+                                         ("False", False), (None, False), ("null", False)])
+def test_booleans_are_read_as_verl_reads_them(value, true):
+    from npu_flashrl.values import is_true
+
+    assert is_true(value) is true
+
+
+def test_use_mbridge_1_is_true_as_verl_reads_it():
+    """Hydra types use_mbridge=1 as the int 1, which verl's engine takes as true: not refused."""
+    meg = "actor_rollout_ref.actor.megatron."
+    words = [*MAIN, "--config-name=ppo_megatron_trainer", "actor_rollout_ref.actor.strategy=megatron",
+             f"{meg}tensor_model_parallel_size=1"]
+    assert problems([*words, f"{meg}use_mbridge=1"], features=("megatron",)) == []
+    one([*words, f"{meg}use_mbridge=0"], ["use_mbridge"], features=("megatron",))

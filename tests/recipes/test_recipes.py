@@ -83,11 +83,19 @@ def inputs(tmp_path):
            if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     # PYTHON: the recipes run `npu-flashrl preflight` with the stack's interpreter
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(data),
-               RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable)
+               RUN_DIR=str(tmp_path / "run"), PYTHON=sys.executable,
+               # verl's own checks import verl and torch (seconds of CPU per dry run): on in the tests
+               # of tests/recipes/test_recipe_verl_checks.py only
+               NPU_FLASHRL_PREFLIGHT_VERL="0")
     return {"tmp": tmp_path, "model": model, "quant": quant, "data": data, "env": env}
 
 
+TWO_NODE = ("qwen25_32b_megatron",)  # recipes whose default layout is two nodes (NNODES=2)
+
+
 def run(script, env, *args):
+    if any(name in Path(script).name for name in TWO_NODE) and "RAY_ADDRESS" not in env:
+        env = dict(env, RAY_ADDRESS="10.0.0.1:6379")  # as on the Ray cluster they need (the preflight refuses none)
     return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -224,10 +232,45 @@ def test_bf16_baseline_differs_only_in_quantization(inputs):
     assert {k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k)} == {"FLASHRL_CONFIG"}
 
 
-def test_bf16_baseline_without_npu_flashrl(inputs):
-    proc = run(FSDP_BF16, dict(inputs["env"], BASELINE_NPU_FLASHRL="0"), "--dry-run")
+@pytest.mark.parametrize("off", ["0", "false", "False"])
+def test_bf16_baseline_without_npu_flashrl(inputs, off):
+    """BASELINE_NPU_FLASHRL is read as the preflight reads every boolean: false / False turn
+    npu_flashrl off as 0 does (the shell once compared against 0 only)."""
+    proc = run(FSDP_BF16, dict(inputs["env"], BASELINE_NPU_FLASHRL=off), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "FLASHRL_CONFIG" not in proc.stdout and "npu-flashrl" not in proc.stdout
+
+
+def test_bf16_baseline_refuses_a_word_it_cannot_read(inputs):
+    proc = run(FSDP_BF16, dict(inputs["env"], BASELINE_NPU_FLASHRL="maybe"), "--dry-run")
+    assert proc.returncode == 1 and "BASELINE_NPU_FLASHRL must be True or False" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script, env, needle", [
+    # a bf16 baseline asked of the INT8 twin: never run as INT8 under an INT8 name
+    (EX / "configs" / "test_grpo_qwen25_7b_fsdp_int8_A2_fully_async.sh", {"ROLLOUT_PRECISION": "bf16"},
+     "ROLLOUT_PRECISION=bf16 is set, but this recipe runs with ROLLOUT_PRECISION=int8"),
+    (EX / "configs" / "test_grpo_qwen25_7b_fsdp_int8_A2_fully_async.sh", {"ASYNC_MODE": "one_step_off"},
+     "ASYNC_MODE=one_step_off is set, but this recipe runs with ASYNC_MODE=fully_async"),
+    (V09_BF16_CONFIG, {"ROLLOUT_PRECISION": "int8"}, "ROLLOUT_PRECISION=int8 is set, but this recipe runs with "
+                                                    "ROLLOUT_PRECISION=bf16"),
+    (V09_CONFIG, {"RECIPE_LINE": "pinned"}, "RECIPE_LINE=pinned is set, but this recipe runs with RECIPE_LINE=current"),
+    (FSDP_BF16, {"FLASHRL_FN": "int8"}, "FLASHRL_FN=int8 is set, but this recipe runs with FLASHRL_FN=bf16"),
+    (FSDP_BF16, {"BASELINE_NPU_FLASHRL": "False", "FLASHRL_CONFIG": "/x.yaml"},
+     "FLASHRL_CONFIG=/x.yaml is set, but this recipe runs with FLASHRL_CONFIG="),
+])
+def test_a_recipe_never_replaces_a_value_the_user_set(inputs, script, env, needle):
+    proc = run(script, dict(inputs["env"], **env), "--dry-run")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "verl." not in proc.stdout  # nothing launched, not even printed
+
+
+def test_the_same_value_the_recipe_needs_is_accepted(inputs):
+    proc = run(V09_BF16_CONFIG, dict(inputs["env"], ROLLOUT_PRECISION="bf16", RECIPE_LINE="current",
+                                     FLASHRL_CONFIG=""), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "_bf16_A2_verl09" in overrides_of(proc.stdout)["trainer.experiment_name"]
 
 
 def test_megatron_recipe(inputs):

@@ -71,7 +71,7 @@ def test_bf16_twin_differs_only_in_precision(env, mode):
     ({"ROLLOUT_TP": "8"}, (), "ROLLOUT_TP=8 (actor_rollout_ref.rollout.tensor_model_parallel_size) must divide ROLLOUT_NPUS=4"),
     ({"ASYNC_MODE": "both"}, (), "ASYNC_MODE must be one of one_step_off, fully_async"),
     ({"ROLLOUT_NPUS": "4x"}, (), "ROLLOUT_NPUS must be an integer"),
-    ({"STALENESS": "abc"}, (), "STALENESS must be a number"),
+    ({"STALENESS": "abc", "ASYNC_MODE": "fully_async"}, (), "STALENESS must be a finite number"),
     ({"NPUS_PER_NODE": " 8"}, (), "NPUS_PER_NODE must be an integer"),
     ({}, ("actor_rollout_ref.rollout.quantization=fp8",), "drop actor_rollout_ref.rollout.quantization"),
     ({}, ("--dryrun",), "unknown option"),
@@ -81,6 +81,14 @@ def test_preflight_refusals(env, extra_env, args, needle):
     assert proc.returncode in (1, 2), proc.stdout + proc.stderr
     assert needle in proc.stderr, proc.stderr
     assert ENTRY["one_step_off"] not in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["STALENESS", "TRIGGER_SYNC_STEPS", "TOTAL_ROLLOUT_STEPS"])
+def test_fully_async_variables_are_noted_on_a_one_step_off_run(env, name):
+    """A one-step-off run does not read the fully-async trainer's variables: said, not ignored."""
+    proc = run(INT8_OSO, dict(env, **{name: "3"}), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{name}='3' is set but this recipe does not read it (used by the fully_async recipes)" in proc.stderr
 
 
 @pytest.mark.parametrize("layout", [
@@ -98,6 +106,16 @@ def test_valid_layouts_are_accepted(env, layout):
     assert ov["rollout.nnodes"] == layout.get("ROLLOUT_NNODES", "1")
 
 
+@pytest.mark.parametrize("key", [("int8", "fully_async"), ("bf16", "one_step_off")], ids="-".join)
+def test_a_twins_messages_carry_its_own_name(env, key):
+    """A twin hands over to the int8 one-step-off script with exec; its messages keep the name
+    of the recipe the user ran."""
+    proc = run(RECIPES[key], dict(env, ROLLOUT_TP="8"), "--dry-run")
+    name = RECIPES[key].stem
+    assert proc.returncode == 1 and f"[{name}] ERROR: ROLLOUT_TP=8" in proc.stderr, proc.stderr
+    assert "[test_grpo_qwen25_7b_fsdp_int8_A2_one_step_off]" not in proc.stderr
+
+
 def test_help_is_its_own():
     proc = subprocess.run(["bash", str(RECIPES[("bf16", "fully_async")]), "--help"],
                           capture_output=True, text=True, timeout=60)
@@ -110,7 +128,9 @@ def test_entry_scripts_prepare_the_config_and_run_their_launch(inputs, key):  # 
     missing, then the launch through the experimental trainer with that config."""
     precision, mode = key
     entry = EX / "flash_rl" / f"grpo_qwen25_7b_fsdp_{precision}_A2_{mode}.sh"
-    proc = run(entry, dict(inputs["env"], FLASHRL_FN="int8_profile_free", SETUP_EXTRA="wire=int8"), "--dry-run")
+    # the bf16 entries fix FLASHRL_FN=bf16 (and refuse another value the user set: test_recipes.py)
+    fn_env = {} if precision == "bf16" else {"FLASHRL_FN": "int8_profile_free"}
+    proc = run(entry, dict(inputs["env"], SETUP_EXTRA="wire=int8", **fn_env), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     fn = "bf16" if precision == "bf16" else "int8_profile_free"
     config = inputs["tmp"] / "run" / "configs" / f"Qwen2.5-7B-Instruct.{fn}.yaml"

@@ -10,9 +10,13 @@
 DRY_RUN="${DRY_RUN:-0}"
 EXTRA_ARGS=()
 
-recipe_log() { printf '[%s] %s\n' "$(basename "$0" .sh)" "$*" >&2; }
-recipe_die() { printf '[%s] ERROR: %s\n' "$(basename "$0" .sh)" "$*" >&2; exit 1; }
-recipe_usage_die() { printf '[%s] ERROR: %s (see --help)\n' "$(basename "$0" .sh)" "$*" >&2; exit 2; }
+# The recipe the user ran names every message, also after it handed over to another script (a twin's
+# exec, an entry's config script).
+RECIPE_NAME="${NPU_FLASHRL_RECIPE:-$(basename "$0" .sh)}"
+export NPU_FLASHRL_RECIPE="$RECIPE_NAME"
+recipe_log() { printf '[%s] %s\n' "$RECIPE_NAME" "$*" >&2; }
+recipe_die() { printf '[%s] ERROR: %s\n' "$RECIPE_NAME" "$*" >&2; exit 1; }
+recipe_usage_die() { printf '[%s] ERROR: %s (see --help)\n' "$RECIPE_NAME" "$*" >&2; exit 2; }
 
 # print_header: the calling script's header comment (its --help).
 print_header() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
@@ -51,7 +55,7 @@ run_preflight() {
   local out rc=0 line features="${FEATURES}" dry=()
   [[ "${RECIPE_MOE:-0}" == 1 ]] && features+=",moe"
   [[ "$DRY_RUN" == 1 ]] && dry=(--dry-run)
-  out="$(NPU_FLASHRL_NO_AUTOACTIVATE=1 "$PYTHON" -m npu_flashrl.recipes.preflight "$1" --name "$(basename "$0" .sh)" --line "$RECIPE_LINE" \
+  out="$(NPU_FLASHRL_NO_AUTOACTIVATE=1 "$PYTHON" -m npu_flashrl.recipes.preflight "$1" --name "$RECIPE_NAME" --line "$RECIPE_LINE" \
     --features "$features" --hint "$INSTALL_HINT" "${dry[@]}" "${PREFLIGHT_ARGS[@]}" "${@:2}")" || rc=$?
   [[ "$rc" == 3 ]] && exit 1
   if [[ "$rc" != 0 || "$out" != *NPU_FLASHRL_PREFLIGHT=ok* ]]; then
@@ -61,8 +65,33 @@ run_preflight() {
     if [[ "$line" =~ ^[A-Z][A-Z0-9_]*= ]]; then printf -v "${line%%=*}" '%s' "${line#*=}"; fi
   done <<<"$out"
 }
-# recipe_vars: the recipe variables set in the environment (before any arithmetic on them).
-recipe_vars() { run_preflight vars; }
+# recipe_vars [--resolve [--experiment NAME]]: the recipe variables set in the environment; with
+# --resolve every variable the recipe reads, defaults filled in.
+recipe_vars() { run_preflight vars "$@"; }
+
+# recipe_sets NAME VALUE: this recipe runs with NAME=VALUE (exported). A different value the user
+# (or a calling script) set is refused naming both: a recipe never replaces the user's word.
+recipe_sets() {
+  local current="${!1-}"
+  if [[ -n "$current" && "$current" != "$2" ]]; then
+    recipe_die "$1=$current is set, but this recipe runs with $1=$2: unset $1, or run the recipe for $1=$current"
+  fi
+  export "$1=$2"
+}
+
+# flashrl_baseline_entry CONFIG_SCRIPT ARGS...: the bf16 entry scripts. BASELINE_NPU_FLASHRL read as the
+# preflight reads booleans (False, false, 0): plain verl without npu_flashrl; else flashrl_entry.
+flashrl_baseline_entry() {
+  recipe_sets FLASHRL_FN bf16
+  recipe_line
+  FEATURES="entry,any" recipe_vars
+  if [[ "${BASELINE_NPU_FLASHRL:-True}" == False ]]; then
+    recipe_sets ROLLOUT_PRECISION bf16
+    recipe_sets FLASHRL_CONFIG ""
+    exec bash "$1" "${@:2}"
+  fi
+  flashrl_entry "$@"
+}
 # recipe_preflight COMMAND...: the assembled verl command (and, on a real run, the installed verl).
 recipe_preflight() { run_preflight launch -- "$@"; }
 
@@ -168,23 +197,9 @@ flashrl_entry() {
   local config_script="$1"; shift
   parse_recipe_args "$@"
   recipe_line
-  FEATURES="entry,any" recipe_vars  # the ones set now: the profile and setup steps run before the config script
-
-  MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-7B-Instruct}"
-  FLASHRL_FN="${FLASHRL_FN:-int8}"
-  QUANT_MODEL_PATH="${QUANT_MODEL_PATH:-${MODEL_PATH%/}-W8A8}"
-  RUN_DIR="${RUN_DIR:-$HOME/npu_flashrl_runs}"
-  local model_name
-  model_name="$(basename "${MODEL_PATH%/}")"
-  PROFILE_PATH="${PROFILE_PATH:-$RUN_DIR/profiles/$model_name.int8_profile.pt}"
-  FLASHRL_CONFIG="${FLASHRL_CONFIG:-$RUN_DIR/configs/$model_name.$FLASHRL_FN.yaml}"
-  NPU_FLASHRL_CLI="${NPU_FLASHRL_CLI:-npu-flashrl}"
-  SETUP_EXTRA="${SETUP_EXTRA:-}"
-  DATASET="${DATASET:-gsm8k}"
-  DATA_DIR="${DATA_DIR:-$HOME/data/$DATASET}"
-  TRAIN_FILE="${TRAIN_FILE:-$DATA_DIR/train.parquet}"
-  VAL_FILE="${VAL_FILE:-$DATA_DIR/test.parquet}"
-  if [[ "$FLASHRL_FN" == bf16 ]]; then ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-bf16}"; else ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-int8}"; fi
+  # the variables set now, and the entry's defaults (variables.py): the profile and setup steps run
+  # before the config script
+  FEATURES="entry,any" recipe_vars --resolve
   export MODEL_PATH FLASHRL_CONFIG ROLLOUT_PRECISION DATASET DATA_DIR TRAIN_FILE VAL_FILE PYTHON
 
   # 1. inputs
@@ -239,69 +254,14 @@ flashrl_entry() {
 }
 
 # ---------------------------------------------------------------------------------------------------
-# Shared GRPO settings of the configs/*.sh launch scripts (FSDP and Megatron), so the trainer
-# backends and the int8/bf16 variants differ only where they must. Variables are documented in
-# configs/test_grpo_qwen25_7b_fsdp_int8_A2.sh. grpo_defaults NAME: NAME starts EXPERIMENT_NAME.
+# grpo_defaults NAME: the shared GRPO settings of the configs/*.sh launch scripts. Every variable's
+# default (line-dependent and derived ones too) is its `Var.default` in npu_flashrl/recipes/variables.py;
+# `npu-flashrl preflight vars --resolve` checks what the user set, fills in the rest and prints the job
+# (each variable, its value and where it came from). NAME starts EXPERIMENT_NAME.
 grpo_defaults() {
   recipe_line
-  recipe_vars  # before the arithmetic below
-  ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-int8}"
-  MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-7B-Instruct}"
-  DATASET="${DATASET:-gsm8k}"
-  DATA_DIR="${DATA_DIR:-$HOME/data/$DATASET}"
-  TRAIN_FILE="${TRAIN_FILE:-$DATA_DIR/train.parquet}"
-  VAL_FILE="${VAL_FILE:-$DATA_DIR/test.parquet}"
-  FLASHRL_CONFIG="${FLASHRL_CONFIG:-}"
-  NNODES="${NNODES:-1}"
-  NPUS_PER_NODE="${NPUS_PER_NODE:-8}"
-  RAY_ADDRESS="${RAY_ADDRESS:-}"
-  MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
-  MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-10240}"
-  TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-16}"
-  PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-8}"
-  ROLLOUT_N="${ROLLOUT_N:-4}"
-  USE_DYNAMIC_BSZ="${USE_DYNAMIC_BSZ:-True}"
-  PPO_MAX_TOKEN_LEN="${PPO_MAX_TOKEN_LEN:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}"
-  LR="${LR:-5e-8}"
-  KL_LOSS_COEF="${KL_LOSS_COEF:-0.001}"
-  KL_LOSS_TYPE="${KL_LOSS_TYPE:-low_var_kl}"
-  ROLLOUT_TP="${ROLLOUT_TP:-4}"
-  GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.3}"
-  MICRO_BATCH_PER_NPU="${MICRO_BATCH_PER_NPU:-1}"
-  ENFORCE_EAGER="${ENFORCE_EAGER:-False}"
-  REF_PARAM_OFFLOAD="${REF_PARAM_OFFLOAD:-True}"
-  ACTOR_PARAM_OFFLOAD="${ACTOR_PARAM_OFFLOAD:-False}"
-  ACTOR_OPTIMIZER_OFFLOAD="${ACTOR_OPTIMIZER_OFFLOAD:-False}"
-  # pinned: sequence level as the published Ascend INT8 recipe; current: token level, the combination
-  # tests/adapters/verl/test_verl_server_tis.py runs through verl 0.9.1's own driver and loss code (sequence works too).
-  local tis_level_default=sequence line_suffix=""
-  if [[ "$RECIPE_LINE" == current ]]; then tis_level_default=token line_suffix=_verl09; fi
-  TIS_LEVEL="${TIS_LEVEL:-$tis_level_default}"
-  TIS_THRESHOLD="${TIS_THRESHOLD:-2.0}"
-  TIS_BATCH_NORMALIZE="${TIS_BATCH_NORMALIZE:-True}"
-  # Decoupled mode: at verl 51d2104 the only combination whose truncated IS weights reach the loss.
-  # Kept as variables so that the published recipe's True/True is refused with the reason.
-  TIS_BYPASS_MODE="${TIS_BYPASS_MODE:-False}"
-  TIS_USE_POLICY_GRADIENT="${TIS_USE_POLICY_GRADIENT:-False}"  # pinned only (verl 0.7 dropped the key)
-  # current only: the trainer->rollout sync buffer, one per trainer rank on the NPU (IPC) or in host
-  # shared memory (old HDK/CANN); verl's default. Larger = fewer buckets, more memory.
-  UPDATE_WEIGHTS_BUCKET_MB="${UPDATE_WEIGHTS_BUCKET_MB:-2048}"
-  TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
-  SAVE_FREQ="${SAVE_FREQ:--1}"
-  TEST_FREQ="${TEST_FREQ:-5}"
-  LOGGER="${LOGGER:-console}"
-  PROJECT_NAME="${PROJECT_NAME:-npu_flashrl_grpo}"
-  EXPERIMENT_NAME="${EXPERIMENT_NAME:-$1_${ROLLOUT_PRECISION}_A2$line_suffix}"
-  CKPT_DIR="${CKPT_DIR:-$HOME/npu_flashrl_runs/ckpts/$PROJECT_NAME/$EXPERIMENT_NAME}"
-  FLASHRL_LMHEAD_FP32="${FLASHRL_LMHEAD_FP32:-1}"
-  FLASHRL_LOGGING_LEVEL="${FLASHRL_LOGGING_LEVEL:-DEBUG}"
-  FLASHRL_LOGGING_FILE="${FLASHRL_LOGGING_FILE:-}"
-  VERL_LOGGING_LEVEL="${VERL_LOGGING_LEVEL:-DEBUG}"
-  VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-DEBUG}"
-  HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-3000}"
-  HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-3000}"
-  HCCL_HOST_SOCKET_PORT_RANGE="${HCCL_HOST_SOCKET_PORT_RANGE:-60000-60050}"
-  HCCL_NPU_SOCKET_PORT_RANGE="${HCCL_NPU_SOCKET_PORT_RANGE:-61000-61050}"
+  recipe_vars --resolve --experiment "$1"
+  export ROLLOUT_PRECISION  # the launch's preflight holds FLASHRL_CONFIG to it
 }
 
 # grpo_inputs: the files the launch reads (a dry run after the entry's setup step accepts the config

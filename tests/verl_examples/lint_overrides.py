@@ -30,6 +30,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         text = sys.stdin.read()
     cmd = read_command(text)
+    if not cmd.overrides:  # e.g. a recipe that refused: its --dry-run printed no command
+        where = args.file or "stdin"
+        print(f"no verl command with Hydra overrides in {where} (a recipe that refused prints none on stdout: "
+              "run it without 2>/dev/null to see why)")
+        return 1
     schema = lint.load_schema(cmd.config_name, args.verl_dir, cmd.entry or lint.ENTRY_MODULE)
     problems = lint.lint(cmd.overrides, schema)
     for p in problems:

@@ -28,7 +28,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-32B-Instruct}"
 export NNODES="${NNODES:-2}"
 export NPUS_PER_NODE="${NPUS_PER_NODE:-8}"

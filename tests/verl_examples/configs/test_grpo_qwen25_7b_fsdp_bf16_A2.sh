@@ -6,5 +6,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export ROLLOUT_PRECISION=bf16
+# shellcheck source=SCRIPTDIR/../common.sh
+source "$HERE/../common.sh"
+recipe_sets ROLLOUT_PRECISION bf16
 exec bash "$HERE/test_grpo_qwen25_7b_fsdp_int8_A2.sh" "$@"

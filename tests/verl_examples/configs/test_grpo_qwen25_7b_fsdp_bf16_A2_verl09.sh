@@ -10,5 +10,5 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export ROLLOUT_PRECISION=bf16
+recipe_sets ROLLOUT_PRECISION bf16
 exec bash "$HERE/test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh" "$@"

@@ -11,5 +11,6 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export ROLLOUT_PRECISION=int8 ASYNC_MODE=fully_async
+recipe_sets ROLLOUT_PRECISION int8
+recipe_sets ASYNC_MODE fully_async
 exec bash "$HERE/test_grpo_qwen25_7b_fsdp_int8_A2_one_step_off.sh" "$@"

@@ -32,11 +32,12 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 parse_recipe_args "$@"
 
-FEATURES=fsdp,async  # every variable is checked in grpo_defaults, before the launch
 ASYNC_MODE="${ASYNC_MODE:-one_step_off}"
+FEATURES=fsdp,async  # every variable is checked in grpo_defaults, before the launch
+if [[ "$ASYNC_MODE" == fully_async ]]; then FEATURES+=",fully_async"; fi  # its own variables (STALENESS, ...)
 TRAINER_NPUS="${TRAINER_NPUS:-4}"
 ROLLOUT_NPUS="${ROLLOUT_NPUS:-4}"
 ROLLOUT_NNODES="${ROLLOUT_NNODES:-1}"

@@ -33,5 +33,5 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 exec bash "$HERE/test_grpo_qwen25_7b_fsdp_int8_A2.sh" "$@"

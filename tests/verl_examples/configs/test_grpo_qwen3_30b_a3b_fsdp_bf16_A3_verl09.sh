@@ -11,5 +11,5 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export ROLLOUT_PRECISION=bf16
+recipe_sets ROLLOUT_PRECISION bf16
 exec bash "$HERE/test_grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh" "$@"

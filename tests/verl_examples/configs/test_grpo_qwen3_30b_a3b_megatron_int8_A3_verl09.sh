@@ -32,7 +32,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/../common.sh"
 recipe_help "$@"
 parse_recipe_args "$@"  # unknown options refused first
-export RECIPE_LINE=current RECIPE_MOE=1
+recipe_sets RECIPE_LINE current; recipe_sets RECIPE_MOE 1
 
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}"
 export NPUS_PER_NODE="${NPUS_PER_NODE:-16}"

@@ -18,7 +18,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen2.5-32B-Instruct}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen25_32b_megatron_${FLASHRL_FN:-int8}_A2_verl09}"
 flashrl_entry "${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_32b_megatron_int8_A2_verl09.sh}" "$@"

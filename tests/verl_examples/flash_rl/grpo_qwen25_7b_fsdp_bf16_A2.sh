@@ -8,17 +8,12 @@
 # Usage: grpo_qwen25_7b_fsdp_bf16_A2.sh [--dry-run] [extra Hydra overrides ...]
 #
 # Environment: as grpo_qwen25_7b_fsdp_int8_A2.sh (FLASHRL_FN is fixed to bf16), plus
-#   BASELINE_NPU_FLASHRL  1 | 0 [1]
+#   BASELINE_NPU_FLASHRL  True | False (also 1/0) [True]
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
-export FLASHRL_FN=bf16
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen25_7b_fsdp_bf16_A2}"
 CONFIG_SCRIPT="${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_7b_fsdp_bf16_A2.sh}"
-if [[ "${BASELINE_NPU_FLASHRL:-1}" == 0 ]]; then
-  export ROLLOUT_PRECISION=bf16 FLASHRL_CONFIG=""
-  exec bash "$CONFIG_SCRIPT" "$@"
-fi
-flashrl_entry "$CONFIG_SCRIPT" "$@"
+flashrl_baseline_entry "$CONFIG_SCRIPT" "$@"  # FLASHRL_FN=bf16; BASELINE_NPU_FLASHRL=False: plain verl

@@ -8,14 +8,14 @@
 # Usage: grpo_qwen25_7b_fsdp_bf16_A2_one_step_off.sh [--dry-run] [extra Hydra overrides ...]
 #
 # Environment: as grpo_qwen25_7b_fsdp_int8_A2_one_step_off.sh (FLASHRL_FN is fixed to bf16), plus
-#   BASELINE_NPU_FLASHRL  1 | 0 [1]
+#   BASELINE_NPU_FLASHRL  True | False (also 1/0) [True]
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen25_7b_fsdp_one_step_off_bf16_A2_verl09}"
 export CONFIG_SCRIPT="${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_7b_fsdp_bf16_A2_one_step_off.sh}"
 exec bash "$HERE/grpo_qwen25_7b_fsdp_bf16_A2.sh" "$@"

@@ -16,5 +16,5 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 flashrl_entry "${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_7b_fsdp_int8_A2_fully_async.sh}" "$@"

@@ -25,6 +25,6 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen25_7b_fsdp_${FLASHRL_FN:-int8}_A2_verl09}"
 flashrl_entry "${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh}" "$@"

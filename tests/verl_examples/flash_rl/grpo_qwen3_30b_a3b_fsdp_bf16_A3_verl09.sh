@@ -8,14 +8,14 @@
 # Usage: grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh [--dry-run] [extra Hydra overrides ...]
 #
 # Environment: as grpo_qwen3_30b_a3b_fsdp_int8_A3_verl09.sh (FLASHRL_FN is fixed to bf16), plus
-#   BASELINE_NPU_FLASHRL  1 | 0 [1]
+#   BASELINE_NPU_FLASHRL  True | False (also 1/0) [True]
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current
+recipe_sets RECIPE_LINE current
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_30b_a3b_fsdp_bf16_A3_verl09}"
 export CONFIG_SCRIPT="${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen3_30b_a3b_fsdp_bf16_A3_verl09.sh}"

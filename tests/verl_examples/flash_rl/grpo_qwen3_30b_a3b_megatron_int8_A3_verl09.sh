@@ -18,7 +18,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=SCRIPTDIR/../common.sh
 source "$HERE/../common.sh"
 recipe_help "$@"
-export RECIPE_LINE=current RECIPE_MOE=1  # MoE: FlashRL's int8 profile fns are refused (npu-flashrl preflight)
+recipe_sets RECIPE_LINE current; recipe_sets RECIPE_MOE 1  # MoE: FlashRL's int8 profile fns are refused (npu-flashrl preflight)
 export MODEL_PATH="${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}"
 export FLASHRL_FN="${FLASHRL_FN:-int8_profile_free}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3_30b_a3b_megatron_${FLASHRL_FN}_A3_verl09}"
