@@ -92,6 +92,9 @@ class StackLine:
     quant_method_map: str = ""  # "module:ATTR" of the table W8A8 scheme classes are picked from
     weight_prefetch: bool = False  # the static scheme needs utils.set_weight_prefetch_method
     source: str = ""      # how the line was recognised (for `verify` / error messages)
+    # what the CPU emulation must stand in for: torchair only where this vllm-ascend imports it
+    # unguarded (elsewhere `import torchair` fails as on an NPU host without it)
+    emulated_packages: Tuple[str, ...] = ("torch_npu",)
 
     # patch names, the same on every line (their targets and bodies are the line's)
     PATCH_DYNAMIC = "ascend_w8a8_dynamic_process_once"
