@@ -38,6 +38,7 @@ from torch import nn
 from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.marks import marked
 from npu_flashrl.patches import register
 
 logger = get_logger(__name__)
@@ -73,7 +74,7 @@ def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
 
 def is_fp32_lm_head(model: nn.Module) -> bool:
     head = _output_embeddings(model)
-    return bool(head is not None and getattr(head, MARK, False))
+    return bool(head is not None and marked(head, MARK))
 
 
 def enable_fp32_lm_head(model: nn.Module) -> bool:
@@ -85,7 +86,7 @@ def enable_fp32_lm_head(model: nn.Module) -> bool:
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         logger.warning("FP32 lm_head: %s has no output embedding with a weight; unchanged", type(model).__name__)
         return False
-    if getattr(head, MARK, False):
+    if marked(head, MARK):
         return True
     if not isinstance(head, nn.Linear):
         logger.warning("FP32 lm_head: output embedding of %s is %s, not nn.Linear; unchanged",
@@ -104,7 +105,7 @@ def enable_fp32_lm_head(model: nn.Module) -> bool:
 def disable_fp32_lm_head(model: nn.Module) -> bool:
     """Undo :func:`enable_fp32_lm_head`. Returns True when something was undone."""
     head = _output_embeddings(model)
-    if head is None or not getattr(head, MARK, False):
+    if head is None or not marked(head, MARK):
         return False
     head.__dict__.pop("forward", None)
     delattr(head, MARK)

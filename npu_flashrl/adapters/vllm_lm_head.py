@@ -57,6 +57,7 @@ from torch import nn
 from npu_flashrl.config import lmhead_fp32_requested  # noqa: F401  (re-exported)
 from npu_flashrl import lines, patches
 from npu_flashrl._logging import get_logger
+from npu_flashrl.marks import marked
 from npu_flashrl.patches import PatchNotApplicable, register
 
 logger = get_logger(__name__)
@@ -187,7 +188,7 @@ def _fp32_logits(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 def _make_apply(original):
     def apply(self, layer, x, bias=None):
-        if not getattr(layer, MARK, False):
+        if not marked(layer, MARK):
             return original(self, layer, x, bias)  # not an fp32 lm head: vLLM's own
         return _fp32_logits(layer, x, bias)
 
@@ -204,12 +205,12 @@ def _apply_compute() -> None:
 
 def _policy_model_in_build() -> bool:
     """The model vLLM is building belongs to the policy rollout (its config, current while the
-    model is built, carries npu_flashrl's engine choice)."""
-    from vllm.config import get_current_vllm_config
-
+    model is built, carries npu_flashrl's engine choice). No current config (a head built
+    outside vLLM's model construction): not the policy's."""
     from npu_flashrl.adapters.engine_choice import engine_choice
 
-    return engine_choice(get_current_vllm_config()) is not None
+    config = lines.current().vllm_config_in_build()
+    return config is not None and engine_choice(config) is not None
 
 
 def _make_init(original):

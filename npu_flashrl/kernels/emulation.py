@@ -1,13 +1,15 @@
 """torch_npu / torchair emulation for NPU-free tests and CI.
 
-`install()` puts stand-in `torch_npu` and `torchair` packages in place through a meta-path finder
-so that vllm_ascend imports on a CPU. The quant ops vllm-ascend's W8A8 layers call are backed by
+`install()` puts a stand-in `torch_npu` package (and, when asked, `torchair`; otherwise that
+optional package stays missing) in place through a meta-path finder so that vllm_ascend imports on
+a CPU. The quant ops vllm-ascend's W8A8 layers call are backed by
 the reference kernels (`npu_flashrl.kernels.reference`), the fused-MoE ops of its W8A8_DYNAMIC
 MoE path by `npu_flashrl.kernels.moe_reference` (torch_npu ops here; vllm-ascend's own compiled
 `torch.ops._C_ascend.*` MoE ops through `register_cpu_ops()`); every other attribute is a named
 stand-in: importing, subclassing or reading it works, CALLING it raises
 `NotImplementedError("torch_npu.<name> is not emulated")`. A `torch.npu` namespace is added the
-same way (it reports no device available).
+same way (it reports no device available and answers the device queries upstream code makes on a
+CPU host as torch_npu documents them: `get_device_capability`).
 
 It refuses to install where a real torch_npu is importable: emulating over real hardware support
 would silently replace NPU kernels.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 from typing import Dict, List
@@ -26,7 +29,12 @@ import torch
 from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.kernels import dequant_swiglu_v2, moe_reference, reference
 
-EMULATED_PACKAGES = ("torch_npu", "torchair")
+EMULATED_PACKAGES = ("torch_npu", "torchair")  # what `install` can emulate
+# What `install()` emulates unless asked for more: torchair is an optional package (vllm-ascend
+# 0.23 imports it under `except ImportError`), so where it is not asked for, `import torchair`
+# raises ModuleNotFoundError as on an NPU host without it. A line whose vllm-ascend imports it
+# unguarded asks for it (`StackLine.emulated_packages`, passed by `sim.cpu_vllm`).
+DEFAULT_PACKAGES = ("torch_npu",)
 
 # Ops computed by the reference kernels; the rest is stand-ins.
 _TORCH_NPU_OPS = {
@@ -289,12 +297,39 @@ class _NpuNamespace(_EmulatedModule):
     def current_stream(device=None) -> _InOrderStream:
         return _STREAM
 
+    # --- device queries (issue 43): what torch_npu answers on a host without a visible NPU ---
+    @staticmethod
+    def get_device_capability(device=None):
+        """torch_npu: a reserved interface returning None by default (hiascend.com PyTorch API list,
+        ptaoplist_000247: "预留接口,暂不支持,接口默认返回None"); with TORCH_NPU_DEVICE_CAPABILITY
+        set ("major.minor", e.g. 8.0) it returns that pair (Ascend/pytorch docs,
+        environment_variable_reference/TORCH_NPU_DEVICE_CAPABILITY.md)."""
+        return _device_capability_from_env()
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return False  # no device was ever initialised on an emulated machine
+
     @staticmethod
     def current_device() -> torch.device:
         """The device tensors meant for "the current NPU" go to on the emulated machine: the
         CPU (the quant_config-layout lines' all-to-all dispatcher allocates its expert map there
         at build)."""
         return torch.device("cpu")
+
+
+CAPABILITY_ENV = "TORCH_NPU_DEVICE_CAPABILITY"
+
+
+def _device_capability_from_env():
+    value = os.environ.get(CAPABILITY_ENV, "").strip()
+    if not value:
+        return None
+    major, dot, minor = value.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"{CAPABILITY_ENV}={value!r}: expected major.minor, e.g. 8.0 (as torch_npu "
+                         "reads it)")
+    return int(major), int(minor)
 
 
 def _build_module(fullname: str) -> types.ModuleType:
@@ -323,8 +358,11 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.packages = set(DEFAULT_PACKAGES)
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".", 1)[0] in EMULATED_PACKAGES:
+        if fullname.split(".", 1)[0] in self.packages:
             return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
         return None
 
@@ -336,7 +374,10 @@ def real_torch_npu_importable() -> bool:
     """True when a real torch_npu (not ours) could be imported in this process."""
     mod = sys.modules.get("torch_npu")
     if mod is not None:
-        return not getattr(mod, "__npu_flashrl_emulated__", False)
+        # ours, or another stand-in put there by hand (vllm-ascend's tests/ut/conftest.py puts a
+        # bare module without a file): not a real package
+        return not getattr(mod, "__npu_flashrl_emulated__", False) and \
+            getattr(mod, "__file__", None) is not None
     was = _FINDER in sys.meta_path
     if was:
         sys.meta_path.remove(_FINDER)
@@ -351,15 +392,25 @@ def is_installed() -> bool:
     return _FINDER in sys.meta_path
 
 
-def install() -> None:
-    """Install the emulation (idempotent). Raises RealTorchNpuPresent over a real torch_npu."""
+def install(packages=DEFAULT_PACKAGES) -> None:
+    """Install the emulation of `packages` (names from EMULATED_PACKAGES; idempotent, a second
+    call adds packages). Raises RealTorchNpuPresent over a real torch_npu.
+
+    A torch_npu stand-in already in `sys.modules` (vllm-ascend's own UT conftest installs one
+    before any test imports) is kept: the emulation then answers only the modules it leaves out."""
+    unknown = sorted(set(packages) - set(EMULATED_PACKAGES))
+    if unknown or "torch_npu" not in packages:
+        raise ValueError(f"emulation.install(packages={tuple(packages)!r}): expected torch_npu and "
+                         f"optionally torchair (emulated: {', '.join(EMULATED_PACKAGES)})")
     if is_installed():
+        _FINDER.packages.update(packages)
         return
     if real_torch_npu_importable():
         raise RealTorchNpuPresent(
             "a real torch_npu is importable in this environment; npu_flashrl will not emulate it. "
             "Use the real NPU kernels, or run the CPU tests in a venv without torch_npu "
             "(scripts/bootstrap_cpu_stack.sh).")
+    _FINDER.packages = set(packages)
     sys.meta_path.insert(0, _FINDER)
     importlib.import_module("torch_npu")
 
@@ -368,6 +419,7 @@ def uninstall() -> None:
     """Remove the finder and the emulated modules (for tests)."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
+    _FINDER.packages = set(DEFAULT_PACKAGES)
     for name in list(sys.modules):
         if name.split(".", 1)[0] in EMULATED_PACKAGES and getattr(sys.modules[name], "__npu_flashrl_emulated__", False):
             del sys.modules[name]

@@ -23,6 +23,7 @@ import importlib
 from typing import Callable, Mapping, Optional, Protocol, Tuple
 
 from npu_flashrl import patches
+from npu_flashrl.marks import marked
 
 _Q = "vllm_ascend.quantization"
 # Where vLLM's model loader looks things up; the same names on every supported vLLM.
@@ -93,6 +94,9 @@ class StackLine:
     refused_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #   {HF architecture: why} the INT8 rollout refuses on this line (setup / verify / engine build)
     source: str = ""      # how the line was recognised (for `verify` / error messages)
+    # what the CPU emulation must stand in for: torchair only where this vllm-ascend imports it
+    # unguarded (elsewhere `import torchair` fails as on an NPU host without it)
+    emulated_packages: Tuple[str, ...] = ("torch_npu",)
 
     # patch names, the same on every line (their targets and bodies are the line's)
     PATCH_DYNAMIC = "ascend_w8a8_dynamic_process_once"
@@ -173,10 +177,18 @@ class StackLine:
                 "AscendW8A8LinearMethod, AscendW8A8DynamicLinearMethod); float weights pushed into "
                 "it would be truncated")
 
+    # ------------------------------------------------------------------ vLLM
+    def vllm_config_in_build(self):
+        """The vLLM config current while a model is built (`set_current_vllm_config`). This
+        line's vLLM answers a default config, with a WARNING, when none is set."""
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config()
+
     # ------------------------------------------------------------------ layout rules
     def is_processed(self, layer) -> bool:
         """The layer holds post-processed tensors (marked by the run-once guard)."""
-        return bool(getattr(layer, "_npu_flashrl_processed", False))
+        return marked(layer, "_npu_flashrl_processed")
 
     def layerwise_reload_active(self, model) -> bool:
         """vLLM's own layerwise reload of `model` is under way (begun, not yet finalized): what
@@ -213,9 +225,9 @@ class StackLine:
         transposes and re-allocates on every call, so a second call would corrupt the layer;
         afterwards the layer is marked (its layout is now [in, out]) and `after(layer)` ran."""
         def process_weights_after_loading(scheme, layer):
-            if not getattr(layer, POLICY_ATTR, False):
+            if not marked(layer, POLICY_ATTR):
                 return original(scheme, layer)  # not the policy rollout's: upstream's behaviour
-            if getattr(layer, "_npu_flashrl_processed", False):
+            if marked(layer, "_npu_flashrl_processed"):
                 return
             original(scheme, layer)
             if after is not None:

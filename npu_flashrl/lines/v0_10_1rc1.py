@@ -8,6 +8,7 @@ by `quant_config.AscendLinearMethod`. No layerwise reload: a layer marked proces
 from __future__ import annotations
 
 import dataclasses
+from typing import Tuple
 
 from npu_flashrl.lines.base import _Q, StackLine
 
@@ -22,6 +23,8 @@ class QuantConfigLine(StackLine):
     dynamic_method: str = f"{_Q}.w8a8_dynamic:AscendW8A8DynamicLinearMethod"
     attention: str = "vllm.attention.layer:Attention"
     compile_mode: bool = False
+    # `vllm_ascend.torchair.utils` imports torchair unguarded (its graph-mode model runner)
+    emulated_packages: Tuple[str, ...] = ("torch_npu", "torchair")
 
     def unsupported_reason(self, inner) -> str:
         cls = type(inner)

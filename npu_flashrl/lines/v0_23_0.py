@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 
 from npu_flashrl.lines.base import _Q, StackLine
+from npu_flashrl.marks import marked
 
 COMPRESSED_TENSORS = "compressed-tensors"  # vllm_ascend.utils.COMPRESSED_TENSORS_METHOD
 _COMM = "vllm_ascend.ops.fused_moe.moe_comm_method"
@@ -46,6 +47,13 @@ class SchemeRegistryLine(StackLine):
     WHY_STATIC = "post-processing runs once per layer; ModelSlim float bias folded into quant_bias"
     WHY_MOE = "fused-MoE post-processing runs once per layer (again after vLLM's layerwise restore)"
 
+    def vllm_config_in_build(self):
+        """None outside `set_current_vllm_config` (this vLLM's `get_current_vllm_config` asserts
+        there: a layer built in a unit test, or by another library, has no config)."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        return get_current_vllm_config_or_none()
+
     def is_processed(self, layer) -> bool:
         """Marked by the guard and not put back into the checkpoint layout since (vLLM's
         layerwise reload restores [out, 1] scales)."""
@@ -55,7 +63,7 @@ class SchemeRegistryLine(StackLine):
         dims = 1  # linear: [out]; fused MoE: [E, 2I] (restored: [E, 2I, 1])
         if scale is None:
             scale, dims = getattr(layer, "w13_weight_scale", None), 2
-        return bool(getattr(layer, "_npu_flashrl_processed", False)) and \
+        return marked(layer, "_npu_flashrl_processed") and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
     def layerwise_reload_active(self, model) -> bool:

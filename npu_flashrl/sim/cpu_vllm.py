@@ -35,7 +35,7 @@ _dist_state = {"initialized": False, "world_size": None}
 def prepare_process(enable_nz: bool = True) -> None:
     """Process-wide set-up; idempotent. Must run before vLLM picks a platform."""
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    emulation.install()
+    emulation.install(current().emulated_packages)
     import vllm.platforms as platforms
 
     cls = _platform_cls()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on ever
 
 @pytest.fixture(scope="module")
 def torch_npu():
-    emulation.install()
+    emulation.install(emulation.EMULATED_PACKAGES)  # torchair too (optional: only when asked)
     import torch_npu as mod
 
     return mod

@@ -24,6 +24,7 @@ from npu_flashrl import patches
 from npu_flashrl.adapters.megatron._common import PATCH_LMHEAD, logger, when_imported
 from npu_flashrl.config import lmhead_fp32_requested
 from npu_flashrl.errors import NpuFlashrlError
+from npu_flashrl.marks import marked
 from npu_flashrl.patches import register
 
 MARK = "_npu_flashrl_fp32_output_layer"
@@ -88,7 +89,7 @@ def _output_layer(model):
 
 def is_fp32_output_layer(model) -> bool:
     head = _output_layer(model)
-    return bool(head is not None and getattr(head, MARK, False))
+    return bool(head is not None and marked(head, MARK))
 
 
 def enable_fp32_output_layer(model) -> bool:
@@ -101,7 +102,7 @@ def enable_fp32_output_layer(model) -> bool:
     if head is None:
         logger.debug("FP32 output_layer: %s has none (not the last PP stage)", type(model).__name__)
         return False
-    if getattr(head, MARK, False):
+    if marked(head, MARK):
         return True
     try:
         from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -127,7 +128,7 @@ def enable_fp32_output_layer(model) -> bool:
 
 def disable_fp32_output_layer(model) -> bool:
     head = _output_layer(model)
-    if head is None or not getattr(head, MARK, False):
+    if head is None or not marked(head, MARK):
         return False
     head.__dict__.pop("forward", None)
     delattr(head, MARK)

@@ -34,6 +34,7 @@ import torch
 
 from npu_flashrl.adapters.megatron import _common
 from npu_flashrl.adapters.megatron._common import PATCH_STREAM, WRAPPED, logger, when_imported
+from npu_flashrl.marks import marked
 from npu_flashrl import lines
 from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.patches import register
@@ -327,7 +328,7 @@ def _apply_stream() -> None:
             logger.warning("npu_flashrl: %s has no per_tensor_generator; weight stream unchecked",
                            module.__name__)
             return
-        if not getattr(gen, WRAPPED, False):
+        if not marked(gen, WRAPPED):
             module.per_tensor_generator = _wrap_per_tensor_generator(gen)
 
     when_imported(_common.WORKER_MODULE, patch)

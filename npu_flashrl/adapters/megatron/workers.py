@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 from npu_flashrl import lines, patches
+from npu_flashrl.marks import marked
 from npu_flashrl.adapters.megatron import _common
 from npu_flashrl.adapters.megatron._common import (PATCH_GUARD, PATCH_LMHEAD, PATCHES, WORKER_CLASSES,
                                                    WRAPPED, logger, when_imported)
@@ -70,7 +71,7 @@ def _patch_worker_module(module) -> None:
         if cls is None:
             continue
         init = cls.__dict__.get("__init__")
-        if init is None or getattr(init, WRAPPED, False):
+        if init is None or marked(init, WRAPPED):
             continue
         new = _wrap_worker_init(init)
         setattr(new, patches.ORIGINAL_ATTR, init)

@@ -20,6 +20,7 @@ import torch
 
 from npu_flashrl._logging import get_logger
 from npu_flashrl import lines
+from npu_flashrl.marks import marked
 from npu_flashrl.adapters.vllm_ascend import schemes
 from npu_flashrl.adapters.vllm_ascend.schemes import LinearTarget  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.names import to_model_names
@@ -135,7 +136,7 @@ class Int8WeightLoader:
             # layout by vLLM's layerwise reload, which holds the tensors it is given until the
             # layer is complete, possibly past this call: give it copies, not the caller's
             # (bucket) tensors. A cold load from disk needs no copy.
-            reloading = layerwise or any(getattr(t.layer, "_npu_flashrl_processed", False)
+            reloading = layerwise or any(marked(t.layer, "_npu_flashrl_processed")
                                          for t in self.targets.values())
             return self._original(self._cold_stream(weights, copy=reloading))
         self.begin_sync()
