@@ -26,7 +26,7 @@ from npu_flashrl.adapters.vllm_ascend.schemes import LinearTarget  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.names import to_model_names
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import find_linear_targets as find_targets
 from npu_flashrl.adapters.vllm_ascend.sync import Consistency, SyncState, failure_reason, short_list
-from npu_flashrl.adapters.vllm_ascend.validate import DeferredChecks, Validator
+from npu_flashrl.adapters.vllm_ascend.validate import Validator
 from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
@@ -71,7 +71,6 @@ class Int8WeightLoader:
         self.required_layers = set(layers)
         self.consistency = Consistency(model, layers.values())
         self.state: Optional[SyncState] = None  # the sync in progress (None: none begun)
-        self._held: Optional[_Held] = None  # a list call's deferred checks and commits
         self.check_quantizer()
 
     # ------------------------------------------------------------------ public API
@@ -180,48 +179,15 @@ class Int8WeightLoader:
 
     def quantize(self, name: str, tensor: torch.Tensor):
         """(int8, scale) of one pushed projection / expert shard, produced in [in, out] memory
-        (the processed layout, so a commit is a memcpy); the quantizer's refusals name it. In a
-        list call whose quantizer defers its NaN / Inf refusal (`_settled`), the refusal joins the
-        call's checks, read back before anything the call staged is committed."""
-        held = self._held
+        (the processed layout, so a commit is a memcpy); the quantizer's refusals name it."""
         try:
-            if held is not None and getattr(self.quantizer, "defers_finite_check", False):
-                flags: list = []
-                out = self.quantizer.quantize(name, tensor, transposed=True, finite=flags)
-                for flag in flags:
-                    held.checks.add(flag, lambda: self._refuse(name, tensor))
-                return out
             return self.quantizer.quantize(name, tensor, transposed=True)
         except WeightSyncError:
             raise
         except ValueError as exc:
             raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
 
-    def _refuse(self, name: str, tensor: torch.Tensor) -> None:
-        """The quantizer's own refusal of `tensor`, raised (a deferred check that failed)."""
-        self.quantize_now(name, tensor)
-
-    def quantize_now(self, name: str, tensor: torch.Tensor):
-        held, self._held = self._held, None
-        try:
-            return self.quantize(name, tensor)
-        finally:
-            self._held = held
-
     # ------------------------------------------------------------------ a sync: load
-    def _settle(self) -> None:
-        """A list call's deferred checks read back (one host synchronisation), then the layers it
-        completed committed; nothing of the call was written before."""
-        held = self._held
-        if held is None:
-            return
-        held.checks.raise_first()
-        for layer, path in held.commits:
-            self.state.wrote = True
-            self.state.layers.add(path)
-            layer.commit()
-        held.commits.clear()
-
     def _load(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         validator, st = self.validator, self.state
         if isinstance(weights, dict):
@@ -237,33 +203,20 @@ class Int8WeightLoader:
                 # refuse a bad call before writing anything of it
                 weights = [validator.item(i, w) for i, w in enumerate(weights)]
                 halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
-                # the call's value checks, read back in one host synchronisation
-                deferred = DeferredChecks()
-                # (not in a call that also brings INT8-wire pairs: they are written in place
-                # as they complete, so the call's float values are checked before that)
-                defers = getattr(self.quantizer, "defers_finite_check", False) and not any(
-                    st.wire.weight_of(n, t) is not None for n, t in weights)
                 for i, (name, tensor) in enumerate(weights):
                     validator.once(name, i, seen)
                     self._once_per_sync(name)
                     wired = st.wire.weight_of(name, tensor)
                     if wired is None:
-                        # a deferring quantizer refuses NaN / Inf of its projections itself,
-                        # before any commit of this call (`_settled`): no separate value pass
-                        validator.check(name, tensor, self.quantizer, deferred=deferred,
-                                        values=not (defers and validator.target(name) is not None))
+                        validator.check(name, tensor, self.quantizer)
                     else:
-                        st.wire.validate(name, wired, tensor, deferred=deferred)
+                        st.wire.validate(name, wired, tensor)
                         if name == wired or name.endswith(".weight_scale"):
                             half = halves.setdefault(wired, st.wire.held(wired))
                             half[0 if name == wired else 1] = tensor
                 for wired, (q, scale) in halves.items():  # pairs this call completes
                     if q is not None and scale is not None:
-                        st.wire.check_pair(wired, q, scale, deferred=deferred)
-                if not defers:
-                    deferred.raise_first()  # INT8-wire pairs are written as they complete
-                # (deferring: the checks are read with the quantizer's, before any write)
-                self._held = _Held(deferred if defers else DeferredChecks(), [])
+                        st.wire.check_pair(wired, q, scale)
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
                 st.items += 1
@@ -296,13 +249,11 @@ class Int8WeightLoader:
                     buffered = 0
             if buffer:
                 loaded |= self._flush(buffer)
-            self._settle()
             st.wire.keep()
         except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
             self._fail(exc)
             raise
         finally:
-            self._held = None
             st.calls += 1
         return loaded
 
@@ -341,9 +292,7 @@ class Int8WeightLoader:
             # any failure of the sync from here on leaves the model refusing to generate
             self.state.wrote = True
         done = self.state.staged.stage(target, name, q, scale)
-        if done is not None and self._held is not None and not done.in_place:
-            self._held.commits.append((done, target.path))  # committed once the call's checks pass
-        elif done is not None:
+        if done is not None:
             self.state.wrote = True
             self.state.layers.add(target.path)
             done.commit()
@@ -361,9 +310,7 @@ class Int8WeightLoader:
         return loaded
 
     def _flush(self, buffer: List[Tuple[str, torch.Tensor]]) -> Set[str]:
-        """Write buffered non-projection tensors through vLLM's loaders and empty the buffer
-        (a list call's deferred checks are read back first)."""
-        self._settle()
+        """Write buffered non-projection tensors through vLLM's loaders and empty the buffer."""
         names = [n for n, _ in buffer]
         self.state.wrote = True
         try:
@@ -487,14 +434,6 @@ class Int8WeightLoader:
             out = tensor if self.prequantized_checkpoint else self.quantizer.transform(name, tensor)
             yield name, out.clone() if copy and out is tensor else out
         yield from missing_offsets.items()
-
-
-class _Held:
-    """What a list call holds back until its checks are read (`Int8WeightLoader._settle`)."""
-
-    def __init__(self, checks: DeferredChecks, commits: list):
-        self.checks = checks
-        self.commits = commits
 
 
 def attach(model: torch.nn.Module, quantizer: OnlineQuantizer,
