@@ -239,7 +239,14 @@ class Int8WeightLoader:
                 if buffer and buffered + size > limit:
                     loaded |= self._flush(buffer)
                     buffered = 0
-                buffer.append((name, self.quantizer.transform(name, tensor)))
+                out = self.quantizer.transform(name, tensor)
+                if not checked and out is tensor:
+                    # a streamed tensor may be a view of the caller's buffer, refilled for its
+                    # next item: what waits for the flush is copied, once (vLLM's own loader
+                    # copies each tensor before it pulls the next)
+                    out = tensor.clone()
+                    st.copied_bytes += size
+                buffer.append((name, out))
                 buffered += size
                 del tensor, item  # the buffer holds the only reference we keep
                 if buffered >= limit:

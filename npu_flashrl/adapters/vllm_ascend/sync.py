@@ -89,4 +89,5 @@ class SyncState:
     floats: Set[str] = dataclasses.field(default_factory=set)   # float parameters written (resolved)
     items: int = 0                      # (name, tensor) items pushed
     calls: int = 0                      # load calls of this sync
+    copied_bytes: int = 0               # streamed float tensors copied to wait for their flush
     names: Dict[str, int] = dataclasses.field(default_factory=dict)  # name -> the call that brought it

@@ -142,7 +142,10 @@ class Scheme(abc.ABC):
     # ------------------------------------------------------------------ tensor contract
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
         """What one float tensor becomes: the payload its staging takes (`transposed`: int8 in
-        the processed [in, out] memory, as a sync stages it; the cold load wants [out, in])."""
+        the processed [in, out] memory, as a sync stages it; the cold load wants [out, in]). A
+        float64 tensor is cast to the compute dtype first, which every quantizer does first."""
+        if tensor.dtype == torch.float64:
+            tensor = tensor.to(quantizer.compute_dtype)
         q, scale = quantizer.quantize(name, tensor, transposed=transposed)
         return Int8Payload(q, scale)
 
