@@ -37,6 +37,8 @@ PWAL = "process_weights_after_loading"
 # rollout's model: the run-once guard acts on those only; any other engine's layers get upstream's
 # post-processing unchanged.
 POLICY_ATTR = "_npu_flashrl_policy"
+# Set by the run-once guard on a layer whose post-processing ran (its layout is now [in, out]).
+PROCESSED_ATTR = "_npu_flashrl_processed"
 
 
 def resolve(path: str):
@@ -171,7 +173,7 @@ class StackLine:
     # ------------------------------------------------------------------ layout rules
     def is_processed(self, layer) -> bool:
         """The layer holds post-processed tensors (marked by the run-once guard)."""
-        return bool(getattr(layer, "_npu_flashrl_processed", False))
+        return bool(getattr(layer, PROCESSED_ATTR, False))
 
     def layerwise_reload_active(self, model) -> bool:
         """vLLM's own layerwise reload of `model` is under way (begun, not yet finalized): what
@@ -210,12 +212,12 @@ class StackLine:
         def process_weights_after_loading(scheme, layer):
             if not getattr(layer, POLICY_ATTR, False):
                 return original(scheme, layer)  # not the policy rollout's: upstream's behaviour
-            if getattr(layer, "_npu_flashrl_processed", False):
+            if getattr(layer, PROCESSED_ATTR, False):
                 return
             original(scheme, layer)
             if after is not None:
                 after(layer)
-            layer._npu_flashrl_processed = True
+            setattr(layer, PROCESSED_ATTR, True)
         return process_weights_after_loading
 
     # ------------------------------------------------------------------ patches

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from npu_flashrl.lines.base import _Q, StackLine
+from npu_flashrl.lines.base import _Q, PROCESSED_ATTR, StackLine
 
 COMPRESSED_TENSORS = "compressed-tensors"  # vllm_ascend.utils.COMPRESSED_TENSORS_METHOD
 _COMM = "vllm_ascend.ops.fused_moe.moe_comm_method"
@@ -51,7 +51,7 @@ class SchemeRegistryLine(StackLine):
         dims = 1  # linear: [out]; fused MoE: [E, 2I] (restored: [E, 2I, 1])
         if scale is None:
             scale, dims = getattr(layer, "w13_weight_scale", None), 2
-        return bool(getattr(layer, "_npu_flashrl_processed", False)) and \
+        return bool(getattr(layer, PROCESSED_ATTR, False)) and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
     def layerwise_reload_active(self, model) -> bool:
@@ -109,7 +109,7 @@ class SchemeRegistryLine(StackLine):
 
         def process_weights_after_loading(scheme, layer):
             if not self.is_processed(layer):
-                layer._npu_flashrl_processed = False
+                setattr(layer, PROCESSED_ATTR, False)
             return once(scheme, layer)
         return process_weights_after_loading
 

@@ -14,7 +14,7 @@ sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tens
 - `take(...)`: hold a weight until its scale arrived or a scale until its weight (either order:
   another sender or checkpoint engine may reorder, and they may come in different buckets) and
   return the complete pair as it came (no copy), which the sync hands to its staging
-  (`Int8WeightLoader.stage_payload`, `in_place`, as its scheme's payload): a linear layer's staging writes it straight
+  (`SyncLoad.stage_payload`, `in_place`, as its scheme's payload): a linear layer's staging writes it straight
   into the live weight in its processed layout (one pass over the int8 bytes, no buffer of the
   fused layer), the same per-layer commit then writes the scales and derived tensors.
 
