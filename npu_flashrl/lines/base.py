@@ -13,8 +13,9 @@ one) holding:
   (`process_once`);
 - its patches, as `patches.Patch` objects (`patches(bodies)`, names in `PATCHES`), and the
   run-once patch of any scheme class its table has (`once_patch`, one per registered scheme);
-- facts the CPU simulation needs about the same upstream code (`npu_flashrl.sim` reads them; they
-  are data here so that no module outside `lines/` names a version).
+- facts the CPU simulation needs about the same upstream code, in one sub-object read only by
+  `npu_flashrl.sim` (`sim`, a `SimFacts`; data here so that no module outside `lines/` names a
+  version).
 
 Behaviour shared by every line is written here once; a line module overrides what differs.
 Importing a line is cheap (no torch, no upstream): detection runs in `verify` and recipes too.
@@ -39,12 +40,38 @@ PWAL = "process_weights_after_loading"
 POLICY_ATTR = "_npu_flashrl_policy"
 # Set by the run-once guard on a layer whose post-processing ran (its layout is now [in, out]).
 PROCESSED_ATTR = "_npu_flashrl_processed"
+# Set on the policy rollout's model by the attach (adapters.vllm_ascend.reload): its weight sync.
+SYNC_ATTR = "_npu_flashrl_loader"
 
 
 def resolve(path: str):
     """The object at "module:attr" (imports the module)."""
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class SimFacts:
+    """What the CPU simulation (`npu_flashrl.sim`) needs to know about a line's upstream code; no
+    runtime module reads it."""
+    attention: str        # "module:Class" of vLLM's Attention layer
+    compile_mode: bool    # vLLM's CompilationConfig takes `mode=`, not `level=`
+    nz: str               # how the NZ cast of int8 weights is switched: "always",
+    #                       "utils_flag" (utils._ENABLE_NZ), "weight_nz_mode"
+    #                       (get_ascend_config().weight_nz_mode, env VLLM_ASCEND_ENABLE_NZ)
+    moe_layers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #   {vLLM layer name: "module:Class"} vllm-ascend's platform swaps in for MoE layers
+    moe_comm_selection: str = "model_runner"
+    #   who picks the MoE comm method: "forward_context" (set_ascend_forward_context itself) or
+    #   "model_runner" (NPUModelRunner._select_moe_comm_method, passed as moe_comm_type=)
+    cpu_moe_forward_unsupported: Optional[str] = None  # why the CPU harness cannot run a MoE forward
+    device_neutral_ops: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #   {qualified op: "module:function"} NPU-only custom ops whose bodies are plain torch
+    per_model_caches: Tuple[str, ...] = ()  # vllm_ascend.utils globals caching "the" model's facts
+    hccl_token_dispatchers: Tuple[str, ...] = ()  # "module:Class" built with HCCL names
+    moe_fusion_flag: Optional[str] = None
+    #   "comm-method module:attribute" of the all-gather comm method's fused gmm+swiglu switch
+    weight_prefetch: bool = False  # the static scheme needs utils.set_weight_prefetch_method
 
 
 class PatchBodies(Protocol):
@@ -70,34 +97,17 @@ class StackLine:
     layout: str           # quantization package layout family (lines sharing files share it)
     quant_config: str     # "module:Class" of the "ascend" QuantizationConfig
     linear_method: str    # "module:Class" wrapping a scheme for vLLM's LinearBase
-    nz: str               # how the NZ cast of int8 weights is switched: "always",
-    #                       "utils_flag" (utils._ENABLE_NZ), "weight_nz_mode"
-    #                       (get_ascend_config().weight_nz_mode, env VLLM_ASCEND_ENABLE_NZ)
-    attention: str        # "module:Class" of vLLM's Attention layer
-    compile_mode: bool    # vLLM's CompilationConfig takes `mode=`, not `level=`
     # A source tree (no distribution metadata) is this line when all of `tree_has` and none of
     # `tree_lacks` exist under vllm_ascend/quantization/ (no single file decides).
     tree_has: Tuple[str, ...] = ()
     tree_lacks: Tuple[str, ...] = ()
-    # --- facts the CPU simulation reads (npu_flashrl.sim.ascend_harness), by line
-    moe_layers: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #   {vLLM layer name: "module:Class"} vllm-ascend's platform swaps in for MoE layers
-    moe_comm_selection: str = "model_runner"
-    #   who picks the MoE comm method: "forward_context" (set_ascend_forward_context itself) or
-    #   "model_runner" (NPUModelRunner._select_moe_comm_method, passed as moe_comm_type=)
-    cpu_moe_forward_unsupported: Optional[str] = None  # why the CPU harness cannot run a MoE forward
-    device_neutral_ops: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #   {qualified op: "module:function"} NPU-only custom ops whose bodies are plain torch
-    per_model_caches: Tuple[str, ...] = ()  # vllm_ascend.utils globals caching "the" model's facts
-    hccl_token_dispatchers: Tuple[str, ...] = ()  # "module:Class" built with HCCL names
-    moe_fusion_flag: Optional[str] = None
-    #   "comm-method module:attribute" of the all-gather comm method's fused gmm+swiglu switch
+    # facts about the same upstream code that only the CPU simulation reads (`npu_flashrl.sim`)
+    sim: "SimFacts"
     quant_method_map: str = ""
     #   "module:ATTR" of the table vllm-ascend picks its scheme classes from by (quant type, layer
     #   type): {(qt, lt): class} (0.23 `_SCHEME_REGISTRY`), {qt: {lt: class}} (0.11
     #   `ASCEND_QUANTIZATION_METHOD_MAP`) or {qt: quantizer class with build_<lt>_method}
     #   (v0.10.1rc1 `SUPPORT_ASCEND_QUANTIZER_TYPE`); `method_class` reads all three
-    weight_prefetch: bool = False  # the static scheme needs utils.set_weight_prefetch_method
     source: str = ""      # how the line was recognised (for `verify` / error messages)
 
     # patch names, the same on every line (their targets and bodies are the line's); the run-once

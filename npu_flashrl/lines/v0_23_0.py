@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from npu_flashrl.lines.base import _Q, PROCESSED_ATTR, StackLine
+from npu_flashrl.lines.base import _Q, PROCESSED_ATTR, SimFacts, StackLine
 
 COMPRESSED_TENSORS = "compressed-tensors"  # vllm_ascend.utils.COMPRESSED_TENSORS_METHOD
 _COMM = "vllm_ascend.ops.fused_moe.moe_comm_method"
@@ -37,8 +37,6 @@ class SchemeRegistryLine(StackLine):
     layout: str = "023"
     quant_config: str = f"{_Q}.modelslim_config:AscendModelSlimConfig"
     linear_method: str = f"{_Q}.method_adapters:AscendLinearMethod"
-    attention: str = "vllm.model_executor.layers.attention.attention:Attention"
-    compile_mode: bool = True
 
     ONCE_NOTE = " (again after vLLM's layerwise restore)"
 
@@ -122,25 +120,29 @@ class SchemeRegistryLine(StackLine):
 
 LINE = SchemeRegistryLine(
     vllm_ascend="0.23.0", vllm="0.23.0", verl="0.9.1", verl_mode="server", label="current",
-    nz="weight_nz_mode",
     tree_has=("methods/registry.py", "modelslim_config.py", "method_adapters.py"),
     tree_lacks=("quant_config.py", "quantizer.py"),
-    # REGISTERED_ASCEND_OPS["FusedMoE"] when vLLM is 0.23.0 (SharedFusedMoE is gone)
-    moe_layers={"FusedMoE": "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE"},
-    moe_comm_selection="forward_context",  # ascend_forward_context.select_moe_comm_method
-    device_neutral_ops={
-        # ops/linear.py: F.linear; AscendUnquantizedLinearMethod.apply (e.g. MoE router gates)
-        "vllm::unquantized_gemm": "vllm_ascend.ops.linear:unquantized_gemm",
-        # ops/register_custom_ops.py: TP all-reduce unless the comm method already reduced
-        "vllm::maybe_all_reduce_tensor_model_parallel":
-            "vllm_ascend.ops.register_custom_ops:_maybe_all_reduce_tensor_model_parallel_impl",
-    },
-    per_model_caches=("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL"),
-    # built only with expert parallelism (`ep_size > 1`)
-    hccl_token_dispatchers=(f"{_COMM}:TokenDispatcherWithMC2", f"{_COMM}:TokenDispatcherWithAll2AllV"),
-    # the all-gather comm method's `use_fusion_ops`, read from additional_config
-    # `ascend_fusion_config.fusion_ops_gmmswigluquant` (default True) when it is built
-    moe_fusion_flag=f"{_COMM}:use_fusion_ops",
+    sim=SimFacts(
+        attention="vllm.model_executor.layers.attention.attention:Attention",
+        compile_mode=True,
+        nz="weight_nz_mode",
+        # REGISTERED_ASCEND_OPS["FusedMoE"] when vLLM is 0.23.0 (SharedFusedMoE is gone)
+        moe_layers={"FusedMoE": "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE"},
+        moe_comm_selection="forward_context",  # ascend_forward_context.select_moe_comm_method
+        device_neutral_ops={
+            # ops/linear.py: F.linear; AscendUnquantizedLinearMethod.apply (e.g. MoE router gates)
+            "vllm::unquantized_gemm": "vllm_ascend.ops.linear:unquantized_gemm",
+            # ops/register_custom_ops.py: TP all-reduce unless the comm method already reduced
+            "vllm::maybe_all_reduce_tensor_model_parallel":
+                "vllm_ascend.ops.register_custom_ops:_maybe_all_reduce_tensor_model_parallel_impl",
+        },
+        per_model_caches=("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL"),
+        # built only with expert parallelism (`ep_size > 1`)
+        hccl_token_dispatchers=(f"{_COMM}:TokenDispatcherWithMC2", f"{_COMM}:TokenDispatcherWithAll2AllV"),
+        # the all-gather comm method's `use_fusion_ops`, read from additional_config
+        # `ascend_fusion_config.fusion_ops_gmmswigluquant` (default True) when it is built
+        moe_fusion_flag=f"{_COMM}:use_fusion_ops",
+        weight_prefetch=True,  # the static scheme needs the model runner's weight-prefetch helper
+    ),
     quant_method_map=f"{_Q}.methods.registry:_SCHEME_REGISTRY",  # (quant_type, layer_type) -> class
-    weight_prefetch=True,  # the static scheme needs the model runner's weight-prefetch helper
 )

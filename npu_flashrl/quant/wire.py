@@ -21,12 +21,12 @@ waiting on.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 
 from npu_flashrl import kernels
+from npu_flashrl.quant import projections
 
 WIRE_INT8 = "int8"
 WIRE_FLOAT = "float"
@@ -69,15 +69,8 @@ PER_CHANNEL_INT8 = WireFormat("per-channel int8")
 SCALE_SUFFIX = PER_CHANNEL_INT8.scale_suffix
 OFFSET_SUFFIX = PER_CHANNEL_INT8.offset_suffix
 
-# HF names of the linear layers the INT8 rollout quantizes (vllm-ascend W8A8 linear and fused-MoE
-# methods): inside a decoder layer, attention and MLP projections, per-expert projections.
-_PROJECTION = re.compile(
-    r"(^|\.)layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+|mlp\.shared_expert)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
-
-
-def is_projection(name: str) -> bool:
-    return bool(_PROJECTION.search(name))
+# HF names of the projections the INT8 rollout quantizes: the one rule (`quant.projections`)
+is_projection = projections.is_projection
 
 
 def scale_name(weight_name: str) -> str:

@@ -158,7 +158,7 @@ class _HcclDispatcherUnavailable:
     """Stand-in for vllm-ascend's MC2 / all-to-all token dispatchers on the CPU harness: they
     dispatch over HCCL, which a gloo process does not have, and their constructors ask the NPU
     backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (which,
-    and when: `StackLine.hccl_token_dispatchers`) and selects them only where all-gather
+    and when: `StackLine.sim.hccl_token_dispatchers`) and selects them only where all-gather
     would not be picked (A2: MC2 from 16 EP ranks on); using one here fails loudly."""
 
     def __init__(self, *args, **kwargs):

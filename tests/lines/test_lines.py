@@ -254,3 +254,19 @@ def test_the_installed_lines_table_holds_the_schemes_classes():
     assert ln.method_class("W8A8", "linear").__name__ == "AscendW8A8LinearMethod"
     assert ln.method_class("NO_SUCH_TYPE", "linear") is None
     assert base.table_entry(table, "W8A8_DYNAMIC", "linear") is dyn
+
+
+def test_the_simulations_line_facts_are_one_sub_object_read_only_by_the_simulation():
+    """The facts only the CPU simulation needs (NZ switch, MoE layer classes, comm selection, ...)
+    are `StackLine.sim` (a `SimFacts`), and no runtime module reads it."""
+    import dataclasses
+    from pathlib import Path
+
+    sim_fields = {f.name for f in dataclasses.fields(base.SimFacts)}
+    assert not sim_fields & {f.name for f in dataclasses.fields(base.StackLine)}
+    assert all(isinstance(ln.sim, base.SimFacts) for ln in lines.LINES)
+    root = Path(base.__file__).resolve().parents[1]
+    readers = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
+               if ".sim." in p.read_text(encoding="utf-8").replace("npu_flashrl.sim.", "")
+               and not p.relative_to(root).as_posix().startswith(("sim/", "rehearsal/", "lines/"))]
+    assert readers == []

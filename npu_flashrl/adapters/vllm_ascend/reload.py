@@ -33,8 +33,7 @@ from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
 logger = get_logger(__name__)
 
-# set on the rollout model by `attach`: its weight sync
-SYNC_ATTR = "_npu_flashrl_loader"
+SYNC_ATTR = lines.SYNC_ATTR  # set on the rollout model by `attach`: its weight sync
 
 
 class WeightSync:

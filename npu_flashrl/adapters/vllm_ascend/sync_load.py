@@ -15,6 +15,7 @@ from typing import Iterable, List, Set, Tuple
 import torch
 
 from npu_flashrl.adapters.vllm_ascend.sync import failure_reason
+from npu_flashrl.adapters.vllm_ascend.targets import no_moe
 from npu_flashrl.quant import WeightSyncError
 
 
@@ -142,7 +143,7 @@ class SyncLoad:
             return False
         if not payload.with_scale and target.scheme.needs_scales:
             # the profile quantizer keeps scales: refused at attach for MoE
-            raise WeightSyncError(f"{name}: {self.quantizer.name} gives no expert scales")
+            raise no_moe(self.quantizer, name, f"{target.path} is a fused-MoE layer")
         if st.staged.open(target, payload.with_scale, in_place).in_place:
             # the live layer holds this shard from now on, its other shards until they come:
             # any failure of the sync from here on leaves the model refusing to generate

@@ -74,11 +74,8 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
 
     experts = targets.moe()
     if experts and getattr(quantizer, "dense_only", False):
-        raise WeightSyncError(
-            f"{next(iter(experts))}: {type(model).__name__} is a MoE model and fn "
-            f"{quantizer.name!r} (FlashRL's int8 profile) knows the dense projections "
-            f"only ({len(experts)} expert weights have no profile entry); use fn "
-            "'int8_profile_free' (fresh per-channel scales per expert at every sync)")
+        raise no_moe(quantizer, next(iter(experts)),
+                     f"{type(model).__name__} is a MoE model ({len(experts)} expert weights)")
     linear = targets.linear()
     bad = []
     for name in linear:
@@ -97,3 +94,13 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
     shapes.update((n, tuple(p.shape)) for n, p in params.items()
                   if n.rsplit(".", 1)[0] not in targets.layers)
     quantizer.check_model(shapes, f"the rollout model ({type(model).__name__})")
+
+
+def no_moe(quantizer, name: str, what: str):
+    """The refusal of a quantizer that cannot serve fused-MoE experts (FlashRL's profile): one
+    spelling, at the engine build and (should one get past it) at a sync."""
+    from npu_flashrl.quant import WeightSyncError
+    from npu_flashrl.quant.profile import MOE_FIX, MOE_REASON
+
+    return WeightSyncError(f"{name}: {what} and fn {quantizer.name!r} cannot serve it: {MOE_REASON}; "
+                           + MOE_FIX.replace("--fn ", "fn ", 1))

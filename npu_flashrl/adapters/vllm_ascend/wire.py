@@ -27,11 +27,12 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from npu_flashrl.config import FN_INT8_PROFILE_FREE
 from npu_flashrl.quant import WeightSyncError
 from npu_flashrl.quant.wire import PER_CHANNEL_INT8, WireFormat
 
 # the only quantizer whose scales the trainer can reproduce (fresh absmax/127 per row)
-WIRE_FN = "int8_profile_free"
+WIRE_FN = FN_INT8_PROFILE_FREE
 
 
 def _short(dtype: torch.dtype) -> str:
