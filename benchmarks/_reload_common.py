@@ -120,7 +120,7 @@ def flashrl_style_reload(model, weights):
             for attr in DERIVED_ATTRS:
                 if isinstance(getattr(module, attr, None), torch.Tensor):
                     saved[(mname, attr)] = getattr(module, attr)
-    loader._original(loader._cold_stream(weights))
+    loader._original(loader.cold.stream(weights, loader.quantizer))
     process_weights_after_loading(model, model._bench_model_config, torch.device("cpu"))
     with torch.no_grad():
         for (mname, pname), old in saved.items():

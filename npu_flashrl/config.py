@@ -38,6 +38,7 @@ import yaml
 from npu_flashrl._files import special_file_problem
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
+from npu_flashrl.quant import wire as _wire
 from npu_flashrl.quant.registry import names as _quantizer_names
 
 logger = get_logger(__name__)
@@ -99,9 +100,10 @@ SHORTCUTS = (FN_BF16, FN_INT8_PROFILE_FREE)
 
 _KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend",
                "wire")
-# `wire`: what the trainer sends at a weight sync (npu_flashrl.quant.wire): "float" (default,
-# the trainer's dtype) or "int8" (projections quantized on the trainer, W8A8_DYNAMIC names).
-WIRES = ("float", "int8")
+# `wire`: what the trainer sends at a weight sync (npu_flashrl.quant.wire, the one home of these
+# names): "float" (default, the trainer's dtype) or "int8" (projections quantized on the trainer,
+# W8A8_DYNAMIC names).
+WIRES = _wire.WIRES
 # Keys FlashRL 1.0.3 reads besides ours: kept in `extra` and written back untouched.
 FLASHRL_EXTRA_KEYS = ("module_attribute_to_preserve",)
 
@@ -247,7 +249,7 @@ def _check_wire(fn: str, wire: Optional[str], where: str) -> None:
         return
     if wire.strip() not in WIRES:
         raise ConfigError(f"{where}.wire: expected one of {', '.join(WIRES)}; got {wire!r}")
-    if wire.strip() == "int8" and fn != FN_INT8_PROFILE_FREE:
+    if wire.strip() == _wire.WIRE_INT8 and fn != FN_INT8_PROFILE_FREE:
         why = ("FlashRL's int8 profile (fixed, profiled scales) lives on the rollout only, so the "
                "trainer cannot quantize as the rollout does" if fn == FN_INT8
                else "a bf16 rollout takes full-precision weights")
@@ -257,7 +259,7 @@ def _check_wire(fn: str, wire: Optional[str], where: str) -> None:
 
 def wire_of(cfg: "FlashRLConfig") -> str:
     """What the trainer sends: one stream reaches every replica, so every entry must agree."""
-    wires = {(e.wire or "float").strip() for e in cfg.entries}
+    wires = {(e.wire or _wire.WIRE_FLOAT).strip() for e in cfg.entries}
     if len(wires) > 1:
         raise ConfigError(f"{cfg.path or '<config>'}: entries disagree on `wire` ({sorted(wires)}); "
                           "the trainer sends one stream to every rollout replica, so a hybrid "

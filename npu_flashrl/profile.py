@@ -38,6 +38,8 @@ from npu_flashrl._files import special_file_problem
 from npu_flashrl._logging import get_logger
 from npu_flashrl.checkpoint import SafetensorsCheckpoint, _first_line  # noqa: F401  (re-exported)
 from npu_flashrl.errors import ProfileError  # noqa: F401  (re-exported: npu_flashrl.profile.ProfileError)
+from npu_flashrl.quant.projections import is_dense_projection
+from npu_flashrl.quant.profile import MOE_FIX  # noqa: F401  (one home; verify / commands import it here)
 from npu_flashrl.quant.profile import (  # noqa: F401  (the profile's name rules live with its quantizer)
     INPUT_LINEAR_MAP, LAYERNORM_KEY, OUTPUT_LINEAR_MAP, profile_entry_names, profile_problems)
 
@@ -124,7 +126,7 @@ class _CheckpointPair:
 
     def _refuse_int8_base(self) -> None:
         bf16 = self.bf16
-        int8_in_bf16 = sorted((n for n in bf16.names() if _PROJECTION.search(n) and bf16.dtype(n) == "I8"),
+        int8_in_bf16 = sorted((n for n in bf16.names() if is_dense_projection(n) and bf16.dtype(n) == "I8"),
                               key=_order_key)
         if int8_in_bf16:
             bf16.close()
@@ -411,9 +413,7 @@ def expected_profile_names(model_dir: str) -> List[str]:
         ckpt.close()
 
 
-_PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-MOE_FIX = "use --fn int8_profile_free (fresh per-channel scales for every expert at every sync)"
 
 
 def moe_profile_problem(model_dir: str) -> Optional[str]:
@@ -448,7 +448,7 @@ def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
         return [str(exc)]
     problems: List[str] = []
     try:
-        projections = sorted((n for n in ckpt.names() if _PROJECTION.search(n)), key=_order_key)
+        projections = sorted((n for n in ckpt.names() if is_dense_projection(n)), key=_order_key)
         if not projections:
             return [f"{model_dir}: no q/k/v/o/gate/up/down_proj weights in its safetensors"]
         int8 = [n for n in projections if ckpt.dtype(n) == "I8"]

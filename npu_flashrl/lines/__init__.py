@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Optional
 
 from npu_flashrl.lines.base import (  # noqa: F401
-    GET_QUANT_CONFIG_TARGET, INITIALIZE_MODEL_TARGET, PatchBodies, StackLine, resolve)
+    GET_QUANT_CONFIG_TARGET, INITIALIZE_MODEL_TARGET, POLICY_ATTR, PROCESSED_ATTR, SYNC_ATTR,
+    PatchBodies,
+    StackLine, resolve)
 from npu_flashrl.lines.detect import (  # noqa: F401
     LINES, UnsupportedVersion, current, line_for_tree, line_for_version, supported)
 from npu_flashrl.lines import verl  # noqa: F401

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
-from npu_flashrl.lines.base import _Q, StackLine
+from npu_flashrl.lines.base import _Q, SimFacts, StackLine
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -19,14 +19,10 @@ class QuantConfigLine(StackLine):
     layout: str = "011"
     quant_config: str = f"{_Q}.quant_config:AscendQuantConfig"
     linear_method: str = f"{_Q}.quant_config:AscendLinearMethod"
-    static_method: str = f"{_Q}.w8a8:AscendW8A8LinearMethod"
-    dynamic_method: str = f"{_Q}.w8a8_dynamic:AscendW8A8DynamicLinearMethod"
-    attention: str = "vllm.attention.layer:Attention"
-    compile_mode: bool = False
     # `vllm_ascend.torchair.utils` imports torchair unguarded (its graph-mode model runner)
     emulated_packages: Tuple[str, ...] = ("torch_npu", "torchair")
 
-    def unsupported_reason(self, inner) -> str:
+    def refused_reason(self, inner):
         cls = type(inner)
         if cls.__name__.startswith("Torchair") or cls.__module__.startswith("vllm_ascend.torchair"):
             # Same [in, out] + NZ layout as the eager method, but its post-processing is not made
@@ -35,23 +31,30 @@ class QuantConfigLine(StackLine):
                     "online INT8 reload does not support; build the rollout engine without "
                     "torchair graph mode (additional_config torchair_graph_config.enabled=false, "
                     "the default)")
-        return super().unsupported_reason(inner)
+        return None
 
+
+# what the CPU simulation reads of this layout's vLLM (0.10 / 0.11)
+SIM_011 = dict(attention="vllm.attention.layer:Attention", compile_mode=False)
 
 LINE = QuantConfigLine(
     vllm_ascend="0.10.1rc1", vllm="0.10.1", verl="51d2104", verl_mode="sync", label="pinned",
-    nz="always",  # W8A8 weights are NZ-cast unconditionally
+    sim=SimFacts(
+        **SIM_011,
+        nz="always",  # W8A8 weights are NZ-cast unconditionally
+        # `utils.register_ascend_customop`: FusedMoE only. Its constructor allocates the comm
+        # methods' buffers on the NPU (distributed/moe_comm_method.py): the CPU harness does not
+        # register it.
+        moe_layers={"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE"},
+        cpu_moe_forward_unsupported=(
+            "vllm-ascend v0.10.1rc1's model runner dispatches every MoE batch within the MC2 "
+            "token capacity with MC2 (HCCL collectives), expert parallelism or not; the CPU "
+            "harness runs the all-gather dispatch of 0.11 / 0.23 only (seen besides: its "
+            "built experts are not in the processed [E, H, 2I] layout; not investigated)"),
+        # no per-model caches, no HCCL-named dispatchers (its fused-MoE layer builds no comm methods)
+    ),
     tree_has=("quantizer.py", "quant_config.py", "w8a8_dynamic.py"),
     tree_lacks=("utils.py", "methods/registry.py"),
-    # `utils.register_ascend_customop`: FusedMoE only. Its constructor allocates the comm methods'
-    # buffers on the NPU (distributed/moe_comm_method.py): the CPU harness does not register it.
-    moe_layers={"FusedMoE": "vllm_ascend.ops.common_fused_moe:AscendFusedMoE"},
-    cpu_moe_forward_unsupported=(
-        "vllm-ascend v0.10.1rc1's model runner dispatches every MoE batch within the MC2 "
-        "token capacity with MC2 (HCCL collectives), expert parallelism or not; the CPU "
-        "harness runs the all-gather dispatch of 0.11 / 0.23 only (seen besides: its "
-        "built experts are not in the processed [E, H, 2I] layout; not investigated)"),
     # quantizer classes, not method classes, in this line's table
     quant_method_map=f"{_Q}.quantizer:SUPPORT_ASCEND_QUANTIZER_TYPE",
-    # no per-model caches, no HCCL-named dispatchers (its fused-MoE layer builds no comm methods)
 )

@@ -4,8 +4,8 @@ switched by `utils._ENABLE_NZ`, MoE layers include SharedFusedMoE and build thei
 (MC2's dispatcher asks HCCL for a name), and vllm-ascend caches "is MoE" per process."""
 from __future__ import annotations
 
-from npu_flashrl.lines.base import _Q
-from npu_flashrl.lines.v0_10_1rc1 import QuantConfigLine
+from npu_flashrl.lines.base import _Q, SimFacts
+from npu_flashrl.lines.v0_10_1rc1 import SIM_011, QuantConfigLine
 
 _MOE = "vllm_ascend.ops.common_fused_moe"
 
@@ -22,16 +22,19 @@ _MLA_STALE = ("verl 0.6.1's sync-mode update_weights calls model.load_weights an
 
 LINE = QuantConfigLine(
     vllm_ascend="0.11.0", vllm="0.11.0", verl="0.6.1", verl_mode="sync", label="0.11",
-    nz="utils_flag",
     # 0.13.0 keeps these files and adds compressed_tensors/: not taken for 0.11.0
     tree_has=("quant_config.py", "utils.py", "w8a8_dynamic.py"),
     tree_lacks=("quantizer.py", "methods/registry.py", "compressed_tensors/compressed_tensors.py"),
-    # `utils.register_ascend_customop`, REGISTERED_ASCEND_OPS
-    moe_layers={"FusedMoE": f"{_MOE}:AscendFusedMoE", "SharedFusedMoE": f"{_MOE}:AscendSharedFusedMoE"},
-    # ops/moe/moe_comm_method.py builds TokenDispatcherWithMC2 for every layer (its all-to-all
-    # dispatcher needs no HCCL name)
-    hccl_token_dispatchers=("vllm_ascend.ops.moe.moe_comm_method:TokenDispatcherWithMC2",),
-    per_model_caches=("_IS_MOE_MODEL",),
+    sim=SimFacts(
+        **SIM_011,
+        nz="utils_flag",
+        # `utils.register_ascend_customop`, REGISTERED_ASCEND_OPS
+        moe_layers={"FusedMoE": f"{_MOE}:AscendFusedMoE", "SharedFusedMoE": f"{_MOE}:AscendSharedFusedMoE"},
+        # ops/moe/moe_comm_method.py builds TokenDispatcherWithMC2 for every layer (its all-to-all
+        # dispatcher needs no HCCL name)
+        hccl_token_dispatchers=("vllm_ascend.ops.moe.moe_comm_method:TokenDispatcherWithMC2",),
+        per_model_caches=("_IS_MOE_MODEL",),
+    ),
     quant_method_map=f"{_Q}.utils:ASCEND_QUANTIZATION_METHOD_MAP",
     refused_architectures={"DeepseekV2ForCausalLM": _MLA_STALE, "DeepseekV3ForCausalLM": _MLA_STALE},
 )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from npu_flashrl.lines.base import _Q, StackLine
+from npu_flashrl.lines.base import _Q, PROCESSED_ATTR, SimFacts, StackLine
 from npu_flashrl.marks import marked
 
 COMPRESSED_TENSORS = "compressed-tensors"  # vllm_ascend.utils.COMPRESSED_TENSORS_METHOD
@@ -38,14 +38,8 @@ class SchemeRegistryLine(StackLine):
     layout: str = "023"
     quant_config: str = f"{_Q}.modelslim_config:AscendModelSlimConfig"
     linear_method: str = f"{_Q}.method_adapters:AscendLinearMethod"
-    static_method: str = f"{_Q}.methods.w8a8_static:AscendW8A8LinearMethod"
-    dynamic_method: str = f"{_Q}.methods.w8a8_dynamic:AscendW8A8DynamicLinearMethod"
-    attention: str = "vllm.model_executor.layers.attention.attention:Attention"
-    compile_mode: bool = True
 
-    WHY_DYNAMIC = "post-processing runs once per layer (again after vLLM's layerwise restore)"
-    WHY_STATIC = "post-processing runs once per layer; ModelSlim float bias folded into quant_bias"
-    WHY_MOE = "fused-MoE post-processing runs once per layer (again after vLLM's layerwise restore)"
+    ONCE_NOTE = " (again after vLLM's layerwise restore)"
 
     def vllm_config_in_build(self):
         """None outside `set_current_vllm_config` (this vLLM's `get_current_vllm_config` asserts
@@ -63,7 +57,7 @@ class SchemeRegistryLine(StackLine):
         dims = 1  # linear: [out]; fused MoE: [E, 2I] (restored: [E, 2I, 1])
         if scale is None:
             scale, dims = getattr(layer, "w13_weight_scale", None), 2
-        return marked(layer, "_npu_flashrl_processed") and \
+        return marked(layer, PROCESSED_ATTR) and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
     def layerwise_reload_active(self, model) -> bool:
@@ -90,7 +84,9 @@ class SchemeRegistryLine(StackLine):
         for which, name in (("w13", "fused_w1_scale"), ("w2", "fused_w2_scale")):
             fused = getattr(layer, name, None)
             if isinstance(fused, torch.Tensor):
-                convert = importlib.import_module(self.dynamic_method.partition(":")[0]).scale_from_float_to_int64
+                # the module of the layer's own scheme class (methods/w8a8_dynamic.py)
+                scheme = getattr(getattr(layer, "quant_method", None), "quant_method", None)
+                convert = importlib.import_module(type(scheme).__module__).scale_from_float_to_int64
                 with torch.no_grad():
                     fused.copy_(convert(getattr(layer, f"{which}_weight_scale").data).view(fused.shape))
 
@@ -119,37 +115,42 @@ class SchemeRegistryLine(StackLine):
 
         def process_weights_after_loading(scheme, layer):
             if not self.is_processed(layer):
-                layer._npu_flashrl_processed = False
+                setattr(layer, PROCESSED_ATTR, False)
             return once(scheme, layer)
         return process_weights_after_loading
 
-    def _prepare_schemes(self) -> None:
+    def _method_table(self):
+        """`_SCHEME_REGISTRY`, filled: the `methods` package imports every scheme module."""
         self.import_quantization()
-        importlib.import_module(self.dynamic_method.partition(":")[0])
-        importlib.import_module(self.static_method.partition(":")[0])
+        importlib.import_module(self.quant_method_map.partition(":")[0].rpartition(".")[0])
+        return super()._method_table()
 
 
 LINE = SchemeRegistryLine(
     vllm_ascend="0.23.0", vllm="0.23.0", verl="0.9.1", verl_mode="server", label="current",
-    nz="weight_nz_mode",
     tree_has=("methods/registry.py", "modelslim_config.py", "method_adapters.py"),
     tree_lacks=("quant_config.py", "quantizer.py"),
-    # REGISTERED_ASCEND_OPS["FusedMoE"] when vLLM is 0.23.0 (SharedFusedMoE is gone)
-    moe_layers={"FusedMoE": "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE"},
-    moe_comm_selection="forward_context",  # ascend_forward_context.select_moe_comm_method
-    device_neutral_ops={
-        # ops/linear.py: F.linear; AscendUnquantizedLinearMethod.apply (e.g. MoE router gates)
-        "vllm::unquantized_gemm": "vllm_ascend.ops.linear:unquantized_gemm",
-        # ops/register_custom_ops.py: TP all-reduce unless the comm method already reduced
-        "vllm::maybe_all_reduce_tensor_model_parallel":
-            "vllm_ascend.ops.register_custom_ops:_maybe_all_reduce_tensor_model_parallel_impl",
-    },
-    per_model_caches=("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL"),
-    # built only with expert parallelism (`ep_size > 1`)
-    hccl_token_dispatchers=(f"{_COMM}:TokenDispatcherWithMC2", f"{_COMM}:TokenDispatcherWithAll2AllV"),
-    # the all-gather comm method's `use_fusion_ops`, read from additional_config
-    # `ascend_fusion_config.fusion_ops_gmmswigluquant` (default True) when it is built
-    moe_fusion_flag=f"{_COMM}:use_fusion_ops",
+    sim=SimFacts(
+        attention="vllm.model_executor.layers.attention.attention:Attention",
+        compile_mode=True,
+        nz="weight_nz_mode",
+        # REGISTERED_ASCEND_OPS["FusedMoE"] when vLLM is 0.23.0 (SharedFusedMoE is gone)
+        moe_layers={"FusedMoE": "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE"},
+        moe_comm_selection="forward_context",  # ascend_forward_context.select_moe_comm_method
+        device_neutral_ops={
+            # ops/linear.py: F.linear; AscendUnquantizedLinearMethod.apply (e.g. MoE router gates)
+            "vllm::unquantized_gemm": "vllm_ascend.ops.linear:unquantized_gemm",
+            # ops/register_custom_ops.py: TP all-reduce unless the comm method already reduced
+            "vllm::maybe_all_reduce_tensor_model_parallel":
+                "vllm_ascend.ops.register_custom_ops:_maybe_all_reduce_tensor_model_parallel_impl",
+        },
+        per_model_caches=("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL"),
+        # built only with expert parallelism (`ep_size > 1`)
+        hccl_token_dispatchers=(f"{_COMM}:TokenDispatcherWithMC2", f"{_COMM}:TokenDispatcherWithAll2AllV"),
+        # the all-gather comm method's `use_fusion_ops`, read from additional_config
+        # `ascend_fusion_config.fusion_ops_gmmswigluquant` (default True) when it is built
+        moe_fusion_flag=f"{_COMM}:use_fusion_ops",
+        weight_prefetch=True,  # the static scheme needs the model runner's weight-prefetch helper
+    ),
     quant_method_map=f"{_Q}.methods.registry:_SCHEME_REGISTRY",  # (quant_type, layer_type) -> class
-    weight_prefetch=True,  # the static scheme needs the model runner's weight-prefetch helper
 )

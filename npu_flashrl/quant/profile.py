@@ -77,6 +77,13 @@ def profile_problems(profile: Mapping[str, Mapping], shapes: Mapping[str, Sequen
     return problems
 
 
+# Why FlashRL's profile cannot serve a MoE model, and the fix: the one spelling (the engine build,
+# `npu-flashrl profile`, `verify` and `setup` all say it).
+MOE_REASON = ("FlashRL's int8 profile knows the dense projections only (no expert has an entry, "
+              "and it keeps the checkpoint's scales, which experts do not have online)")
+MOE_FIX = "use --fn int8_profile_free (fresh per-channel scales for every expert at every sync)"
+
+
 @register_quantizer("int8")
 class ProfileQuantizer(OnlineQuantizer):
     """FlashRL's `int8` profile: fixed scales (the checkpoint's weight_scale stays), layernorm

@@ -7,6 +7,7 @@ import random
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from npu_flashrl import lines
 from npu_flashrl.rehearsal.common import RehearsalError, progress_bar
 from npu_flashrl.rehearsal.trainer import target_logp
 
@@ -184,7 +185,7 @@ def run_variant(variant: Variant, run: Rollouts
             model = v.model
             info["model_dir"] = getattr(v, "model_dir", None)
             info["quantization"] = getattr(v, "quantization", None)
-            loader = getattr(model, "_npu_flashrl_loader", None)
+            loader = getattr(model, lines.SYNC_ATTR, None)
             info["int8_loader"] = loader is not None
             experts = getattr(loader, "experts", None) or {}
             info["quantized_layers"] = len({t.path for t in loader.targets.values()} |

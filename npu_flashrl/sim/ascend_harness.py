@@ -5,7 +5,7 @@ targets, eager compilation, logits outside the engine.
 
 This writes vllm-ascend's private globals on purpose: it is the harness standing in for the
 worker, never called by runtime code. What differs per line is data on the installed line
-(`npu_flashrl.lines`: `nz`, `moe_layers`, `moe_comm_selection`, `device_neutral_ops`, ...).
+(`npu_flashrl.lines`, each line's `sim` facts: `nz`, `moe_layers`, `moe_comm_selection`, `device_neutral_ops`, ...).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def set_vllm_ascend_flags(is_310p: bool = False, enable_nz: bool = True) -> None
     `AscendConfig.weight_nz_mode` when its config is initialised (`init_vllm_ascend_config`) and
     the device type from `_build_info`."""
     utils = _utils()
-    nz = current().nz
+    nz = current().sim.nz
     if nz == "weight_nz_mode":
         utils._ascend_device_type = utils.AscendDeviceType._310P if is_310p else utils.AscendDeviceType.A2
         os.environ["VLLM_ASCEND_ENABLE_NZ"] = "1" if enable_nz else "0"
@@ -58,7 +58,7 @@ def init_vllm_ascend_config(vllm_config) -> None:
 
     W8A8 `apply` reads it where it exists; on "weight_nz_mode" lines it also holds the NZ mode,
     and the static W8A8 method needs the weight-prefetch helper the model runner sets up from it
-    (`current().weight_prefetch`)."""
+    (`current().sim.weight_prefetch`)."""
     try:
         ascend_config = importlib.import_module("vllm_ascend.ascend_config")
     except ImportError:
@@ -67,7 +67,7 @@ def init_vllm_ascend_config(vllm_config) -> None:
     if init is None:  # a line without a per-engine config the W8A8 path reads
         return
     cfg = init(vllm_config)
-    if current().weight_prefetch:
+    if current().sim.weight_prefetch:
         _utils().set_weight_prefetch_method(cfg.weight_prefetch_config)
 
 
@@ -84,7 +84,7 @@ def nz_flag_target():
     """(object, attribute) that switches the NZ cast of W8A8 weights, for tests to monkeypatch
     with a bool: `utils._ENABLE_NZ` or the initialised `AscendConfig.weight_nz_mode`. None on a
     line that casts unconditionally."""
-    nz = current().nz
+    nz = current().sim.nz
     if nz == "utils_flag":
         return _utils(), "_ENABLE_NZ"
     if nz == "weight_nz_mode":
@@ -98,7 +98,7 @@ def nz_flag_target():
 
 def nz_enabled() -> bool:
     """Whether vllm-ascend NZ-casts int8 W8A8 weights in this process."""
-    nz = current().nz
+    nz = current().sim.nz
     if nz == "always":
         return True
     utils = _utils()
@@ -126,18 +126,18 @@ def compute_logits(model, hidden_states):
 
 def vllm_attention_class():
     """vLLM's Attention layer (where the installed line's vLLM keeps it)."""
-    return resolve(current().attention)
+    return resolve(current().sim.attention)
 
 
 def eager_compilation_config(native_ops: bool = True):
     """vLLM's CompilationConfig for eager PyTorch (no torch.compile): `mode=CompilationMode.NONE`
-    where vLLM takes `mode` (`current().compile_mode`), else `level=0`. `native_ops`: plain torch
+    where vLLM takes `mode` (`current().sim.compile_mode`), else `level=0`. `native_ops`: plain torch
     instead of the platform's custom ops (the CPU harness, where the compiled kernels are absent);
     False keeps the NPU's own ops (the rehearsal on hardware)."""
     from vllm import config as vcfg
 
     ops = {"custom_ops": ["none"]} if native_ops else {}
-    if current().compile_mode:
+    if current().sim.compile_mode:
         return vcfg.CompilationConfig(mode=vcfg.CompilationMode.NONE, **ops)
     return vcfg.CompilationConfig(level=0, **ops)
 
@@ -146,11 +146,11 @@ def eager_compilation_config(native_ops: bool = True):
 # vllm-ascend replaces vLLM's FusedMoE layer by its own (a PluggableLayer / CustomOp out-of-tree
 # registration in `utils.register_ascend_customop`), and its model runner runs every forward inside
 # `ascend_forward_context.set_ascend_forward_context`, which carries the MoE communication method
-# the fused-MoE layers dispatch through. Where each line keeps them: `current().moe_layers`.
+# the fused-MoE layers dispatch through. Where each line keeps them: `current().sim.moe_layers`.
 
 def ascend_moe_layer_classes() -> dict:
     """{vLLM layer name: vllm-ascend class} of the MoE layers the NPU platform swaps in."""
-    return {name: resolve(path) for name, path in current().moe_layers.items()}
+    return {name: resolve(path) for name, path in current().sim.moe_layers.items()}
 
 
 def register_ascend_moe_layers() -> list:
@@ -191,7 +191,7 @@ def moe_comm_type(vllm_config, num_tokens: int):
     rule is the one an NPU-free process can meet: no expert parallelism -> ALLGATHER (MC2 /
     all-to-all are expert-parallel dispatches over HCCL). Expert parallelism is refused here."""
     fc = importlib.import_module("vllm_ascend.ascend_forward_context")
-    if current().moe_comm_selection == "forward_context":
+    if current().sim.moe_comm_selection == "forward_context":
         return fc.select_moe_comm_method(num_tokens, vllm_config)
     unsupported = cpu_moe_forward_unsupported()
     if unsupported:
@@ -206,7 +206,7 @@ def moe_comm_type(vllm_config, num_tokens: int):
 
 def cpu_moe_forward_unsupported() -> Optional[str]:
     """Why the CPU harness cannot run a MoE forward on this line, or None when it can."""
-    return current().cpu_moe_forward_unsupported
+    return current().sim.cpu_moe_forward_unsupported
 
 
 def _is_moe(vllm_config) -> bool:
@@ -227,10 +227,10 @@ def ascend_forward_context(vllm_config, num_tokens: int, model=None):
     MoE forward the harness cannot run)."""
     fc = importlib.import_module("vllm_ascend.ascend_forward_context")
     ln = current()
-    if ln.moe_comm_selection == "forward_context":
+    if ln.sim.moe_comm_selection == "forward_context":
         return fc.set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens,
                                              model_instance=model)
-    if ln.cpu_moe_forward_unsupported is not None and not _config_is_moe(vllm_config):
+    if ln.sim.cpu_moe_forward_unsupported is not None and not _config_is_moe(vllm_config):
         # a dense model's layers read nothing from it on such a line; its MoE models are refused
         return contextlib.nullcontext()
     comm = moe_comm_type(vllm_config, num_tokens)
@@ -241,19 +241,19 @@ def ascend_forward_context(vllm_config, num_tokens: int, model=None):
 
 def device_neutral_ascend_ops() -> dict:
     """{qualified op name: upstream body} of vllm-ascend's NPU-only custom ops whose bodies are
-    device-neutral torch code (`current().device_neutral_ops`); importing the bodies' modules is
+    device-neutral torch code (`current().sim.device_neutral_ops`); importing the bodies' modules is
     what registers the ops."""
-    return {name: resolve(path) for name, path in current().device_neutral_ops.items()}
+    return {name: resolve(path) for name, path in current().sim.device_neutral_ops.items()}
 
 
 def forget_served_model() -> None:
     """Clear vllm-ascend's per-process facts about THE model its worker serves (module globals in
-    vllm_ascend.utils, filled on first use: `current().per_model_caches`) before another model is
+    vllm_ascend.utils, filled on first use: `current().sim.per_model_caches`) before another model is
     built in the same process (the CPU harness builds several; on an NPU a worker serves one).
     Without this a MoE model built after a dense one is taken for dense: no MoE comm method in
     its forward context."""
     utils = _utils()
-    for name in current().per_model_caches:
+    for name in current().sim.per_model_caches:
         if hasattr(utils, name):
             setattr(utils, name, None)
 
@@ -262,17 +262,17 @@ def hccl_token_dispatchers() -> Tuple[Tuple[str, str], ...]:
     """(module, name) of each token dispatcher class vllm-ascend's fused-MoE layers construct
     whose constructor asks `torch.device("npu")`'s HCCL backend for a communicator name, as the
     comm-method module sees it (`setup_moe_comm_method` builds the comm methods with every MoE
-    layer): `current().hccl_token_dispatchers`."""
-    return tuple(tuple(path.split(":")) for path in current().hccl_token_dispatchers)
+    layer): `current().sim.hccl_token_dispatchers`."""
+    return tuple(tuple(path.split(":")) for path in current().sim.hccl_token_dispatchers)
 
 
 def moe_gmm_swiglu_fusion_flag():
     """(object, attribute) that makes vllm-ascend's all-gather MoE path use the fused
     gate_up-matmul + swiglu + quant kernel (True) or npu_grouped_matmul, npu_swiglu and
-    npu_dynamic_quant (False), for tests to monkeypatch (`current().moe_fusion_flag`: the comm
+    npu_dynamic_quant (False), for tests to monkeypatch (`current().sim.moe_fusion_flag`: the comm
     method's switch, read from additional_config when the comm methods are built). None on a
     line whose W8A8 MoE always fuses."""
-    flag = current().moe_fusion_flag
+    flag = current().sim.moe_fusion_flag
     if flag is None:
         return None
     module, _, attr = flag.partition(":")

@@ -39,6 +39,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from npu_flashrl import lines
+
 SETUP_HOOK = "npu_flashrl.sim.checkpoint_engine_rig.setup_worker"
 
 
@@ -263,7 +265,7 @@ def _server_cls():
         def ready(self) -> dict:
             from npu_flashrl import patches
 
-            return {"pid": os.getpid(), "loader": getattr(self.model, "_npu_flashrl_loader", None) is not None,
+            return {"pid": os.getpid(), "loader": getattr(self.model, lines.SYNC_ATTR, None) is not None,
                     "patches": sorted(p["name"] for p in patches.status() if p.get("applied"))}
 
         def state(self) -> Dict[str, float]:

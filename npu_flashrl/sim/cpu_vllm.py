@@ -41,7 +41,8 @@ def prepare_process(enable_nz: bool = True) -> None:
     cls = _platform_cls()
     if not isinstance(platforms._current_platform, cls):
         platforms._current_platform = cls()
-    current().quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    # registers "ascend" with vLLM and vllm-ascend's custom ops; imports the scheme classes
+    current().method_class("W8A8_DYNAMIC", "linear")
     cls.supported_quantization = _npu_supported_quantization()
     _register_ascend_compressed_tensors()
     emulation.register_cpu_ops()
@@ -132,7 +133,7 @@ def _mc2_without_hccl() -> None:
     The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
     import importlib
 
-    module = importlib.import_module(current().moe_method.partition(":")[0])
+    module = importlib.import_module(current().method_class("W8A8_DYNAMIC", "moe").__module__)
     original = getattr(module, "get_mc2_group", None)
     if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return
@@ -157,7 +158,7 @@ class _HcclDispatcherUnavailable:
     """Stand-in for vllm-ascend's MC2 / all-to-all token dispatchers on the CPU harness: they
     dispatch over HCCL, which a gloo process does not have, and their constructors ask the NPU
     backend for an HCCL communicator name. vllm-ascend builds them with the MoE layers (which,
-    and when: `StackLine.hccl_token_dispatchers`) and selects them only where all-gather
+    and when: `StackLine.sim.hccl_token_dispatchers`) and selects them only where all-gather
     would not be picked (A2: MC2 from 16 EP ranks on); using one here fails loudly."""
 
     def __init__(self, *args, **kwargs):

@@ -17,12 +17,15 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # benchmarks/reload.py --tiny --layers 2: 4.0 MB of bf16 weights per sync (launches, bytes read,
 # bytes written, peak extra bytes)
 RELOAD_TINY = {"a": (29, 4002304, 4002304, 0),
-               "b": (502, 25919028, 17463586, 1272832),
+               "b": (515, 26972212, 18516770, 1800192),
                "c": (438, 28897072, 21475468, 3639808),
                "d": (501, 31405360, 21456012, 1108224)}
 # (c) and (d) each +1474560 bytes read and written, +8 launches, since the emulated npu_format_cast
 # returns a converted copy and leaves its input as it was, as torch_npu documents (it re-tagged
 # its input before): the NZ cast is a real read and write on an NPU too.
+# (b) +1053184 bytes read and written, +13 launches, +527360 peak extra bytes since a streamed
+# float tensor (embedding, norms, biases) that waits for its group's write is copied once (a
+# generator may refill the buffer it yielded; vLLM's own loader copies each tensor as it comes).
 MARGIN = 0.03
 
 
@@ -65,7 +68,7 @@ def test_reload_counts_held_at_tiny_shapes(tmp_path):
     assert r["counts"]["a"]["read_bytes"] == r["weight_bytes"]
     assert r["counts"]["b"]["by_op"].get("round_", 0) <= 2 * 14  # 14 projections, <= 2 chunks each
     assert r["count_ratios"]["traffic_c_b"] == pytest.approx(
-        (28897072 + 21475468) / (25919028 + 17463586), rel=0.05)
+        (28897072 + 21475468) / (26972212 + 18516770), rel=0.05)
     # the device counts (sim.device_costs): the quantizer one kernel mix, not CPU chunks; the
     # in-place reload within 2.5x of the limit and flat in the layer count, FlashRL-style not
     dev, dc = r["device"], r["device_counts"]

@@ -128,19 +128,20 @@ def test_deepseek_v3_cold_load_and_three_syncs_equal_fresh_int8_loads(va, deepse
 
 def test_deepseek_v3_int8_wire_equals_a_fresh_load(va, deepseek):
     """The INT8 wire's receiving end (trainer stream through `quant.wire.int8_wire`, random
-    buckets): the wire's name rule knows o_proj and the dense / routed-expert projections
-    (int8 + scale on the wire); the MLA q_a / kv_a / q_b projections and the shared experts
-    (`mlp.shared_experts.*`) travel as bf16 and are quantized on arrival. Either way the state
-    equals a fresh INT8 load, bit for bit."""
+    buckets): the wire's name rule (`quant.projections`, one home) knows every projection the
+    rollout quantizes: o_proj, MLA's q_a / kv_a / q_b, the dense MLP, the routed experts and the
+    shared experts (`mlp.shared_experts.*`) all travel as int8 + scale (before, MLA's and the
+    shared experts' went as bf16 and were quantized on arrival). The state equals a fresh INT8
+    load, bit for bit."""
     from models_checks import wire_syncs
 
     dirs, models = deepseek
     counts = wire_syncs(va, dirs, lambda k: trainer_weights(models[k]), IDS, logits=layer_outputs,
                         max_bytes=64 << 10)
-    # int8 on the wire: o_proj x3, layer 0's gate/up/down, 2 MoE layers x 8 experts x 3
-    assert counts["int8"] == 3 + 3 + 2 * EXPERTS * 3
-    # quantized on arrival: fused_qkv_a_proj (2 shards) + q_b_proj per layer, shared experts' 3
-    assert counts["quantized_on_arrival"] > 0
+    # int8 on the wire, per layer (3): o_proj, q_a_proj, kv_a_proj_with_mqa, q_b_proj; layer 0's
+    # gate/up/down; the 2 MoE layers' shared experts (3 each) and 8 experts x 3
+    assert counts["int8"] == 3 * 4 + 3 + 2 * 3 + 2 * EXPERTS * 3
+    assert counts["quantized_on_arrival"] == 0  # kv_b_proj stays 16-bit, not a quantized layer
 
 
 def test_engine_build_says_what_of_deepseek_v3_is_not_covered(va, deepseek, caplog):

@@ -13,7 +13,7 @@ dtype (bf16 under Megatron's Float16Module; FSDP sends fp32 masters).
 
 With ``actor.megatron.use_mbridge=True`` verl sends ``self.bridge.export_weights(actor_module)`` instead
 and never calls ``per_tensor_generator``: the patch below does not see that stream (the INT8 reload's own
-per-tensor checks in ``vllm_ascend.Int8WeightLoader`` still apply); ``workers.py`` logs a WARNING.
+per-tensor checks in ``vllm_ascend.WeightSync`` still apply); ``workers.py`` logs a WARNING.
 
 :func:`megatron_to_hf_stream` is the one place that converts for the INT8 reload: HF-named tensors of
 the dense architectures the INT8 reload handles (:data:`DENSE_ARCHITECTURES`) are validated (the names

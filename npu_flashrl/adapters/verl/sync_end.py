@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Iterable, List, Mapping, TypeVar
 
-LOADER_ATTR = "_npu_flashrl_loader"
+from npu_flashrl import lines
+
+LOADER_ATTR = lines.SYNC_ATTR  # set by the attach: the model's weight sync
 
 T = TypeVar("T")
 

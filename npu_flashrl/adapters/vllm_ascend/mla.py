@@ -17,4 +17,4 @@ quantizes, following vllm-ascend and ModelSlim.
   for every MoE model (the description's rule). Shared experts (`mlp.shared_experts.*_proj`) and
   the first dense layers' MLP: quantized like any decoder projection.
 """
-MLA_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj")
+from npu_flashrl.quant.projections import MLA as MLA_PROJECTIONS  # noqa: E402  (one home)

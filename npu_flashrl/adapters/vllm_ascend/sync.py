@@ -1,6 +1,6 @@
 """The state of a weight sync and of the model across syncs.
 
-A sync (`Int8WeightLoader`, `reload.py`: one lifecycle, as vLLM's `model_loader/reload/` has one:
+A sync (`WeightSync`, `reload.py`: one lifecycle, as vLLM's `model_loader/reload/` has one:
 begin / load / end) begins with the first `load_weights` after the previous sync ended, takes any
 number of calls in any split and order, and ends once (`end_weight_sync`). What it holds meanwhile
 is one `SyncState`; the model's consistency across syncs (weights of two syncs => refuse to
@@ -80,7 +80,7 @@ def failure_reason(exc: BaseException) -> str:
 @dataclasses.dataclass
 class SyncState:
     """What one weight sync holds, from the first `load_weights` call after the previous sync
-    ended to its end (`Int8WeightLoader.end_sync`); a new one per sync."""
+    ended to its end (`WeightSync.end_sync`); a new one per sync."""
     wire: WireReceiver                  # INT8-wire pairs not yet complete (wire.py)
     staged: StagingArea = dataclasses.field(default_factory=StagingArea)
     failure: Optional[str] = None       # the first error of this sync
@@ -89,4 +89,5 @@ class SyncState:
     floats: Set[str] = dataclasses.field(default_factory=set)   # float parameters written (resolved)
     items: int = 0                      # (name, tensor) items pushed
     calls: int = 0                      # load calls of this sync
+    copied_bytes: int = 0               # streamed float tensors copied to wait for their flush
     names: Dict[str, int] = dataclasses.field(default_factory=dict)  # name -> the call that brought it

@@ -25,6 +25,8 @@ class Validator:
         # where a tensor without a parameter of its own (inv_freq, a tied lm_head) would go
         self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self._packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        # every quantized layer by path (linear and fused-MoE)
+        self._layers = {t.path: t for t in list(targets.values()) + list(experts.values())}
         self._expert_names = _experts.expert_name_mapping(model)
 
     def target(self, name: str):
@@ -55,7 +57,7 @@ class Validator:
         if not isinstance(name, str):
             raise WeightSyncError(f"weights item {index}: expected a parameter name (str) first, "
                                   f"got {type(name).__name__}")
-        return name, tensor
+        return name, readable(name, tensor)
 
     def check(self, name: str, tensor, quantizer, values: bool = True, device: bool = True) -> None:
         """Refuse a tensor by name: type, dtype class, device (with `device`: the cold load reads
@@ -63,9 +65,7 @@ class Validator:
         1e5 is Inf in an fp16 model)."""
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type == "meta":
-            raise WeightSyncError(f"{name}: is a meta tensor (no data: a model or state dict that "
-                                  "was never materialized); expected the weight's values")
+        readable(name, tensor)
         target = self.target(name)
         if target is not None:
             if not tensor.is_floating_point():
@@ -82,6 +82,7 @@ class Validator:
             resolved = self.resolve(name)
             if resolved is None:
                 raise WeightSyncError(f"{name}: no such parameter in the rollout model")
+            self._refuse_fused(name, resolved)
             param = self.params.get(resolved)
             if param is not None and not param.is_floating_point():
                 if tensor.dtype != param.dtype:
@@ -100,6 +101,20 @@ class Validator:
         if values and tensor.is_floating_point() and not finite_as(tensor, dtype):
             raise WeightSyncError(f"{name}: contains NaN or Inf{_as_note(tensor, dtype)}; "
                                   "refusing the sync")
+
+    def _refuse_fused(self, name: str, resolved: str) -> None:
+        """A quantized layer's own parameter (vLLM's fused `qkv_proj.weight_scale`, a fused-MoE
+        `w13_weight`) is not what a sync sends: the sync writes it from the HF shards (float, or
+        on the INT8 wire each shard's int8 weight and scale). Only its float bias is sent as is."""
+        path, _, leaf = resolved.rpartition(".")
+        layer = self._layers.get(path)
+        if layer is None or leaf == "bias":
+            return
+        shards = list(layer.shard_names())
+        raise WeightSyncError(
+            f"{name}: is the rollout's own {leaf} of its quantized layer {path} (vLLM's fused "
+            f"name); a weight sync sends the HF names it is made of: {short(shards)} (float, or on "
+            "the INT8 wire each one's int8 weight and its weight_scale)")
 
     @staticmethod
     def _check_device(name: str, tensor: torch.Tensor, want: torch.device) -> None:
@@ -149,6 +164,28 @@ class Validator:
         if expert is not None and expert in self.params:
             return expert
         return None
+
+
+def short(names, n: int = 6) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")
+
+
+def readable(name: str, tensor):
+    """A pushed tensor as vLLM's loaders read it, or a WeightSyncError naming it: a Parameter or
+    a tensor that requires grad is read as its values (detached: the same storage, no copy); a
+    sparse or meta tensor is refused (vLLM's loaders copy dense values)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor  # `check` names what it got
+    if tensor.layout != torch.strided:
+        raise WeightSyncError(f"{name}: is a sparse tensor ({str(tensor.layout).replace('torch.', '')}); "
+                              "expected a dense (strided) tensor of the weight's values (send "
+                              "`.to_dense()`)")
+    if tensor.device.type == "meta":
+        raise WeightSyncError(f"{name}: is a meta tensor (no data: a model or state dict that "
+                              "was never materialized); expected the weight's values")
+    if tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
+        tensor = tensor.detach()
+    return tensor
 
 
 def finite_as(t: torch.Tensor, dtype: torch.dtype) -> bool:

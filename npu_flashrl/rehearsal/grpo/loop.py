@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from npu_flashrl import lines
 from npu_flashrl.rehearsal.common import RehearsalError, progress_bar
 from npu_flashrl.rehearsal.grpo import sampling
 from npu_flashrl.rehearsal.grpo.settings import GrpoSettings, Variant
@@ -54,7 +55,7 @@ class RolloutHandle:
         from npu_flashrl.rehearsal.state import Int8StateCheck
 
         self.v, self.model, self.int8 = v, v.model, int8
-        loader = getattr(self.model, "_npu_flashrl_loader", None)
+        loader = getattr(self.model, lines.SYNC_ATTR, None)
         self.info: Dict[str, Any] = {
             "model_dir": getattr(v, "model_dir", None), "quantization": getattr(v, "quantization", None),
             "int8_loader": loader is not None,

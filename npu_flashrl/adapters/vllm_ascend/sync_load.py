@@ -1,0 +1,198 @@
+"""One `load_weights` call of a weight sync (`SyncLoad`): check, quantize, stage, commit.
+
+Each tensor is checked (`validate`; an INT8-wire tensor by the sync's `WireReceiver`), a
+projection (or expert shard) becomes its scheme's payload and is staged through its layer's own
+weight loader (`staging`), and a layer is written in place once every shard this rank holds
+arrived in this sync; float parameters (norms, embeddings, biases) go through vLLM's own loaders
+in small groups. A list/dict call is checked whole before anything of it is written; a streamed
+call (generator) item by item, and no tensor it yields is held past the yield that gave it
+(what waits for a group's write is copied, once). Any exit from the call after something of the
+sync was written marks the model inconsistent (`sync.Consistency`)."""
+from __future__ import annotations
+
+from typing import Iterable, List, Set, Tuple
+
+import torch
+
+from npu_flashrl.adapters.vllm_ascend.sync import failure_reason
+from npu_flashrl.adapters.vllm_ascend.targets import no_moe
+from npu_flashrl.quant import WeightSyncError
+
+
+class SyncLoad:
+    """One load call into the sync `state`. `targets`: the model's `Targets`; `original`: vLLM's
+    own `load_weights` (float parameters); `limit`: bytes of float tensors held before a write."""
+
+    def __init__(self, state, validator, targets, quantizer, consistency, original, limit: int):
+        self.state, self.validator, self.targets = state, validator, targets
+        self.quantizer, self.consistency = quantizer, consistency
+        self._original, self.limit = original, limit
+
+    def run(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
+        validator, st = self.validator, self.state
+        if isinstance(weights, dict):
+            weights = list(weights.items())
+        checked = isinstance(weights, (list, tuple))
+        loaded: Set[str] = set()
+        buffer: List[Tuple[str, torch.Tensor]] = []
+        buffered = 0
+        seen: dict = {}
+        try:
+            if checked:  # refuse a bad call before writing anything of it
+                weights = self._check_whole(weights, seen)
+            for i, item in enumerate(weights):
+                name, tensor = item if checked else validator.item(i, item)
+                st.items += 1
+                if not checked:
+                    validator.once(name, i, seen)
+                self._once_per_sync(name, record=True)
+                wired = st.wire.weight_of(name, tensor)
+                if wired is not None:  # INT8 wire: pre-quantized on the trainer (wire.py)
+                    if not checked:
+                        st.wire.validate(name, wired, tensor)
+                    loaded |= self._take_wire(name, wired, tensor, borrowed=checked)
+                    continue
+                target = validator.target(name)
+                if not checked:
+                    # streamed: the quantizer finds NaN/Inf in projections during its own pass
+                    validator.check(name, tensor, self.quantizer, values=target is None)
+                if target is not None:
+                    if self._stage(target, name, tensor):
+                        loaded.add(name)
+                    continue
+                size = tensor.numel() * tensor.element_size()
+                if buffer and buffered + size > self.limit:
+                    loaded |= self._flush(buffer)
+                    buffered = 0
+                out = self.quantizer.transform(name, tensor)
+                if not checked and out is tensor:
+                    # a streamed tensor may be a view of the caller's buffer, refilled for its
+                    # next item: what waits for the flush is copied, once (vLLM's own loader
+                    # copies each tensor before it pulls the next)
+                    out = tensor.clone()
+                    st.copied_bytes += size
+                buffer.append((name, out))
+                buffered += size
+                del tensor, item  # the buffer holds the only reference we keep
+                if buffered >= self.limit:
+                    loaded |= self._flush(buffer)
+                    buffered = 0
+            if buffer:
+                loaded |= self._flush(buffer)
+            st.wire.keep()
+        except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
+            self._fail(exc)
+            raise
+        finally:
+            st.calls += 1
+        return loaded
+
+    def _check_whole(self, weights, seen: dict) -> list:
+        """A list call, checked whole (every tensor, and every INT8-wire pair it completes)."""
+        validator, wire = self.validator, self.state.wire
+        weights = [validator.item(i, w) for i, w in enumerate(weights)]
+        halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
+        for i, (name, tensor) in enumerate(weights):
+            validator.once(name, i, seen)
+            self._once_per_sync(name)
+            wired = wire.weight_of(name, tensor)
+            if wired is None:
+                validator.check(name, tensor, self.quantizer)
+            else:
+                wire.validate(name, wired, tensor)
+                which = wire.half(name, wired)
+                if which is not None:
+                    halves.setdefault(wired, wire.held(wired))[which] = tensor
+        for wired, (q, scale) in halves.items():  # pairs this call completes
+            if q is not None and scale is not None:
+                wire.check_pair(wired, q, scale)
+        return weights
+
+    def _once_per_sync(self, name: str, record: bool = False) -> None:
+        """Refuse a name an earlier call of this sync brought (two buckets with one tensor: the
+        last copy would otherwise win without a word)."""
+        first = self.state.names.get(name)
+        if first is not None and first != self.state.calls:
+            raise WeightSyncError(
+                f"{name}: arrived twice in one weight sync (load_weights calls {first + 1} and "
+                f"{self.state.calls + 1} of this sync, e.g. two buckets); a sync sends each tensor once")
+        if record:
+            self.state.names[name] = self.state.calls
+
+    def _stage(self, target, name: str, tensor: torch.Tensor) -> bool:
+        """Quantize and stage one shard (False: an expert this rank does not hold: checked, then
+        dropped). Its payload is its scheme's; the quantizer's refusals name it."""
+        if not target.holds(name):
+            return False
+        try:
+            payload = target.scheme.quantize(self.quantizer, name, tensor)
+        except WeightSyncError:
+            raise
+        except ValueError as exc:
+            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
+        return self.stage_payload(target, name, payload)
+
+    def stage_payload(self, target, name: str, payload, in_place: bool = False) -> bool:
+        """Stage one shard already quantized (its scheme's payload: for W8A8 int8 [out, in] and an
+        fp32 scale [out] or None: keep the scales), the float path's or the INT8 wire's pair
+        (`in_place`: final, checked values its layer may write straight into the live weight);
+        commit its layer once every shard this rank holds arrived. False for an expert this
+        rank does not hold."""
+        st = self.state
+        if not target.holds(name):
+            return False
+        if not payload.with_scale and target.scheme.needs_scales:
+            # the profile quantizer keeps scales: refused at attach for MoE
+            raise no_moe(self.quantizer, name, f"{target.path} is a fused-MoE layer")
+        if st.staged.open(target, payload.with_scale, in_place).in_place:
+            # the live layer holds this shard from now on, its other shards until they come:
+            # any failure of the sync from here on leaves the model refusing to generate
+            st.wrote = True
+        done = st.staged.stage(target, name, payload)
+        if done is not None:
+            st.wrote = True
+            st.layers.add(target.path)
+            done.commit()
+        return True
+
+    def _take_wire(self, name: str, weight_name: str, tensor: torch.Tensor,
+                   borrowed: bool) -> Set[str]:
+        """One INT8-wire tensor: its projection is staged once its int8 and scale both arrived."""
+        # a list call (borrowed) checked every pair it completes before writing anything
+        loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed, pair_checked=borrowed)
+        if pair is not None:
+            target = self.validator.target(weight_name)
+            if not self.stage_payload(target, weight_name, target.scheme.from_wire(*pair), in_place=True):
+                return set()  # an expert another rank holds: checked, then dropped
+        return loaded
+
+    def _flush(self, buffer: List[Tuple[str, torch.Tensor]]) -> Set[str]:
+        """Write buffered non-projection tensors through vLLM's loaders and empty the buffer;
+        then what a layer's scheme derives from its float bias (static W8A8: quant_bias)."""
+        names = [n for n, _ in buffer]
+        self.state.wrote = True
+        try:
+            loaded = self._original(iter(buffer))
+        except AssertionError as exc:  # validated above; a loader's own rule we could not see
+            raise WeightSyncError(f"{names[0] if len(names) == 1 else names}: does not fit the "
+                                  f"rollout model ({str(exc) or 'a vLLM weight loader assertion'})") from None
+        finally:
+            buffer.clear()
+        self.state.floats.update(r for r in map(self.validator.resolve, names) if r)
+        for name in names:
+            target = self.targets.bias_owner(name)
+            if target is not None:
+                target.scheme.after_bias_update(target.layer)
+        return set(loaded) if loaded is not None else set(names)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The call raised: this sync's staged (uncommitted) layers are dropped and keep their
+        previous weights; anything already written makes the model inconsistent."""
+        st = self.state
+        st.staged.drop()
+        st.wire.drop()
+        st.names.clear()  # what was staged is dropped: a retry of this sync sends it again
+        if st.failure is None:
+            st.failure = failure_reason(exc)
+        if st.wrote:
+            self.consistency.mark(failure_reason(exc))
