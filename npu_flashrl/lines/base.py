@@ -4,12 +4,15 @@ A line is a frozen object (one per supported vllm-ascend release, `current()` pi
 one) holding:
 - what it was tested with: the vllm-ascend release (`name`), vLLM, verl and how verl drives the
   rollout (`verl_mode`: "sync" in-process, "server" bucketed IPC syncs);
-- where vllm-ascend keeps the classes npu_flashrl drives (`quant_config`, the W8A8 schemes, the
-  fused-MoE scheme) and the layout rules: when a layer counts as processed (`is_processed`), how
+- where vllm-ascend keeps the classes npu_flashrl drives (`quant_config`, the linear wrapper) and
+  the table its scheme classes are picked from by (quant type, layer type) (`quant_method_map`,
+  read by `method_class`: the reload's schemes ask it, no scheme class is named here), the layout
+  rules: when a layer counts as processed (`is_processed`), how
   NZ is switched (`nz`), the derived tensors kept consistent after an in-place write
   (`commit_extras`, `commit_moe_extras`, `refresh_static`, `fold_checkpoint_bias`), what runs once
   (`process_once`);
-- its patches, as `patches.Patch` objects (`patches(bodies)`, names in `PATCHES`);
+- its patches, as `patches.Patch` objects (`patches(bodies)`, names in `PATCHES`), and the
+  run-once patch of any scheme class its table has (`once_patch`, one per registered scheme);
 - facts the CPU simulation needs about the same upstream code (`npu_flashrl.sim` reads them; they
   are data here so that no module outside `lines/` names a version).
 
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Mapping, Optional, Protocol, Tuple
+import sys
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 from npu_flashrl import patches
 
@@ -64,8 +68,6 @@ class StackLine:
     layout: str           # quantization package layout family (lines sharing files share it)
     quant_config: str     # "module:Class" of the "ascend" QuantizationConfig
     linear_method: str    # "module:Class" wrapping a scheme for vLLM's LinearBase
-    static_method: str    # W8A8 (static activations) linear scheme
-    dynamic_method: str   # W8A8_DYNAMIC linear scheme
     nz: str               # how the NZ cast of int8 weights is switched: "always",
     #                       "utils_flag" (utils._ENABLE_NZ), "weight_nz_mode"
     #                       (get_ascend_config().weight_nz_mode, env VLLM_ASCEND_ENABLE_NZ)
@@ -88,29 +90,25 @@ class StackLine:
     hccl_token_dispatchers: Tuple[str, ...] = ()  # "module:Class" built with HCCL names
     moe_fusion_flag: Optional[str] = None
     #   "comm-method module:attribute" of the all-gather comm method's fused gmm+swiglu switch
-    quant_method_map: str = ""  # "module:ATTR" of the table W8A8 scheme classes are picked from
+    quant_method_map: str = ""
+    #   "module:ATTR" of the table vllm-ascend picks its scheme classes from by (quant type, layer
+    #   type): {(qt, lt): class} (0.23 `_SCHEME_REGISTRY`), {qt: {lt: class}} (0.11
+    #   `ASCEND_QUANTIZATION_METHOD_MAP`) or {qt: quantizer class with build_<lt>_method}
+    #   (v0.10.1rc1 `SUPPORT_ASCEND_QUANTIZER_TYPE`); `method_class` reads all three
     weight_prefetch: bool = False  # the static scheme needs utils.set_weight_prefetch_method
     source: str = ""      # how the line was recognised (for `verify` / error messages)
 
-    # patch names, the same on every line (their targets and bodies are the line's)
-    PATCH_DYNAMIC = "ascend_w8a8_dynamic_process_once"
-    PATCH_STATIC = "ascend_w8a8_static_process_once"
-    PATCH_MOE = "ascend_w8a8_dynamic_moe_process_once"
+    # patch names, the same on every line (their targets and bodies are the line's); the run-once
+    # patches of the schemes are named by the schemes (`once_patch`)
     PATCH_DESCRIPTION = "ascend_quant_description"
     PATCH_OVERRIDE = "ascend_claims_compressed_tensors"
     PATCH_ATTACH = "model_loader_int8_load_weights"
-    PATCHES = (PATCH_DYNAMIC, PATCH_STATIC, PATCH_MOE, PATCH_DESCRIPTION, PATCH_OVERRIDE,
-               PATCH_ATTACH)
+    PATCHES = (PATCH_DESCRIPTION, PATCH_OVERRIDE, PATCH_ATTACH)
 
     # ------------------------------------------------------------------ naming
     @property
     def name(self) -> str:
         return self.vllm_ascend
-
-    @property
-    def moe_method(self) -> str:
-        """W8A8_DYNAMIC fused-MoE scheme: next to the linear one on every supported line."""
-        return self.dynamic_method.partition(":")[0] + ":AscendW8A8DynamicFusedMoEMethod"
 
     @property
     def override_target(self) -> str:
@@ -139,31 +137,36 @@ class StackLine:
         self.import_quantization()
         return resolve(self.quant_config)
 
-    def quant_method_classes(self) -> Tuple[type, type, type]:
-        """(AscendLinearMethod, W8A8 static scheme, W8A8_DYNAMIC scheme)."""
+    def _method_table(self):
+        """The line's scheme table (`quant_method_map`), with every scheme module imported (the
+        table fills as they import)."""
         self.import_quantization()
-        return resolve(self.linear_method), resolve(self.static_method), resolve(self.dynamic_method)
+        return resolve(self.quant_method_map)
 
-    def moe_method_class(self) -> type:
-        """vllm-ascend's W8A8_DYNAMIC fused-MoE scheme."""
-        self.import_quantization()
-        return resolve(self.moe_method)
-
-    def method_classes(self) -> Tuple[type, type]:
-        """(static, dynamic) W8A8 linear scheme classes the reload targets."""
-        _, static_cls, dynamic_cls = self.quant_method_classes()
-        return static_cls, dynamic_cls
+    def method_class(self, quant_type: str, layer_type: str) -> Optional[type]:
+        """vllm-ascend's scheme class for (quant type, layer type) on this line, read from its own
+        table (None: this release has none). Read at every call: a table rewritten at run time
+        (torchair graph mode's register) is seen as it is."""
+        return table_entry(self._method_table(), quant_type, layer_type)
 
     def linear_wrapper_class(self) -> type:
         """vllm-ascend's LinearMethodBase adapter; `layer.quant_method.quant_method` is the scheme."""
-        return self.quant_method_classes()[0]
+        self.import_quantization()
+        return resolve(self.linear_method)
 
-    def unsupported_reason(self, inner) -> str:
-        """Why the online reload cannot serve a vllm-ascend linear scheme other than W8A8 /
-        W8A8_DYNAMIC."""
-        return (f"{type(inner).__name__} is not a W8A8 scheme npu_flashrl can reload (supported: "
-                "AscendW8A8LinearMethod, AscendW8A8DynamicLinearMethod); float weights pushed into "
-                "it would be truncated")
+    def refused_reason(self, inner) -> Optional[str]:
+        """Why a layer whose scheme object is `inner` is refused even when its class is in the
+        table (None: it is not); a line overrides it."""
+        return None
+
+    def unsupported_reason(self, inner, supported: Sequence[str] = ()) -> str:
+        """Why the online reload cannot serve a vllm-ascend linear scheme no registered scheme
+        claims (`supported`: the class names the registered schemes claim on this line)."""
+        refused = self.refused_reason(inner)
+        if refused is not None:
+            return refused
+        return (f"{type(inner).__name__} is not a scheme npu_flashrl can reload (supported: "
+                f"{', '.join(supported) or 'none'}); float weights pushed into it would be truncated")
 
     # ------------------------------------------------------------------ layout rules
     def is_processed(self, layer) -> bool:
@@ -216,29 +219,37 @@ class StackLine:
         return process_weights_after_loading
 
     # ------------------------------------------------------------------ patches
-    # why each run-once patch exists on this line (shown by `npu-flashrl verify`)
-    WHY_DYNAMIC = "post-processing runs once per layer and marks its [in,out] layout"
-    WHY_STATIC = "post-processing runs once per layer; float bias folded into quant_bias"
-    WHY_MOE = "fused-MoE post-processing runs once per layer (a second run re-transposes the experts)"
+    # what the run-once patch adds on this line to a scheme's own reason (`verify` shows it)
+    ONCE_NOTE = ""
 
     def _prepare_schemes(self) -> None:
         """What to import before a scheme's method is replaced."""
-        self.import_quantization()
+        self._method_table()
 
-    def _once_patch(self, name: str, scheme: str, why: str, after=None) -> patches.Patch:
-        target = f"{scheme}.{PWAL}"
+    def once_patch(self, name: str, quant_type: str, layer_type: str, why: str,
+                   after: Optional[Callable] = None) -> patches.Patch:
+        """The run-once patch (`process_once`) of the class this line's table has for (quant
+        type, layer type): one per registered scheme, named by it. Declared without importing
+        vllm-ascend (its target names the table entry); applied to the class the table holds."""
+        target = f"{self.quant_method_map}[{quant_type!r}, {layer_type!r}].{PWAL}"
 
         def apply() -> None:
             self._prepare_schemes()
-            patches.replace(target, lambda orig: self.process_once(orig, after=after))
-        return patches.Patch(name, target, f"vllm-ascend {self.vllm_ascend}", apply, why,
-                             lines=(self.name,))
+            cls = self.method_class(quant_type, layer_type)
+            if cls is None:
+                raise patches.PatchNotApplicable(
+                    f"vllm-ascend {self.vllm_ascend} has no ({quant_type}, {layer_type}) scheme "
+                    f"in {self.quant_method_map}")
+            patches.replace(f"{cls.__module__}:{cls.__qualname__}.{PWAL}",
+                            lambda orig: self.process_once(orig, after=after))
+        return patches.Patch(name, target, f"vllm-ascend {self.vllm_ascend}", apply,
+                             why + self.ONCE_NOTE, lines=(self.name,))
 
     def patches(self, bodies: PatchBodies) -> Tuple[patches.Patch, ...]:
-        """This line's patches (names: `PATCHES`), not yet registered: the three run-once guards
-        on its scheme classes, and the patches with line-neutral `bodies` on its targets (the
-        quant-description redirect, the compressed-tensors override, the INT8 loader attached at
-        model build)."""
+        """This line's patches (names: `PATCHES`), not yet registered: the patches with
+        line-neutral `bodies` on its targets (the quant-description redirect, the
+        compressed-tensors override, the INT8 loader attached at model build). The schemes'
+        run-once patches are `once_patch`."""
         ascend, vllm = f"vllm-ascend {self.vllm_ascend}", f"vllm {self.vllm}"
         mine = (self.name,)
 
@@ -255,10 +266,6 @@ class StackLine:
             patches.replace(INITIALIZE_MODEL_TARGET, bodies.attach_on_init)
 
         return (
-            self._once_patch(self.PATCH_DYNAMIC, self.dynamic_method, self.WHY_DYNAMIC),
-            self._once_patch(self.PATCH_STATIC, self.static_method, self.WHY_STATIC,
-                             after=self.fold_checkpoint_bias),
-            self._once_patch(self.PATCH_MOE, self.moe_method, self.WHY_MOE),
             patches.Patch(self.PATCH_DESCRIPTION, GET_QUANT_CONFIG_TARGET, vllm, apply_redirect,
                           "the policy engine's bf16 and compressed-tensors w8a8 checkpoints load "
                           "on vllm-ascend W8A8_DYNAMIC", lines=mine),
@@ -270,3 +277,23 @@ class StackLine:
                           "the policy rollout's INT8 model gets the online-quantizing load_weights",
                           lines=mine),
         )
+
+
+def table_entry(table, quant_type: str, layer_type: str) -> Optional[type]:
+    """The scheme class a vllm-ascend scheme table holds for (quant type, layer type), whichever
+    of its three shapes (`StackLine.quant_method_map`); None when it has none."""
+    if (quant_type, layer_type) in table:
+        return table[(quant_type, layer_type)]
+    entry = table.get(quant_type)
+    if isinstance(entry, Mapping):
+        return entry.get(layer_type)
+    build = getattr(entry, f"build_{layer_type}_method", None)
+    if build is None:
+        return None
+    # a quantizer class whose static build_<layer type>_method returns `SchemeClass()`: the class
+    # it names, read from its code (building one needs a running engine for some schemes)
+    build = getattr(build, "__func__", build)
+    names = vars(sys.modules[build.__module__])
+    found = [names[n] for n in build.__code__.co_names
+             if isinstance(names.get(n), type) and not issubclass(names[n], BaseException)]
+    return found[0] if found else None

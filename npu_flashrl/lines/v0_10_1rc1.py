@@ -18,12 +18,10 @@ class QuantConfigLine(StackLine):
     layout: str = "011"
     quant_config: str = f"{_Q}.quant_config:AscendQuantConfig"
     linear_method: str = f"{_Q}.quant_config:AscendLinearMethod"
-    static_method: str = f"{_Q}.w8a8:AscendW8A8LinearMethod"
-    dynamic_method: str = f"{_Q}.w8a8_dynamic:AscendW8A8DynamicLinearMethod"
     attention: str = "vllm.attention.layer:Attention"
     compile_mode: bool = False
 
-    def unsupported_reason(self, inner) -> str:
+    def refused_reason(self, inner):
         cls = type(inner)
         if cls.__name__.startswith("Torchair") or cls.__module__.startswith("vllm_ascend.torchair"):
             # Same [in, out] + NZ layout as the eager method, but its post-processing is not made
@@ -32,7 +30,7 @@ class QuantConfigLine(StackLine):
                     "online INT8 reload does not support; build the rollout engine without "
                     "torchair graph mode (additional_config torchair_graph_config.enabled=false, "
                     "the default)")
-        return super().unsupported_reason(inner)
+        return None
 
 
 LINE = QuantConfigLine(

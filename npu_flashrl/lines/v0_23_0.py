@@ -37,14 +37,10 @@ class SchemeRegistryLine(StackLine):
     layout: str = "023"
     quant_config: str = f"{_Q}.modelslim_config:AscendModelSlimConfig"
     linear_method: str = f"{_Q}.method_adapters:AscendLinearMethod"
-    static_method: str = f"{_Q}.methods.w8a8_static:AscendW8A8LinearMethod"
-    dynamic_method: str = f"{_Q}.methods.w8a8_dynamic:AscendW8A8DynamicLinearMethod"
     attention: str = "vllm.model_executor.layers.attention.attention:Attention"
     compile_mode: bool = True
 
-    WHY_DYNAMIC = "post-processing runs once per layer (again after vLLM's layerwise restore)"
-    WHY_STATIC = "post-processing runs once per layer; ModelSlim float bias folded into quant_bias"
-    WHY_MOE = "fused-MoE post-processing runs once per layer (again after vLLM's layerwise restore)"
+    ONCE_NOTE = " (again after vLLM's layerwise restore)"
 
     def is_processed(self, layer) -> bool:
         """Marked by the guard and not put back into the checkpoint layout since (vLLM's
@@ -82,7 +78,9 @@ class SchemeRegistryLine(StackLine):
         for which, name in (("w13", "fused_w1_scale"), ("w2", "fused_w2_scale")):
             fused = getattr(layer, name, None)
             if isinstance(fused, torch.Tensor):
-                convert = importlib.import_module(self.dynamic_method.partition(":")[0]).scale_from_float_to_int64
+                # the module of the layer's own scheme class (methods/w8a8_dynamic.py)
+                scheme = getattr(getattr(layer, "quant_method", None), "quant_method", None)
+                convert = importlib.import_module(type(scheme).__module__).scale_from_float_to_int64
                 with torch.no_grad():
                     fused.copy_(convert(getattr(layer, f"{which}_weight_scale").data).view(fused.shape))
 
@@ -115,10 +113,11 @@ class SchemeRegistryLine(StackLine):
             return once(scheme, layer)
         return process_weights_after_loading
 
-    def _prepare_schemes(self) -> None:
+    def _method_table(self):
+        """`_SCHEME_REGISTRY`, filled: the `methods` package imports every scheme module."""
         self.import_quantization()
-        importlib.import_module(self.dynamic_method.partition(":")[0])
-        importlib.import_module(self.static_method.partition(":")[0])
+        importlib.import_module(self.quant_method_map.partition(":")[0].rpartition(".")[0])
+        return super()._method_table()
 
 
 LINE = SchemeRegistryLine(

@@ -20,6 +20,7 @@ waiting on.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Callable, Iterable, Iterator, Optional, Tuple
 
@@ -30,8 +31,43 @@ from npu_flashrl import kernels
 WIRE_INT8 = "int8"
 WIRE_FLOAT = "float"
 WIRES = (WIRE_FLOAT, WIRE_INT8)
-SCALE_SUFFIX = "weight_scale"
-OFFSET_SUFFIX = "weight_offset"
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+    """How a quantized projection travels and sits in a checkpoint: `<p>.weight` (int8 [out, in]
+    here) with `<p>.<scale_suffix>` [out, 1] (one scale per output row); a `<p>.<offset_suffix>`
+    is accepted when zero (symmetric). A scheme names its format (`Scheme.wire`); the sender, the
+    receiver and the cold load read the tensor names from it."""
+    name: str
+    scale_suffix: str = "weight_scale"
+    offset_suffix: str = "weight_offset"
+
+    @staticmethod
+    def _prefix(weight_name: str) -> str:
+        return weight_name[: -len("weight")]
+
+    def scale_name(self, weight_name: str) -> str:
+        return self._prefix(weight_name) + self.scale_suffix
+
+    def offset_name(self, weight_name: str) -> str:
+        return self._prefix(weight_name) + self.offset_suffix
+
+    def weight_of(self, name: str) -> Optional[str]:
+        """The projection weight `name` is the scale or offset of (None: neither)."""
+        for suffix in (self.scale_suffix, self.offset_suffix):
+            if name.endswith("." + suffix):
+                return name[: -len(suffix)] + "weight"
+        return None
+
+    def is_offset(self, name: str) -> bool:
+        return name.endswith("." + self.offset_suffix)
+
+
+# vllm-ascend's W8A8 checkpoint tensors: int8 weight, one fp32 scale per output channel
+PER_CHANNEL_INT8 = WireFormat("per-channel int8")
+SCALE_SUFFIX = PER_CHANNEL_INT8.scale_suffix
+OFFSET_SUFFIX = PER_CHANNEL_INT8.offset_suffix
 
 # HF names of the linear layers the INT8 rollout quantizes (vllm-ascend W8A8 linear and fused-MoE
 # methods): inside a decoder layer, attention and MLP projections, per-expert projections.
@@ -45,7 +81,7 @@ def is_projection(name: str) -> bool:
 
 
 def scale_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + SCALE_SUFFIX
+    return PER_CHANNEL_INT8.scale_name(weight_name)
 
 
 def quantize_for_wire(weight: torch.Tensor, compute_dtype: torch.dtype

@@ -41,7 +41,8 @@ def prepare_process(enable_nz: bool = True) -> None:
     cls = _platform_cls()
     if not isinstance(platforms._current_platform, cls):
         platforms._current_platform = cls()
-    current().quant_method_classes()  # registers "ascend" with vLLM and vllm-ascend's custom ops
+    # registers "ascend" with vLLM and vllm-ascend's custom ops; imports the scheme classes
+    current().method_class("W8A8_DYNAMIC", "linear")
     cls.supported_quantization = _npu_supported_quantization()
     _register_ascend_compressed_tensors()
     emulation.register_cpu_ops()
@@ -132,7 +133,7 @@ def _mc2_without_hccl() -> None:
     The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
     import importlib
 
-    module = importlib.import_module(current().moe_method.partition(":")[0])
+    module = importlib.import_module(current().method_class("W8A8_DYNAMIC", "moe").__module__)
     original = getattr(module, "get_mc2_group", None)
     if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return

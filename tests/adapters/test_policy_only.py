@@ -155,7 +155,7 @@ def test_policy_engine_from_the_entry_gets_int8(rig, engine_patch):
     assert engine_choice(vc) == EngineChoice(fn="int8_profile_free")
     assert vc.compute_hash()  # vLLM hashes additional_config with json.dumps: the choice serialises
     with cpu_vllm.CpuVllm(rig.w8a8, vllm_config=vc) as v:
-        _, _, dyn = lines.current().quant_method_classes()
+        dyn = lines.current().method_class("W8A8_DYNAMIC", "linear")
         assert isinstance(v.model.model.layers[0].self_attn.qkv_proj.quant_method.quant_method, dyn)
         assert v.model._npu_flashrl_loader.targets
 

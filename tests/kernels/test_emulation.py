@@ -103,7 +103,9 @@ def test_vllm_ascend_quant_modules_import(torch_npu):
     from npu_flashrl import lines
     prepare_process()
     # the line's own modules (0.23: modelslim_config / method_adapters / methods.w8a8_*)
-    linear, static, dynamic = lines.current().quant_method_classes()
+    ln = lines.current()
+    linear, static, dynamic = (ln.linear_wrapper_class(), ln.method_class("W8A8", "linear"),
+                               ln.method_class("W8A8_DYNAMIC", "linear"))
     assert lines.current().quant_config_class().__name__ in ("AscendQuantConfig", "AscendModelSlimConfig")
     assert linear.__name__ == "AscendLinearMethod"
     w8a8 = importlib.import_module(static.__module__)

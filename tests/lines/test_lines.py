@@ -121,7 +121,7 @@ def test_lines_share_behaviour_by_inheritance():
     assert lines.SUPPORTED_VLLM_ASCEND == ("0.10.1rc1", "0.11.0", "0.23.0")
     classes = {type(ln) for ln in lines.LINES}
     # the rules every line shares are written once, in the base; a layout overrides what differs
-    for name in ("commit_extras", "import_quantization", "quant_method_classes", "patches"):
+    for name in ("commit_extras", "import_quantization", "method_class", "once_patch", "patches"):
         assert not [c.__name__ for c in classes if name in vars(c)], name
     assert {c.__name__ for c in classes if "is_processed" in vars(c)} == {"SchemeRegistryLine"}
     assert lines.by_name("0.11.0") is v0_11_0.LINE
@@ -146,8 +146,6 @@ def test_each_line_returns_its_patches_as_objects(ln):
     assert tuple(p.name for p in got) == ln.PATCHES
     assert all(isinstance(p, patches.Patch) and p.lines == (ln.name,) and p.doc for p in got)
     once = {p.name: p.target for p in got}
-    assert once[ln.PATCH_DYNAMIC].startswith(ln.dynamic_method + ".")
-    assert once[ln.PATCH_STATIC].startswith(ln.static_method + ".")
     assert once[ln.PATCH_OVERRIDE] == ln.quant_config + ".override_quantization_method"
     assert not any(p.applied for p in got)
 
@@ -159,8 +157,8 @@ def test_a_second_declaration_of_a_patch_name_is_an_error(monkeypatch):
     first = v0_11_0.LINE.patches(_Bodies())
     patches.declare(first)
     patches.declare(v0_11_0.LINE.patches(_Bodies()))  # same targets, same origin: kept
-    assert patches.get(v0_11_0.LINE.PATCH_DYNAMIC) is first[0]
-    with pytest.raises(patches.DuplicatePatch, match="ascend_w8a8_dynamic_process_once.*declared twice"):
+    assert patches.get(v0_11_0.LINE.PATCH_OVERRIDE) is first[1]
+    with pytest.raises(patches.DuplicatePatch, match="ascend_quant_description.*declared twice"):
         patches.declare(v0_23_0.LINE.patches(_Bodies()))
 
     @patches.register("npu_flashrl_test_patch", "a.b:c", why="a test")
@@ -203,3 +201,56 @@ def test_one_table_names_the_lines():
     assert set(line_names()) <= set(labels), line_names()  # pins.yaml's lines are stack lines
     with pytest.raises(lines.UnsupportedVersion, match="pinned, 0.11, current"):
         lines.by_label("0.7+")
+
+
+class _W8A8Dynamic:
+    pass
+
+
+class _W8A8DynamicMoE:
+    pass
+
+
+class _Quantizer:
+    """v0.10.1rc1's shape: a quantizer class whose static build_<layer>_method builds the scheme."""
+
+    @staticmethod
+    def build_linear_method():
+        return _W8A8Dynamic()
+
+    @staticmethod
+    def build_moe_method():
+        return _W8A8DynamicMoE()
+
+    @staticmethod
+    def build_attention_method():
+        raise NotImplementedError("no attention method")
+
+
+@pytest.mark.parametrize("table", [
+    {("W8A8_DYNAMIC", "linear"): _W8A8Dynamic, ("W8A8_DYNAMIC", "moe"): _W8A8DynamicMoE},  # 0.23
+    {"W8A8_DYNAMIC": {"linear": _W8A8Dynamic, "moe": _W8A8DynamicMoE}},                   # 0.11
+    {"W8A8_DYNAMIC": _Quantizer},                                                          # pinned
+], ids=["scheme-registry", "method-map", "quantizer-map"])
+def test_a_scheme_class_is_read_by_key_from_each_table_shape(table):
+    """Every line's vllm-ascend keeps its scheme classes in a table (`quant_method_map`); the
+    reload asks by (quant type, layer type), whatever the table's shape, and a key the release
+    lacks is None (the scheme then claims nothing), not a guess."""
+    assert base.table_entry(table, "W8A8_DYNAMIC", "linear") is _W8A8Dynamic
+    assert base.table_entry(table, "W8A8_DYNAMIC", "moe") is _W8A8DynamicMoE
+    assert base.table_entry(table, "W8A8_DYNAMIC", "attention") is None
+    assert base.table_entry(table, "W4A8_DYNAMIC", "linear") is None
+
+
+def test_the_installed_lines_table_holds_the_schemes_classes():
+    from npu_flashrl.sim import cpu_vllm
+
+    cpu_vllm.prepare_process()
+    ln = lines.current()
+    table = base.resolve(ln.quant_method_map)
+    dyn = ln.method_class("W8A8_DYNAMIC", "linear")
+    assert dyn.__name__ == "AscendW8A8DynamicLinearMethod"
+    assert ln.method_class("W8A8_DYNAMIC", "moe").__name__ == "AscendW8A8DynamicFusedMoEMethod"
+    assert ln.method_class("W8A8", "linear").__name__ == "AscendW8A8LinearMethod"
+    assert ln.method_class("NO_SUCH_TYPE", "linear") is None
+    assert base.table_entry(table, "W8A8_DYNAMIC", "linear") is dyn

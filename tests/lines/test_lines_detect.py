@@ -76,7 +76,9 @@ def test_installed_line_is_decided_once_and_frozen():
     from npu_flashrl.sim import cpu_vllm
 
     cpu_vllm.prepare_process()
-    linear, static, dynamic = lines.current().quant_method_classes()
+    ln = lines.current()
+    linear, static, dynamic = (ln.linear_wrapper_class(), ln.method_class("W8A8", "linear"),
+                               ln.method_class("W8A8_DYNAMIC", "linear"))
     assert {static.__name__, dynamic.__name__} == {"AscendW8A8LinearMethod",
                                                    "AscendW8A8DynamicLinearMethod"}
     assert lines.current().quant_config_class().get_name() == "ascend"

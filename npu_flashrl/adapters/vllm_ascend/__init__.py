@@ -33,12 +33,13 @@ def _declare_line_patches() -> None:
     vllm-ascend is missing or an unsupported release nothing is declared, and `PATCHES` raises
     saying so."""
     from npu_flashrl import lines, patches
-    from npu_flashrl.adapters.vllm_ascend import hooks
+    from npu_flashrl.adapters.vllm_ascend import hooks, schemes
 
     try:
         line = lines.current()
     except lines.UnsupportedVersion:
         return
+    patches.declare(schemes.once_patches(line))  # one run-once patch per registered scheme
     patches.declare(line.patches(hooks))
 
 
@@ -46,9 +47,12 @@ _declare_line_patches()
 
 
 def __getattr__(name: str):
-    # The line's patch names; UnsupportedVersion (naming the supported lines) when there is none.
+    # The schemes' run-once patches and the line's patches, by name; UnsupportedVersion (naming
+    # the supported lines) when there is no supported line.
     if name == "PATCHES":
         from npu_flashrl import lines
+        from npu_flashrl.adapters.vllm_ascend import schemes
 
-        return lines.current().PATCHES
+        line = lines.current()
+        return tuple(p.name for p in schemes.once_patches(line)) + line.PATCHES
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

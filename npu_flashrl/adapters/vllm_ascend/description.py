@@ -28,7 +28,10 @@ import re
 from typing import List, Optional, Sequence
 
 from npu_flashrl.adapters.vllm_ascend.mla import MLA_PROJECTIONS
-from npu_flashrl.errors import NpuFlashrlError
+# the quant types live in their scheme modules (re-exported here for the description's users)
+from npu_flashrl.adapters.vllm_ascend.schemes.base import UnsupportedScheme  # noqa: F401
+from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic import W8A8_DYNAMIC
+from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_static import W8A8  # noqa: F401
 
 # The seven decoder projections FlashRL quantizes (dense Llama/Qwen2-style names); MoE experts
 # (`mlp.experts.E.gate_proj`, ...) and shared experts end in the same names.
@@ -36,14 +39,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # The module vLLM's FusedMoE layer is registered under (`model.layers.N.mlp.experts`).
 FUSED_EXPERTS = "experts"
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-W8A8_DYNAMIC = "W8A8_DYNAMIC"
-W8A8 = "W8A8"
 FLOAT = "FLOAT"
 DESCRIPTION_FILE = "quant_model_description.json"
-
-
-class UnsupportedScheme(NpuFlashrlError, ValueError):
-    """A checkpoint quantization scheme vllm-ascend's W8A8 layers cannot run."""
 
 
 class QuantDescription(dict):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
+from npu_flashrl.adapters.vllm_ascend.schemes.base import UnsupportedScheme
 
 GATE_UP = "w13"
 DOWN = "w2"

@@ -120,7 +120,7 @@ class Int8WeightLoader:
     def begin_sync(self) -> SyncState:
         """The state of the sync in progress, begun now if none is."""
         if self.state is None:
-            self.state = SyncState(wire=WireReceiver(self))
+            self.state = SyncState(wire=WireReceiver(self.validator.target, self.quantizer))
         return self.state
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
@@ -174,11 +174,12 @@ class Int8WeightLoader:
         st = self.state
         return st.staged.nbytes() + st.wire.nbytes() if st is not None else 0
 
-    def quantize(self, name: str, tensor: torch.Tensor):
-        """(int8, scale) of one pushed projection / expert shard, produced in [in, out] memory
-        (the processed layout, so a commit is a memcpy); the quantizer's refusals name it."""
+    def quantize(self, target, name: str, tensor: torch.Tensor):
+        """The payload of one pushed projection / expert shard (its scheme's: W8A8 int8 + scale,
+        int8 in [in, out] memory, the processed layout, so a commit is a memcpy); the
+        quantizer's refusals name it."""
         try:
-            return self.quantizer.quantize(name, tensor, transposed=True)
+            return target.scheme.quantize(self.quantizer, name, tensor)
         except WeightSyncError:
             raise
         except ValueError as exc:
@@ -208,9 +209,9 @@ class Int8WeightLoader:
                         validator.check(name, tensor, self.quantizer)
                     else:
                         st.wire.validate(name, wired, tensor)
-                        if name == wired or name.endswith(".weight_scale"):
-                            half = halves.setdefault(wired, st.wire.held(wired))
-                            half[0 if name == wired else 1] = tensor
+                        which = st.wire.half(name, wired)
+                        if which is not None:
+                            halves.setdefault(wired, st.wire.held(wired))[which] = tensor
                 for wired, (q, scale) in halves.items():  # pairs this call completes
                     if q is not None and scale is not None:
                         st.wire.check_pair(wired, q, scale)
@@ -270,25 +271,24 @@ class Int8WeightLoader:
         arrived. False for an expert this rank does not hold (checked, then dropped)."""
         if not target.holds(name):
             return False
-        q, scale = self.quantize(name, tensor)
-        return self.stage_quantized(target, name, q, scale)
+        return self.stage_payload(target, name, self.quantize(target, name, tensor))
 
-    def stage_quantized(self, target, name: str, q: torch.Tensor,
-                        scale: Optional[torch.Tensor], in_place: bool = False) -> bool:
-        """Stage one shard already quantized (int8 [out, in], fp32 scale [out] or None: keep the
-        scales), the float path's quantizer output or the INT8 wire's pair (`in_place`: final,
-        checked values its layer may write straight into the live weight); commit its layer
-        once every shard this rank holds arrived. False for an expert this rank does not hold."""
+    def stage_payload(self, target, name: str, payload, in_place: bool = False) -> bool:
+        """Stage one shard already quantized (its scheme's payload: for W8A8 int8 [out, in] and an
+        fp32 scale [out] or None: keep the scales), the float path's or the INT8 wire's pair
+        (`in_place`: final, checked values its layer may write straight into the live weight);
+        commit its layer once every shard this rank holds arrived. False for an expert this
+        rank does not hold."""
         if not target.holds(name):
             return False
-        if scale is None and target.scheme.needs_scales:
+        if not payload.with_scale and target.scheme.needs_scales:
             # the profile quantizer keeps scales: refused at attach for MoE
             raise WeightSyncError(f"{name}: {self.quantizer.name} gives no expert scales")
-        if self.state.staged.open(target, scale is not None, in_place).in_place:
+        if self.state.staged.open(target, payload.with_scale, in_place).in_place:
             # the live layer holds this shard from now on, its other shards until they come:
             # any failure of the sync from here on leaves the model refusing to generate
             self.state.wrote = True
-        done = self.state.staged.stage(target, name, q, scale)
+        done = self.state.staged.stage(target, name, payload)
         if done is not None:
             self.state.wrote = True
             self.state.layers.add(target.path)
@@ -302,7 +302,8 @@ class Int8WeightLoader:
         loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed, pair_checked=borrowed)
         if pair is not None:
             target = self.validator.target(weight_name)
-            if not self.stage_quantized(target, weight_name, *pair, in_place=True):
+            payload = target.scheme.from_wire(*pair)
+            if not self.stage_payload(target, weight_name, payload, in_place=True):
                 return set()  # an expert another rank holds: checked, then dropped
         return loaded
 
@@ -399,38 +400,45 @@ class Int8WeightLoader:
 
     # ------------------------------------------------------------------ cold load
     def _cold_stream(self, weights, copy: bool = False):
-        """Before post-processing: quantize float projections in the stream for vLLM's loaders;
-        a w8a8 checkpoint's int8 weights pass through and get the zero weight_offset vllm-ascend
-        expects (compressed-tensors has none). That offset is yielded at the end, and only when
-        the stream brought none: the layerwise reload of vLLM lines that have one (lines.v0_23_0) counts the elements loaded into
-        a layer, and a second offset would make it process the layer before its scales came.
-        The other tensors of a W8A8 checkpoint are already what the INT8 model wants (the
-        profile's smoothing is in them)."""
-        missing_offsets: Dict[str, torch.Tensor] = {}
-        seen_offsets: Set[str] = set()
+        """Before post-processing: float projections in the stream become what their scheme's
+        checkpoint carries (`Scheme.checkpoint_items`: for W8A8 the int8 weight, its scale and a
+        zero offset) for vLLM's loaders; a quantized checkpoint's tensors pass through, with what
+        its scheme expects and the checkpoint may lack (`Scheme.checkpoint_defaults`: the zero
+        weight_offset vllm-ascend expects, which compressed-tensors has none of). Those are
+        yielded at the end, and only when the stream brought none: the layerwise reload of vLLM
+        lines that have one (lines.v0_23_0) counts the elements loaded into a layer, and a second
+        offset would make it process the layer before its scales came. The other tensors of a
+        W8A8 checkpoint are already what the INT8 model wants (the profile's smoothing is in
+        them)."""
+        defaults: Dict[str, torch.Tensor] = {}
+        seen: Set[str] = set()
         for name, tensor in weights:
-            if name.endswith(".weight_offset"):
-                seen_offsets.add(name)
-                missing_offsets.pop(name, None)
+            seen.add(name)
+            defaults.pop(name, None)
             target = self.targets.get(name) or self.experts.get(name)
             if target is not None and tensor.is_floating_point():
                 self.validator.check(name, tensor, self.quantizer, values=False, device=False)  # the quantizer checks values
-                q, scale = self.quantizer.quantize(name, tensor)
-                yield name, q
-                if scale is not None:
-                    yield name[: -len("weight")] + "weight_scale", scale.unsqueeze(1)
-                    yield name[: -len("weight")] + "weight_offset", torch.zeros_like(scale).unsqueeze(1)
+                payload = target.scheme.quantize(self.quantizer, name, tensor, transposed=False)
+                yield from target.scheme.checkpoint_items(name, payload)
                 continue
-            weight_name = name[: -len("_scale")]
-            if name.endswith(".weight_scale") and (weight_name in self.targets or weight_name in self.experts):
+            owner = self._checkpoint_owner(name)
+            if owner is not None:
                 yield name, tensor.clone() if copy else tensor
-                offset = name[: -len("weight_scale")] + "weight_offset"
-                if offset not in seen_offsets:
-                    missing_offsets[offset] = torch.zeros_like(tensor)
+                defaults.update((n, t) for n, t in owner.scheme.checkpoint_defaults(name, tensor).items()
+                                if n not in seen)
                 continue
             out = tensor if self.prequantized_checkpoint else self.quantizer.transform(name, tensor)
             yield name, out.clone() if copy and out is tensor else out
-        yield from missing_offsets.items()
+        yield from defaults.items()
+
+    def _checkpoint_owner(self, name: str):
+        """The quantized layer whose checkpoint scale `name` is (its scheme's checkpoint format
+        names it); None for any other tensor."""
+        weight = name.rpartition(".")[0] + ".weight"
+        target = self.targets.get(weight) or self.experts.get(weight)
+        if target is not None and target.scheme.checkpoint.scale_name(weight) == name:
+            return target
+        return None
 
 
 def attach(model: torch.nn.Module, quantizer: OnlineQuantizer,

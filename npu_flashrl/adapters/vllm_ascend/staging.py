@@ -1,6 +1,7 @@
 """The staged, uncommitted layers of one sync (`StagingArea`), whatever their scheme.
 
-Each incoming projection (or expert) shard is quantized by the caller and handed to its layer's
+Each incoming projection (or expert) shard is quantized by the caller (its scheme's payload,
+`Scheme.quantize`) and handed to its layer's
 staging (`scheme.new_staging`, `schemes/`), which fills an int8 buffer in the PROCESSED layout
 through the layer's own `weight_loader` (TP narrowing, shard ids and the EP expert map are
 upstream's): the loader sees the buffer's checkpoint-layout transpose, so the bytes land where
@@ -43,12 +44,11 @@ class StagingArea:
             st = self._layers[target.path] = new_staging(target, with_scale, in_place)
         return st
 
-    def stage(self, target, name: str, q: torch.Tensor, scale: Optional[torch.Tensor]
-              ) -> Optional[LayerStaging]:
-        """Stage one shard; the layer's staging when it is now complete (popped: the caller
-        commits it), else None."""
-        st = self.open(target, scale is not None)
-        st.stage(name, q, scale)
+    def stage(self, target, name: str, payload) -> Optional[LayerStaging]:
+        """Stage one shard (its scheme's payload); the layer's staging when it is now complete
+        (popped: the caller commits it), else None."""
+        st = self.open(target, payload.with_scale)
+        st.stage(name, payload)
         if st.complete():
             return self._layers.pop(target.path)
         return None

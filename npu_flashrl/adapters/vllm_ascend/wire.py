@@ -14,7 +14,7 @@ sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tens
 - `take(...)`: hold a weight until its scale arrived or a scale until its weight (either order:
   another sender or checkpoint engine may reorder, and they may come in different buckets) and
   return the complete pair as it came (no copy), which the sync hands to its staging
-  (`Int8WeightLoader.stage_quantized`, `in_place`): a linear layer's staging writes it straight
+  (`Int8WeightLoader.stage_payload`, `in_place`, as its scheme's payload): a linear layer's staging writes it straight
   into the live weight in its processed layout (one pass over the int8 bytes, no buffer of the
   fused layer), the same per-layer commit then writes the scales and derived tensors.
 
@@ -23,12 +23,12 @@ sync names it and drops it, and a failed call drops it with everything else stag
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from npu_flashrl.quant import WeightSyncError
-from npu_flashrl.quant.wire import OFFSET_SUFFIX, SCALE_SUFFIX, scale_name
+from npu_flashrl.quant.wire import PER_CHANNEL_INT8, WireFormat
 
 # the only quantizer whose scales the trainer can reproduce (fresh absmax/127 per row)
 WIRE_FN = "int8_profile_free"
@@ -41,14 +41,15 @@ def _short(dtype: torch.dtype) -> str:
 class WirePair:
     """One projection's int8 weight and scale of this sync, until both have arrived."""
 
-    def __init__(self, weight_name: str):
+    def __init__(self, weight_name: str, fmt: WireFormat):
         self.name = weight_name
+        self.scale_name = fmt.scale_name(weight_name)
         self.q: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
         self.borrowed = False  # holds a view of the caller's (bucket) tensor
 
     def missing(self) -> List[str]:
-        return [n for n, t in ((self.name, self.q), (scale_name(self.name), self.scale)) if t is None]
+        return [n for n, t in ((self.name, self.q), (self.scale_name, self.scale)) if t is None]
 
     def buffers(self):
         return tuple(t for t in (self.q, self.scale) if t is not None)
@@ -64,14 +65,25 @@ class WirePair:
 
 
 class WireReceiver:
-    """The INT8-wire pairs of one sync into `loader` (an `Int8WeightLoader`)."""
+    """The INT8-wire pairs of one sync. `target_of(name)`: the quantized layer (its target) an HF
+    weight name loads into, or None; `quantizer`: the rollout's online quantizer (its fn and
+    compute dtype decide what the wire may carry)."""
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, target_of: Callable[[str], object], quantizer):
+        self._target_of = target_of
+        self.quantizer = quantizer
         self._pairs: Dict[str, WirePair] = {}
 
     def _layer(self, weight_name: str):
-        return self.loader.targets.get(weight_name) or self.loader.experts.get(weight_name)
+        return self._target_of(weight_name)
+
+    @staticmethod
+    def _format(layer) -> WireFormat:
+        """The tensor names of `layer`'s scheme on the wire (a scheme without a wire format: its
+        checkpoint's, so that such a tensor is refused as a wire tensor by name)."""
+        if layer is None:
+            return PER_CHANNEL_INT8
+        return layer.scheme.wire or layer.scheme.checkpoint
 
     def weight_of(self, name: str, tensor) -> Optional[str]:
         """The projection weight `name` is a wire tensor of, or None (a float-wire tensor). An
@@ -81,12 +93,18 @@ class WireReceiver:
             return None
         if tensor.dtype == torch.int8 and self._layer(name) is not None:
             return name
-        for suffix in (SCALE_SUFFIX, OFFSET_SUFFIX):
-            if name.endswith("." + suffix):
-                weight = name[: -len(suffix)] + "weight"
-                if self._layer(weight) is not None:
-                    return weight
+        weight = name.rpartition(".")[0] + ".weight"
+        layer = self._layer(weight)
+        if layer is not None and self._format(layer).weight_of(name) == weight:
+            return weight
         return None
+
+    def half(self, name: str, weight_name: str) -> Optional[int]:
+        """Which half of `weight_name`'s pair wire tensor `name` is: 0 the int8 weight, 1 its
+        scale, None the (zero) offset."""
+        if name == weight_name:
+            return 0
+        return None if self._format(self._layer(weight_name)).is_offset(name) else 1
 
     def held(self, weight_name: str) -> List[Optional[torch.Tensor]]:
         """[int8, scale] of `weight_name` held from earlier calls of this sync (None: not yet)."""
@@ -94,7 +112,7 @@ class WireReceiver:
         return [None, None] if pair is None else [pair.q, pair.scale]
 
     def validate(self, name: str, weight_name: str, tensor: torch.Tensor) -> None:
-        quantizer = self.loader.quantizer
+        quantizer = self.quantizer
         if getattr(quantizer, "name", None) != WIRE_FN:
             raise WeightSyncError(
                 f"{name}: an INT8-wire tensor reached a rollout whose fn is "
@@ -117,7 +135,7 @@ class WireReceiver:
         if tuple(tensor.shape) not in ((out_rows,), (out_rows, 1)):
             raise WeightSyncError(f"{name}: expected shape ({out_rows}, 1) (W8A8_DYNAMIC, one per output "
                                   f"row of {weight_name}), got {tuple(tensor.shape)}")
-        if name.endswith(OFFSET_SUFFIX):
+        if self._format(layer).is_offset(name):
             if tensor.numel() and bool(tensor.ne(0).any()):
                 raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
                                       "(W8A8_DYNAMIC offsets are zero)")
@@ -142,7 +160,7 @@ class WireReceiver:
         the rollout's dtype (a finite, positive 1e38 passes `validate` and overflows here)."""
         if not q.numel():
             return
-        dtype = self.loader.quantizer.compute_dtype
+        dtype = self.quantizer.compute_dtype
         s = scale.reshape(-1).float()
         # |int8| <= 128: when 128 x every scale is finite in the rollout's dtype, so is every
         # dequantized value (rounding is monotone), and the int8 weight need not be read at all
@@ -155,7 +173,7 @@ class WireReceiver:
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
             raise WeightSyncError(
-                f"{scale_name(weight_name)}: row {row}'s scale {float(s[row]):g} times the "
+                f"{self._format(self._layer(weight_name)).scale_name(weight_name)}: row {row}'s scale {float(s[row]):g} times the "
                 f"largest int8 magnitude of {weight_name} in that row ({int(absmax[row])}) is "
                 f"{float(deq[row]):g}, not finite in {_short(dtype)} (the rollout's dtype): the "
                 "rollout would compute Inf / NaN with it; refusing the sync")
@@ -169,11 +187,12 @@ class WireReceiver:
         checked already (`check_pair`, by a list call before anything of it was written). The
         pair is returned as it came: a complete pair is written before the call returns, so
         nothing of the caller's memory needs copying."""
-        if name.endswith("." + OFFSET_SUFFIX):
+        fmt = self._format(self._layer(weight_name))
+        if fmt.is_offset(name):
             return {name}, None  # validated zero; the commit zeroes the live offset
         pair = self._pairs.get(weight_name)
         if pair is None:
-            pair = self._pairs[weight_name] = WirePair(weight_name)
+            pair = self._pairs[weight_name] = WirePair(weight_name, fmt)
         if name == weight_name:
             pair.q = tensor
         else:
@@ -186,7 +205,7 @@ class WireReceiver:
         if not pair_checked:
             self.check_pair(weight_name, pair.q, pair.scale)
         del self._pairs[weight_name]
-        return {weight_name, scale_name(weight_name)}, (pair.q, pair.scale.reshape(-1).float())
+        return {weight_name, pair.scale_name}, (pair.q, pair.scale.reshape(-1).float())
 
     def keep(self) -> None:
         """End of a load_weights call: incomplete pairs copy what they hold of the caller's tensors."""
@@ -198,10 +217,10 @@ class WireReceiver:
 
     def arrived_halves(self) -> List[str]:
         """The halves that came of the pairs still incomplete."""
-        return [n for w, p in self._pairs.items() for n in sorted({w, scale_name(w)} - set(p.missing()))]
+        return [n for w, p in self._pairs.items() for n in sorted({w, p.scale_name} - set(p.missing()))]
 
     def received(self) -> Dict[str, List[str]]:
-        return {w: sorted({w, scale_name(w)} - set(p.missing())) for w, p in self._pairs.items()}
+        return {w: sorted({w, p.scale_name} - set(p.missing())) for w, p in self._pairs.items()}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in self._pairs.values() for t in p.buffers())

@@ -200,8 +200,8 @@ def test_vllm_ascend_picks_w8a8_dynamic_fused_moe_and_a_float_router(va, moe, ki
     from npu_flashrl import lines
     from npu_flashrl.sim import cpu_vllm
 
-    _, _, dyn = lines.current().quant_method_classes()
-    moe_cls = lines.current().moe_method_class()
+    dyn = lines.current().method_class("W8A8_DYNAMIC", "linear")
+    moe_cls = lines.current().method_class("W8A8_DYNAMIC", "moe")
     with cpu_vllm.CpuVllm(getattr(moe, kind), quantization="ascend", load_format="dummy",
                           choice=cpu_vllm.int8()) as v:
         for layer in v.model.model.layers:

@@ -502,7 +502,7 @@ def test_the_int8_wire_pair_check_reads_the_weight_only_for_a_suspect_scale():
     from npu_flashrl.quant import WeightSyncError
     from npu_flashrl.sim.costs import CostCounter
 
-    wire = WireReceiver(SimpleNamespace(quantizer=SimpleNamespace(compute_dtype=torch.bfloat16)))
+    wire = WireReceiver(lambda name: None, SimpleNamespace(compute_dtype=torch.bfloat16))
     q = torch.full((4, 64), 127, dtype=torch.int8)
     with CostCounter() as c:
         wire.check_pair(K, q, torch.full((4,), 0.01))

@@ -54,7 +54,9 @@ def ascend(tmp_path_factory):
     try:
         ensure_distributed(1)
         ascend_harness.init_vllm_ascend_config(cfg)
-        yield lines.current().quant_method_classes()
+        ln = lines.current()
+        yield (ln.linear_wrapper_class(), ln.method_class("W8A8", "linear"),
+               ln.method_class("W8A8_DYNAMIC", "linear"))
     finally:
         ctx.__exit__(None, None, None)
 

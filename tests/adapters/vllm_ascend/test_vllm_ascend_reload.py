@@ -238,7 +238,7 @@ def test_compressed_tensors_w8a8_loads_on_ascend_w8a8_dynamic(va, ckpts, tmp_pat
                 raw.update({k: sf.get_tensor(k) for k in sf.keys()})
     with build(va, w8, fn=None) as v:
         from npu_flashrl import lines
-        _, _, dyn = lines.current().quant_method_classes()
+        dyn = lines.current().method_class("W8A8_DYNAMIC", "linear")
         layer = v.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(layer.quant_method.quant_method, dyn)
         q = torch.cat([raw[f"model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
@@ -265,7 +265,7 @@ def test_modelslim_static_w8a8_keeps_qwen2_bias(va, ckpts, tmp_path):
     write_modelslim_w8a8(dirs[0], ms, input_scale=0.02)
     with build(va, ms, fn=None) as v:
         from npu_flashrl import lines
-        _, static, _ = lines.current().quant_method_classes()
+        static = lines.current().method_class("W8A8", "linear")
         layer = v.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(layer.quant_method.quant_method, static)
         # every projection is claimed by the registered static W8A8 scheme (adapters/vllm_ascend/schemes)
@@ -375,3 +375,40 @@ def test_tensor_parallel_2_each_rank_gets_its_shard(ckpts, tmp_path):
                                q[:, rank * cols:(rank + 1) * cols].t())
             torch.testing.assert_close(st[f"model.layers.{i}.mlp.down_proj.weight_scale"].float(), s,
                                        rtol=4e-3, atol=0)
+
+
+def test_each_registered_scheme_brings_one_run_once_patch_on_its_tables_class(va):
+    """Schemes by key: a scheme's class is the one the installed line's own table holds for its
+    key, its run-once patch is declared once per key (named by the scheme, the target naming the
+    table entry) and applied to that class; the supported list a refusal names is the registry."""
+    from npu_flashrl import lines, patches
+    from npu_flashrl.adapters.vllm_ascend import schemes
+
+    ln = lines.current()
+    declared = {p["name"]: p for p in patches.status()}
+    once = schemes.once_patches(ln)
+    assert [p.name for p in once] == ["ascend_w8a8_dynamic_process_once",
+                                      "ascend_w8a8_dynamic_moe_process_once",
+                                      "ascend_w8a8_static_process_once"]
+    for scheme, patch in zip(schemes.registered(), once):
+        cls = scheme.method_class(ln)
+        assert cls is ln.method_class(*scheme.key)
+        assert patch.target == f"{ln.quant_method_map}[{scheme.quant_type!r}, {scheme.layer_type!r}]" \
+                               ".process_weights_after_loading"
+        assert declared[patch.name]["target"] == patch.target
+        assert patches.apply_patch(patch.name)
+        assert patches.original(cls.process_weights_after_loading) is not cls.process_weights_after_loading
+    assert set(p.name for p in once) <= set(va.PATCHES)
+    assert schemes.supported("linear") == ["W8A8_DYNAMIC", "W8A8"]
+    assert "supported: AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod" in ln.unsupported_reason(
+        object(), [schemes.get_scheme(*k).method_class(ln).__name__
+                   for k in (("W8A8_DYNAMIC", "linear"), ("W8A8", "linear"))])
+
+
+def test_quant_type_constants_live_in_their_scheme_modules(va):
+    from npu_flashrl.adapters.vllm_ascend import description
+    from npu_flashrl.adapters.vllm_ascend.schemes import w8a8_dynamic, w8a8_static
+
+    assert description.W8A8_DYNAMIC is w8a8_dynamic.W8A8_DYNAMIC
+    assert description.W8A8 is w8a8_static.W8A8
+    assert "W8A8_DYNAMIC = " not in open(description.__file__).read()

@@ -71,7 +71,7 @@ class LinearStaging(LayerStaging):
     [in, out] storage it sees as [out, in], so every int8 byte is written once and no buffer of
     the fused layer is held; `commit()` then writes only the scales and derived tensors. The
     live layer holds new and old shards until it is complete, so the sync counts it as written
-    (`Int8WeightLoader.stage_quantized`): a failure from then on makes the model refuse to
+    (`Int8WeightLoader.stage_payload`): a failure from then on makes the model refuse to
     generate. Otherwise (online quantization) shards wait in a processed-layout buffer and the
     commit copies it in, so a refused sync leaves the layer untouched."""
 
@@ -97,7 +97,8 @@ class LinearStaging(LayerStaging):
             self.scale = stage_param(torch.empty((w.shape[1], 1), dtype=torch.float32,
                                                  device=w.device), layer.weight_scale)
 
-    def stage(self, name, q, scale) -> None:
+    def stage(self, name, payload) -> None:
+        q, scale = payload.q, payload.scale
         t = self.target
         shard = t.shard_of(name)
         sid = t.shard_ids[t.shards.index(shard)]

@@ -8,8 +8,8 @@ from typing import Callable, Dict, List, Tuple, Type
 import torch
 
 from npu_flashrl import lines
-from npu_flashrl.adapters.vllm_ascend.description import UnsupportedScheme
-from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, MOE, Scheme, inner_method
+from npu_flashrl.adapters.vllm_ascend.schemes.base import (
+    LINEAR, MOE, Scheme, UnsupportedScheme, inner_method)
 
 _SCHEMES: Dict[Tuple[str, str], Scheme] = {}
 
@@ -43,6 +43,16 @@ def registered(layer_type: str = "") -> List[Scheme]:
     return [s for s in _SCHEMES.values() if not layer_type or s.layer_type == layer_type]
 
 
+def supported(layer_type: str = "") -> List[str]:
+    """The quant types the reload serves (of `layer_type` only, when given): the registry."""
+    return [s.quant_type for s in registered(layer_type)]
+
+
+def once_patches(line) -> list:
+    """The run-once patch of every registered scheme on `line` (one per key)."""
+    return [s.once_patch(line) for s in registered()]
+
+
 def find_targets(model: torch.nn.Module, layer_type: str) -> Dict[str, object]:
     """HF weight name -> target of every `layer_type` layer of `model` that a registered scheme
     claims. A linear layer under vllm-ascend's wrapper that no scheme claims is refused (its
@@ -56,6 +66,9 @@ def find_targets(model: torch.nn.Module, layer_type: str) -> Dict[str, object]:
         inner = inner_method(module)
         if inner is None:
             continue
+        refused = line.refused_reason(inner)
+        if refused is not None:
+            raise UnsupportedScheme(f"{path}: {refused}")
         scheme = next((s for s in schemes if s.claims(inner, line)), None)
         if scheme is not None:
             if runs and runs[-1][0] is scheme:
@@ -63,7 +76,8 @@ def find_targets(model: torch.nn.Module, layer_type: str) -> Dict[str, object]:
             else:
                 runs.append((scheme, [(path, module)]))
         elif wrapper is not None and isinstance(getattr(module, "quant_method", None), wrapper):
-            raise UnsupportedScheme(f"{path}: {line.unsupported_reason(inner)}")
+            claimed = [c.__name__ for c in (s.method_class(line) for s in schemes) if c is not None]
+            raise UnsupportedScheme(f"{path}: {line.unsupported_reason(inner, claimed)}")
     targets: Dict[str, object] = {}
     for scheme, layers in runs:
         targets.update(scheme.targets(model, layers))

@@ -18,10 +18,10 @@ import torch
 
 from npu_flashrl.adapters.vllm_ascend import experts as _experts
 from npu_flashrl import lines
-from npu_flashrl.adapters.vllm_ascend.description import W8A8_DYNAMIC, UnsupportedScheme
 from npu_flashrl.adapters.vllm_ascend.schemes.base import (
-    MOE, PER_CHANNEL_INT8, LayerStaging, Scheme, inner_method, stage_param)
+    MOE, PER_CHANNEL_INT8, LayerStaging, Scheme, UnsupportedScheme, inner_method, stage_param)
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
+from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic import W8A8_DYNAMIC
 from npu_flashrl.quant import WeightSyncError
 
 GATE_UP, DOWN = _experts.GATE_UP, _experts.DOWN
@@ -72,7 +72,8 @@ class ExpertStaging(LayerStaging):
                    DOWN: stage_param(torch.empty((e, w2.shape[2], 1), dtype=torch.float32,
                                                  device=w2.device), layer.w2_weight_scale)}
 
-    def stage(self, name, q, scale) -> None:
+    def stage(self, name, payload) -> None:
+        q, scale = payload.q, payload.scale
         t = self.target
         expert_id, shard_id, which = t.names[name]
         loader = _experts.checkpoint_layout_loader(t.layer)
@@ -115,9 +116,8 @@ class ExpertStaging(LayerStaging):
 class W8A8DynamicMoE(Scheme):
     wire = PER_CHANNEL_INT8
     needs_scales = True  # the profile quantizer keeps scales: refused at attach for MoE
-
-    def method_class(self, line) -> type:
-        return line.moe_method_class()
+    patch_name = "ascend_w8a8_dynamic_moe_process_once"
+    process_once_why = "fused-MoE post-processing runs once per layer (a second run re-transposes the experts)"
 
     def targets(self, model: torch.nn.Module, layers: Sequence[Tuple[str, torch.nn.Module]]
                 ) -> Dict[str, ExpertTarget]:

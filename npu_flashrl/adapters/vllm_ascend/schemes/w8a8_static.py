@@ -6,18 +6,22 @@ bias, so both are derived again after new scales and after a bias update (the li
 from __future__ import annotations
 
 from npu_flashrl import lines
-from npu_flashrl.adapters.vllm_ascend.description import W8A8
 from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
+
+W8A8 = "W8A8"  # vllm-ascend's quant type: its description's value for these layers
 
 
 @register_scheme(W8A8, LINEAR)
 class W8A8StaticLinear(LinearScheme):
     static = True
+    patch_name = "ascend_w8a8_static_process_once"
+    process_once_why = "post-processing runs once per layer; float bias folded into quant_bias"
 
-    def method_class(self, line) -> type:
-        return line.method_classes()[0]
+    def after_first_processing(self, layer) -> None:
+        # a ModelSlim checkpoint's float bias into quant_bias (what the line's release folds)
+        lines.current().fold_checkpoint_bias(layer)
 
     def commit_derived(self, layer) -> None:
         line = lines.current()
