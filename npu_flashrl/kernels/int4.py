@@ -1,8 +1,8 @@
 """W4A8_DYNAMIC's int4 math: the pure-torch reference that DEFINES the semantics, and the two
 torch_npu ops vllm-ascend's W4A8_DYNAMIC linear layers call, emulated for NPU-free runs.
 
-The weight format (what vllm-ascend 0.23's `AscendW4A8DynamicLinearMethod` loads, "version 0"
-ModelSlim layout; ModelSlim's `llm_ptq` writer, `save/complex_quantifier.py`, calls it staged
+The weight format (what vllm-ascend's `AscendW4A8DynamicLinearMethod` loads, ModelSlim's
+original layout; ModelSlim's `llm_ptq` writer, `save/complex_quantifier.py`, calls it staged
 quantization, "分阶段量化": float -> int8 first, then int8 -> int4):
 
 - stage 1, per output channel: `weight_scale[n] = absmax(w[n, :]) / 127` (1.0 for an all-zero
@@ -181,3 +181,14 @@ TORCH_NPU_OPS = {
     "npu_convert_weight_to_int4pack": npu_convert_weight_to_int4pack,
     "npu_weight_quant_batchmatmul": npu_weight_quant_batchmatmul,
 }
+
+
+def convert_weight_to_int4pack(values: torch.Tensor) -> torch.Tensor:
+    """int32 [d0, d1] int4 values -> the packed int32 [d0, d1 / 8] the layer holds: the device op
+    on an NPU (whatever its nibble order is), the emulation's `npu_convert_weight_to_int4pack`
+    elsewhere (its rules checked too)."""
+    if values.device.type == "npu":
+        import torch_npu  # noqa: F401  (real torch_npu on an NPU node)
+
+        return torch_npu.npu_convert_weight_to_int4pack(values.contiguous())
+    return npu_convert_weight_to_int4pack(values.contiguous())
