@@ -29,6 +29,8 @@ from npu_flashrl.adapters.vllm_ascend.wire import WireReceiver
 from npu_flashrl.quant import OnlineQuantizer, WeightSyncError
 
 logger = get_logger(__name__)
+# the quant types the INT8 quantizers serve (a quantizer's `serves` says otherwise)
+INT8_QUANT_TYPES = (schemes.W8A8_DYNAMIC, schemes.W8A8)
 
 
 class Int8WeightLoader:
@@ -99,6 +101,14 @@ class Int8WeightLoader:
                 f"{self.quantizer.name!r} (FlashRL's int8 profile) knows the dense projections "
                 f"only ({len(self.experts)} expert weights have no profile entry); use fn "
                 "'int8_profile_free' (fresh per-channel scales per expert at every sync)")
+        serves = getattr(self.quantizer, "serves", INT8_QUANT_TYPES)
+        for layer in self._layers().values():
+            if layer.scheme.quant_type not in serves:
+                raise WeightSyncError(
+                    f"{layer.path}: a vllm-ascend {layer.scheme.quant_type} layer, and fn "
+                    f"{self.quantizer.name!r} quantizes for {'/'.join(serves)} layers only; use "
+                    f"a checkpoint of {'/'.join(serves)} layers, or the fn of "
+                    f"{layer.scheme.quant_type} layers")
         bad = []
         for name in self.targets:
             try:
