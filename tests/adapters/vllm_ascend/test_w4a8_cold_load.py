@@ -1,4 +1,5 @@
-"""vllm-ascend 0.23's own W4A8_DYNAMIC linear method builds and runs on the CPU harness with the
+"""vllm-ascend's own W4A8_DYNAMIC linear method (every line's: 0.23.0, 0.11.0, v0.10.1rc1) builds and
+runs on the CPU harness with the
 emulated int4 ops: a cold load of a ModelSlim W4A8_DYNAMIC checkpoint (group size 32) through
 vLLM's loader, `AscendW4A8DynamicLinearMethod.process_weights_after_loading` (which packs with
 `npu_convert_weight_to_int4pack` and folds both scale levels), and its `apply`
@@ -13,8 +14,11 @@ quantizer is compiled and needs its calibration run, not available here."""
 import pytest
 import torch
 
+from npu_flashrl.sim.cpu_vllm import prepare_process as cpu_vllm_prepare
+
 from helpers import FUSED
 
+pytestmark = pytest.mark.every_line
 GROUP = 32
 
 
@@ -25,8 +29,9 @@ def w4a8(va, tmp_path_factory):
     from npu_flashrl import lines
     from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
-    if lines.current().label != "current":
-        pytest.skip("vllm-ascend's W4A8_DYNAMIC linear method of the scheme-registry layout (0.23)")
+    cpu_vllm_prepare()
+    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
+        pytest.skip(f"vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
     root = tmp_path_factory.mktemp("w4a8")
     bf16, _ = tiny_checkpoint_pair(str(root))
     ms = str(root / "modelslim_w4a8")

@@ -1,4 +1,5 @@
-"""W4A8 rollouts: a policy model of vllm-ascend 0.23's W4A8_DYNAMIC linear layers (cold-loaded
+"""W4A8 rollouts: a policy model of vllm-ascend's W4A8_DYNAMIC linear layers (on every line whose
+vllm-ascend has the method: 0.23.0, 0.11.0 and v0.10.1rc1 all do; cold-loaded
 from a ModelSlim W4A8 checkpoint, group size 32) takes the trainer's bf16 weights at every sync,
 and after every sync equals a fresh W4A8 load of the same weights bit for bit (the packed int4
 weight, both scale levels and everything post-processing derives), with every data pointer
@@ -17,11 +18,14 @@ import os
 import pytest
 import torch
 
+from npu_flashrl.sim.cpu_vllm import prepare_process as cpu_vllm_prepare
+
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import post_sync, ptrs, random_buckets, state
 
 from helpers import hf_weights
 
+pytestmark = pytest.mark.every_line
 GROUP = 32
 W4A8_FN = "w4a8_profile_free"
 
@@ -35,8 +39,9 @@ def ckpts(va, tmp_path_factory):
     from npu_flashrl import lines
     from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
-    if lines.current().label != "current":
-        pytest.skip("vllm-ascend's W4A8_DYNAMIC linear method of the scheme-registry layout (0.23)")
+    cpu_vllm_prepare()
+    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
+        pytest.skip(f"vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
     out = {}
     for seed in (0, 1):
         root = str(tmp_path_factory.mktemp(f"w4a8_{seed}"))
