@@ -193,7 +193,8 @@ class RolloutConfig:
     @classmethod
     def default(cls, fn: str) -> "RolloutConfig":
         fn = normalize_fn(fn)
-        return cls(fn=fn, **_DEFAULTS[fn])
+        # a registered quantizer without a row of its own (w4a8_profile_free) loads as the online INT8 fns do
+        return cls(fn=fn, **_DEFAULTS.get(fn, _DEFAULTS[FN_INT8_PROFILE_FREE]))
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "configs[0]") -> "RolloutConfig":

@@ -278,6 +278,74 @@ CASES: List[Case] = [
 ]
 
 
+
+# --------------------------------------------------------------------------- W4A8 (int4) cases
+# The golden packing is the op page's "8 int4 per int32" with the nibble order kernels/int4.py
+# states (element 8j+i in bits 4i..4i+3): on a device this row is what checks that order.
+
+def _int4_golden_pack(w):
+    out = torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.int64)
+    for i in range(8):
+        out |= (w[:, i::8].long() & 0xF) << (4 * i)
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+
+
+def _int4pack():
+    # the page's example: randint(-8, 8, (k=64, n=32)) int32
+    return (torch.randint(-8, 8, (64, 32), generator=_g(21), dtype=torch.int32),), {}
+
+
+def _wqbmm_page_example():
+    # the int4pack page's call: fp16 x (128, 64), int4 weight (64, 32), (1, n) scale and offset
+    x = torch.randn(128, 64, generator=_g(22)).half()
+    w = torch.randint(-8, 8, (64, 32), generator=_g(23), dtype=torch.int32)
+    scale = (torch.rand(1, 32, generator=_g(24)) * 0.1).half()
+    offset = torch.randn(1, 32, generator=_g(25)).half()
+    return (x, _int4_golden_pack(w), scale, offset), {}
+
+
+def _wqbmm_per_group():
+    # vllm-ascend's W4A8_DYNAMIC call: bf16 x, int4 weight [K, N/8], scale (K / 32, N) bf16
+    x = torch.randn(5, 64, generator=_g(26)).bfloat16()
+    w = torch.randint(-8, 8, (64, 16), generator=_g(27), dtype=torch.int32)
+    scale = (torch.rand(2, 16, generator=_g(28)) * 0.1).bfloat16()
+    return (x, _int4_golden_pack(w), scale), {"antiquant_group_size": 32}
+
+
+def _unpack_golden(packed):
+    w = packed.long() & 0xFFFFFFFF
+    cols = [((w >> (4 * i)) & 0xF) for i in range(8)]
+    nib = torch.stack(cols, dim=-1).reshape(packed.shape[0], -1)
+    return torch.where(nib >= 8, nib - 16, nib)
+
+
+def _wqbmm_golden(x, w, antiquant_scale, antiquant_offset=None, antiquant_group_size=0):
+    q = _unpack_golden(w).double()
+    s = antiquant_scale.double()
+    o = antiquant_offset.double() if antiquant_offset is not None else torch.zeros_like(s)
+    if antiquant_group_size:
+        s = s.repeat_interleave(antiquant_group_size, dim=0)
+        o = o.repeat_interleave(antiquant_group_size, dim=0)
+    return (x.double() @ ((q + o) * s)).to(x.dtype)
+
+
+CASES += [
+    Case("npu_convert_weight_to_int4pack", "page example (64, 32) int32", _int4pack,
+         _int4_golden_pack),
+    Case("npu_convert_weight_to_int4pack", "a value outside [-8, 7] (refused)",
+         lambda: ((torch.full((2, 8), 8, dtype=torch.int32),), {}), valid=False),
+    Case("npu_convert_weight_to_int4pack", "last dim not a multiple of 8 (refused)",
+         lambda: ((torch.zeros(2, 12, dtype=torch.int32),), {}), valid=False),
+    Case("npu_weight_quant_batchmatmul", "int4 page example, fp16, per-channel scale + offset",
+         _wqbmm_page_example, _wqbmm_golden),
+    Case("npu_weight_quant_batchmatmul", "int4 per-group (32) bf16, vllm-ascend's W4A8 call",
+         _wqbmm_per_group, _wqbmm_golden),
+    Case("npu_weight_quant_batchmatmul", "float32 antiquant_scale with a bf16 x (refused)",
+         lambda: ((_wqbmm_per_group()[0][0], _wqbmm_per_group()[0][1], _wqbmm_per_group()[0][2].float()),
+                  {"antiquant_group_size": 32}), valid=False),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 def _to(obj, device):

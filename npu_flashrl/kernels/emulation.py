@@ -27,7 +27,7 @@ from typing import Dict, List
 import torch
 
 from npu_flashrl.errors import NpuFlashrlError
-from npu_flashrl.kernels import dequant_swiglu_v2, moe_reference, reference
+from npu_flashrl.kernels import dequant_swiglu_v2, int4, moe_reference, reference
 
 EMULATED_PACKAGES = ("torch_npu", "torchair")  # what `install` can emulate
 # What `install()` emulates unless asked for more: torchair is an optional package (vllm-ascend
@@ -57,6 +57,10 @@ _TORCH_NPU_OPS = {
     "npu_dequant_swiglu_quant": moe_reference.npu_dequant_swiglu_quant,
     "npu_swiglu": moe_reference.npu_swiglu,
 }
+
+
+# W4A8_DYNAMIC linear (int4 packing and the weight-quant matmul): kernels/int4.py
+_TORCH_NPU_OPS.update(int4.TORCH_NPU_OPS)
 
 
 def _no_hash(x, k, bias, input_ids, tid2eid, norm_type=1, **kw):
@@ -370,6 +374,18 @@ class _Finder(importlib.abc.MetaPathFinder):
 _FINDER = _Finder()
 
 
+def _tensor_npu(self, device=None, non_blocking=False, **kwargs):
+    """`Tensor.npu()` on the emulated machine (real torch_npu adds the method): "the NPU" is the
+    CPU (`torch.npu.current_device()`), so the tensor itself. vllm-ascend's W4A8_DYNAMIC
+    post-processing moves the scales it derives with it."""
+    return self
+
+
+def _install_tensor_npu() -> None:
+    if not hasattr(torch.Tensor, "npu"):
+        torch.Tensor.npu = _tensor_npu
+
+
 def real_torch_npu_importable() -> bool:
     """True when a real torch_npu (not ours) could be imported in this process."""
     mod = sys.modules.get("torch_npu")
@@ -413,6 +429,7 @@ def install(packages=DEFAULT_PACKAGES) -> None:
     _FINDER.packages = set(packages)
     sys.meta_path.insert(0, _FINDER)
     importlib.import_module("torch_npu")
+    _install_tensor_npu()
 
 
 def uninstall() -> None:
@@ -425,3 +442,5 @@ def uninstall() -> None:
             del sys.modules[name]
     if isinstance(getattr(torch, "npu", None), _NpuNamespace):
         del torch.npu
+    if getattr(torch.Tensor, "npu", None) is _tensor_npu:
+        del torch.Tensor.npu

@@ -547,3 +547,83 @@ def check_dequant_swiglu_quant_v2(x, weight_scale, activation_scale, bias, quant
         # "groupIndexOptional所有元素之和不能大于输入x除尾轴之外的剩余轴的乘积"
         total = int(group_index.sum())
         require(total <= rows, op, "group_index", f"its sum ({total}) must not exceed x's rows ({rows})")
+# =========================================================================== W4A8 (int4) ops
+# vllm-ascend's W4A8_DYNAMIC linear layers: the weight packed by npu_convert_weight_to_int4pack
+# at load, the forward by npu_weight_quant_batchmatmul with antiquant_group_size (its
+# activations are not quantized on that path). Emulated in `kernels/int4.py`.
+
+_PTA = "https://www.hiascend.com/document/detail/zh/Pytorch/{}/apiref/apilist/{}.html"
+DOC.update({
+    "npu_convert_weight_to_int4pack": _PTA.format("600", "ptaoplist_000846"),
+    "npu_convert_weight_to_int4pack@aclnn": _CANN.format("82RC1alpha003", "aclnnConvertWeightToINT4Pack"),
+    "npu_weight_quant_batchmatmul": _PTA.format("700", "ptaoplist_000179"),
+    # the per-group antiquant shape and the antiquant_offset dtype rule, as 6.0.RC3 words them
+    "npu_weight_quant_batchmatmul@6.0.RC3": _PTA.format("60RC3", "ptaoplist_000772"),
+})
+INT4_PACK = 8  # "每8个int4数据通过一个int32数据承载"
+
+
+def check_convert_weight_to_int4pack(weight, inner_k_tiles) -> None:
+    op = "npu_convert_weight_to_int4pack"
+    # weight: INT32, 2-D (k, n) or (n, k), contiguous, last dim 8-aligned, values in [-8, 7]
+    require_dtype(weight, (I32,), op, "weight")
+    require(weight.dim() == 2, op, "weight", f"must be 2-D, got shape {tuple(weight.shape)}")
+    # aclnn: "传入空tensor场景" is an ACLNN_ERR_PARAM_INVALID
+    require(weight.numel() > 0, op, "weight", "must not be empty", "npu_convert_weight_to_int4pack@aclnn")
+    require(weight.is_contiguous(), op, "weight", "must be contiguous (不支持非连续的Tensor)")
+    require(weight.shape[-1] % INT4_PACK == 0, op, "weight",
+            f"last dim must be a multiple of {INT4_PACK}, got shape {tuple(weight.shape)}")
+    if weight.device.type != "meta":
+        lo, hi = int(weight.min()), int(weight.max())
+        require(-8 <= lo and hi <= 7, op, "weight",
+                f"values must be in the int4 range [-8, 7], got [{lo}, {hi}]")
+    require(isinstance(inner_k_tiles, int) and inner_k_tiles == 0, op, "inner_k_tiles",
+            f"is reserved (default 0, unused), got {inner_k_tiles!r}")
+
+
+def check_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, quant_scale, quant_offset,
+                                   bias, antiquant_group_size) -> None:
+    op = "npu_weight_quant_batchmatmul"
+    # x: float16 / bfloat16 on A2 / A3, 2-D (M, K)
+    require_dtype(x, (F16, BF16), op, "x")
+    require(x.dim() == 2, op, "x", f"must be 2-D (M, K), got shape {tuple(x.shape)}")
+    # weight: int8, or int32 carrying int4 (npu_convert_weight_to_int4pack), 2-D (K, N)
+    require_dtype(weight, (I8, I32), op, "weight", why=" (int32 carries packed int4)")
+    require(weight.dim() == 2, op, "weight", f"must be 2-D (K, N), got shape {tuple(weight.shape)}")
+    k = x.shape[1]
+    n = weight.shape[1] * (INT4_PACK if weight.dtype == I32 else 1)
+    require(weight.shape[0] == k, op, "weight", f"its K ({weight.shape[0]}) must equal x's K ({k})")
+    require(isinstance(antiquant_group_size, int) and antiquant_group_size >= 0, op, "antiquant_group_size",
+            f"must be a non-negative int, got {antiquant_group_size!r}")
+    # antiquant_scale: float16 / bfloat16 equal to x's dtype (int64: per-channel only, fp16 x,
+    # int8 weight); (1, N), (N,), (1,), or (ceil_div(K, antiquant_group_size), N) per group
+    require_dtype(antiquant_scale, (F16, BF16, I64), op, "antiquant_scale")
+    if antiquant_scale.dtype == I64:
+        require(x.dtype == F16 and weight.dtype == I8 and not antiquant_group_size, op, "antiquant_scale",
+                "an int64 scale needs a float16 x, an int8 weight and the per-channel mode")
+    else:
+        require(antiquant_scale.dtype == x.dtype, op, "antiquant_scale",
+                f"dtype must equal x's ({_name(x.dtype)}), got {_name(antiquant_scale.dtype)}")
+    if antiquant_group_size:
+        groups = -(-k // antiquant_group_size)
+        ok = (groups, n)
+        require(tuple(antiquant_scale.shape) == ok, op, "antiquant_scale",
+                f"must be (ceil_div(K, antiquant_group_size), N) = {ok} per group, got "
+                f"{tuple(antiquant_scale.shape)}", "npu_weight_quant_batchmatmul@6.0.RC3")
+    else:
+        ok_shapes = ((1, n), (n,), (1,))
+        require(tuple(antiquant_scale.shape) in ok_shapes, op, "antiquant_scale",
+                f"must be one of {ok_shapes} per channel / tensor, got {tuple(antiquant_scale.shape)}")
+    if antiquant_offset is not None:
+        # float16 / bfloat16 equal to antiquant_scale's dtype, or int32
+        if antiquant_offset.dtype != I32:
+            require(antiquant_offset.dtype == antiquant_scale.dtype, op, "antiquant_offset",
+                    f"dtype must equal antiquant_scale's ({_name(antiquant_scale.dtype)}) or be int32, got "
+                    f"{_name(antiquant_offset.dtype)}", "npu_weight_quant_batchmatmul@6.0.RC3")
+        require(tuple(antiquant_offset.shape) == tuple(antiquant_scale.shape), op, "antiquant_offset",
+                f"must have antiquant_scale's shape {tuple(antiquant_scale.shape)}, got "
+                f"{tuple(antiquant_offset.shape)}", "npu_weight_quant_batchmatmul@6.0.RC3")
+    if bias is not None:
+        require_dtype(bias, (F16, F32), op, "bias")
+        require(tuple(bias.shape) in ((1, n), (n,)), op, "bias", f"must be (1, N) or (N,) with N={n}, "
+                f"got {tuple(bias.shape)}")

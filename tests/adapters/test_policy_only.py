@@ -4,7 +4,8 @@ entry) is redirected onto vllm-ascend's "ascend" W8A8 path; every other vLLM eng
 policy) loads a compressed-tensors checkpoint exactly as vllm-ascend would without npu_flashrl.
 The non-W8A8 scheme is W4A8_DYNAMIC (int4 grouped weights, int8 dynamic per-token activations):
 vllm-ascend 0.23 serves it on dense linear layers (its W4A16 scheme is fused-MoE only), and
-npu_flashrl's description refuses it (UnsupportedScheme), so a redirect would show.
+npu_flashrl's compressed-tensors description refuses it (UnsupportedScheme: the W4A8 rollout
+reloads ModelSlim-format W4A8 layers only, docs/w4a8.md), so a redirect would show.
 
 Real code: vLLM's `EngineArgs.create_engine_config` under npu_flashrl's engine patch, vLLM's
 `ModelConfig` / `VllmConfig` (which run the compressed-tensors override and the quant-description
@@ -12,8 +13,8 @@ redirect), vllm-ascend's `AscendCompressedTensorsConfig` and its W4A8_DYNAMIC / 
 `initialize_model` / `get_model` (the INT8 loader hook). Stand-ins (named): torch_npu (reference
 kernels) and vLLM's CPU platform accepting the quantization methods vllm-ascend's NPU platform
 accepts (npu_flashrl.sim.cpu_vllm); Ray's runtime context (the reward server actor's name). The
-W4A8 model is built, not loaded: vllm-ascend's W4A8 post-processing packs with an NPU-only op
-(`npu_convert_weight_to_int4pack`), so its engine uses load_format=dummy and stops at the build.
+W4A8 model is built, not loaded: the directory holds the bf16 weights under a W4A8
+quantization_config, so its engine uses load_format=dummy and stops at the build.
 """
 import json
 import os

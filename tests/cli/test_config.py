@@ -190,3 +190,13 @@ def test_flashrl_reads_our_yaml(tmp_path):
     assert got[0]["model"] == "/ckpt/w8a8" and got[2]["model"] is None
     assert got[0]["kwargs"] == {"load_format": "auto", "distributed_executor_backend": "external_launcher"}
     assert got[2]["kwargs"] == {"load_format": "dummy", "distributed_executor_backend": "external_launcher"}
+
+
+def test_every_registered_fn_has_entry_defaults():
+    """`npu-flashrl setup --fn <fn>` builds the entry from `RolloutConfig.default(fn)`: every
+    supported fn has defaults (w4a8_profile_free: the online fns' load_format auto)."""
+    from npu_flashrl import config as C
+
+    for fn in C.SUPPORTED_FNS:
+        assert C.RolloutConfig.default(fn).fn == fn
+    assert C.RolloutConfig.default("w4a8_profile_free").load_format == "auto"

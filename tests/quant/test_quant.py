@@ -48,7 +48,7 @@ def test_registry_refuses_a_duplicate_name_and_feeds_the_config():
         registry.register_quantizer("int8")(type("Other", (quant.OnlineQuantizer,), {}))
     assert registry.QUANTIZERS["int8"] is quant.ProfileQuantizer
     assert config.SUPPORTED_FNS == registry.names() + ("bf16",)
-    assert set(registry.names()) == {"int8", "int8_profile_free"}
+    assert set(registry.names()) == {"int8", "int8_profile_free", "w4a8_profile_free"}
 
 
 def test_make_quantizer_int8_needs_a_profile():

@@ -53,3 +53,42 @@ def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05)
     with open(os.path.join(out_dir, "quant_model_description.json"), "w") as f:
         json.dump(desc, f, indent=1)
     return desc
+
+
+def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32) -> dict:
+    """A ModelSlim W4A8_DYNAMIC checkpoint ("version 0" layout, the staged quantization of
+    `npu_flashrl.kernels.int4`): per projection an int8 `weight` [out, in] holding int4 values,
+    float32 `weight_scale` / `weight_offset` [out, 1], float32 `weight_scale_second` and int64
+    `weight_offset_second` [out, in // group_size] (the dtypes ModelSlim's own W4A8 test checks,
+    test/ST/llm_ptq_w4a8_per_token/run.py); `group_size` in the description."""
+    from safetensors.torch import load_file, save_file
+
+    from npu_flashrl.kernels.int4 import quantize_weight_w4a8
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for f in sorted(os.listdir(bf16_dir)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(bf16_dir, f)))
+        elif not f.endswith(".json") or f == "config.json" or "token" in f:
+            if os.path.isfile(os.path.join(bf16_dir, f)):
+                shutil.copy(os.path.join(bf16_dir, f), out_dir)
+    out, desc = {}, {"model_quant_type": "W4A8_DYNAMIC", "group_size": group_size}
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
+            w = quantize_weight_w4a8(t, group_size)
+            out[name] = w.q
+            out[module + ".weight_scale"] = w.scale.unsqueeze(1)
+            out[module + ".weight_offset"] = torch.zeros(w.q.shape[0], 1)
+            out[module + ".weight_scale_second"] = w.scale_second
+            out[module + ".weight_offset_second"] = torch.zeros(w.scale_second.shape, dtype=torch.int64)
+            for extra in ("weight", "weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second"):
+                desc[f"{module}.{extra}"] = "W4A8_DYNAMIC"
+        else:
+            out[name] = t
+            desc[name] = "FLOAT"
+    save_file(out, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "quant_model_description.json"), "w") as f:
+        json.dump(desc, f, indent=1)
+    return desc

@@ -10,6 +10,10 @@ import torch
 from npu_flashrl.adapters.vllm_ascend import schemes
 
 
+# the quant types the INT8 quantizers serve (a quantizer's `serves` says otherwise)
+INT8_QUANT_TYPES = (schemes.W8A8_DYNAMIC, schemes.W8A8)
+
+
 class Targets:
     """HF name -> target of every quantized layer of `model`, whatever its layer type."""
 
@@ -76,6 +80,14 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
     if experts and getattr(quantizer, "dense_only", False):
         raise no_moe(quantizer, next(iter(experts)),
                      f"{type(model).__name__} is a MoE model ({len(experts)} expert weights)")
+    serves = getattr(quantizer, "serves", INT8_QUANT_TYPES)
+    for layer in targets.layers.values():
+        if layer.scheme.quant_type not in serves:
+            raise WeightSyncError(
+                f"{layer.path}: a vllm-ascend {layer.scheme.quant_type} layer, and fn "
+                f"{quantizer.name!r} quantizes for {'/'.join(serves)} layers only; use "
+                f"a checkpoint of {'/'.join(serves)} layers, or the fn of "
+                f"{layer.scheme.quant_type} layers")
     linear = targets.linear()
     bad = []
     for name in linear:

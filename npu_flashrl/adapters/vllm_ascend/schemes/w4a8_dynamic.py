@@ -1,0 +1,187 @@
+"""vllm-ascend's W4A8_DYNAMIC linear scheme (`AscendW4A8DynamicLinearMethod`, ModelSlim's
+original layout): int4 weights in groups of `group_size` input channels with two scale levels,
+activations left in the model dtype on the linear path (its `apply` is
+`npu_weight_quant_batchmatmul` with `antiquant_group_size`).
+
+What a sync writes, in place, is exactly what the layer holds after vllm-ascend's
+`process_weights_after_loading` of a fresh load of the same weights:
+
+- every incoming float projection is quantized on its FULL row by `kernels.int4` (the staged
+  ModelSlim format: per-channel int8 then per-group int4), in its layer's staging with the
+  layer's own group size (its quant description's), so a row-parallel shard gets the row's
+  first-level scale as a checkpoint would carry it;
+- the int4 values, `weight_scale` [out, 1] and `weight_scale_second` [out, in / group] are staged
+  through the layer's own `weight_loader` (TP narrowing, fused q/k/v and gate/up offsets are
+  upstream's) into buffers of the checkpoint dtypes the layer loads into (the scales in the model
+  dtype, as a fresh load rounds them);
+- the commit packs the int4 values of the processed [in, out] layout into the live int32 weight
+  [in, out / 8] (`npu_convert_weight_to_int4pack`: the device op on an NPU, its emulation
+  elsewhere), and derives the fp32 `weight_scale`, the antiquant `weight_scale_second`
+  [in / group, out] and `weight_scale_bias` with vllm-ascend's own `process_scale_second`, each
+  copied into the tensor the layer already holds (addresses unchanged). The zero offsets stay.
+
+A refused sync leaves the layer untouched (everything waits in the staging until the layer is
+complete). Not sent over the INT8 wire (`wire` None): an int8 [out, in] pair is not this format.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, LayerStaging, WireFormat, stage_param
+from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme, LinearTarget
+from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
+from npu_flashrl.kernels import int4
+from npu_flashrl.quant import WeightSyncError
+
+W4A8_DYNAMIC = "W4A8_DYNAMIC"  # vllm-ascend's quant type: its description's value for these layers
+# what its (ModelSlim) checkpoint carries beside each weight: the first-level scale and offset;
+# `weight_scale_second` / `weight_offset_second` follow (`W4A8DynamicLinear.checkpoint_items`)
+CHECKPOINT = WireFormat("ModelSlim W4A8_DYNAMIC")
+
+
+@dataclasses.dataclass
+class W4A8Payload:
+    """What one float projection becomes: its W4A8 quantization for the group size of the layer
+    it goes to. A sync's staging (which knows the layer) quantizes it there and then, so the
+    float tensor is held for that one call only; the cold load quantizes with the model's
+    description's group size (`W4A8DynamicLinear.checkpoint_items`)."""
+    name: str
+    weight: torch.Tensor  # the float projection [out, in] as the trainer sent it
+    compute_dtype: Optional[torch.dtype]
+    with_scale = True  # both scale levels are fresh
+
+    def quantized(self, group_size: int) -> int4.W4A8Weight:
+        try:
+            return int4.quantize_weight_w4a8(self.weight, group_size, self.compute_dtype)
+        except ValueError as exc:
+            raise WeightSyncError(f"{self.name}: {exc}; refusing the sync") from None
+
+
+def group_size_of(layer) -> int:
+    """The group size the layer was built with (its scheme object's, from the description)."""
+    inner = getattr(getattr(layer, "quant_method", None), "quant_method", None)
+    return int(getattr(inner, "group_size", int4.DEFAULT_GROUP_SIZE))
+
+
+def description_group_size() -> int:
+    """The group size of the model being built (vllm-ascend's W4A8 method reads the same key of
+    the current config's quant description)."""
+    from vllm.config import get_current_vllm_config
+
+    desc = getattr(get_current_vllm_config().quant_config, "quant_description", None) or {}
+    return int(desc.get("group_size", int4.DEFAULT_GROUP_SIZE))
+
+
+def _params_dtype(layer) -> torch.dtype:
+    # weight_offset keeps the dtype the layer created its per-group tensors with (post-processing
+    # only flattens it); weight_scale itself is fp32 once processed
+    return layer.weight_offset.dtype
+
+
+class W4A8Staging(LayerStaging):
+    """A (fused) W4A8 linear layer's shards of one sync, in the checkpoint layout the layer's
+    `weight_loader` fills: int4 values int8 [out, in_part], `weight_scale` [out, 1] and
+    `weight_scale_second` [out, in_part / group] in the model dtype."""
+
+    def __init__(self, target: LinearTarget):
+        super().__init__(target)
+        layer = target.layer
+        dev = layer.weight.device
+        k = layer.weight.shape[0]  # processed: int32 [in_part, out_part / 8]
+        n = layer.weight_scale.shape[0]  # processed: fp32 [out_part]
+        groups = layer.weight_scale_second.shape[0]  # processed: [in_part / group, out_part]
+        dt = _params_dtype(layer)
+        # [out, in] views of [in, out] memory: the commit packs the processed layout directly
+        self.q = stage_param(torch.empty((k, n), dtype=torch.int8, device=dev).t(), layer.weight)
+        self.scale = stage_param(torch.empty((n, 1), dtype=dt, device=dev), layer.weight_scale)
+        self.scale_second = stage_param(torch.empty((n, groups), dtype=dt, device=dev),
+                                        layer.weight_scale_second)
+
+    def stage(self, name, payload) -> None:
+        """`payload`: the W4A8Payload of one projection, quantized here for this layer."""
+        t = self.target
+        if not isinstance(payload, W4A8Payload):
+            raise WeightSyncError(f"{name}: {t.path} is a vllm-ascend W4A8_DYNAMIC layer; it takes "
+                                  "float weights quantized by its scheme (the INT8 wire's per-channel "
+                                  "int8 is not its format)")
+        w = payload.quantized(group_size_of(t.layer))
+        shard = t.shard_of(name)
+        sid = t.shard_ids[t.shards.index(shard)]
+        args = () if sid is None else (sid,)
+        loader = t.layer.weight_loader
+        try:
+            loader(self.q, w.q, *args)
+            loader(self.scale, w.scale.unsqueeze(1), *args)
+            loader(self.scale_second, w.scale_second, *args)
+        except AssertionError as exc:
+            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
+        self.received.add(shard)
+
+    def complete(self) -> bool:
+        return len(self.received) == len(self.target.shards)
+
+    def missing(self) -> List[str]:
+        return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
+
+    def buffers(self):
+        return self.q.data, self.scale.data, self.scale_second.data
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        layer = self.target.layer
+        q_in_out = self.q.data.t()  # contiguous [in, out]: the processed layout
+        packed = int4.convert_weight_to_int4pack(q_in_out.to(torch.int32))
+        scale = self.scale.data.flatten().to(torch.float32)
+        method = type(layer.quant_method.quant_method)  # vllm-ascend's own scale folding
+        antiquant, bias = method.process_scale_second(  # (its default: the original layout)
+            q_in_out, scale, self.scale_second.data.transpose(0, 1).contiguous())
+        layer.weight.data.copy_(packed)
+        layer.weight_scale.data.copy_(scale)
+        layer.weight_scale_second.data.copy_(antiquant)
+        derived_bias = getattr(layer, "weight_scale_bias", None)
+        if derived_bias is not None and bias is not None:
+            derived_bias.data.copy_(bias)
+
+
+@register_scheme(W4A8_DYNAMIC, LINEAR)
+class W4A8DynamicLinear(LinearScheme):
+    wire = None  # no pre-quantized form the trainer sends (an INT4 wire: docs/w4a8.md)
+    checkpoint = CHECKPOINT
+    needs_scales = True
+    patch_name = "ascend_w4a8_dynamic_linear_process_once"
+    process_once_why = "W4A8_DYNAMIC post-processing (transpose, int4 pack, scale folding) runs once per layer"
+
+    def claims(self, inner, line) -> bool:
+        # ModelSlim's newer layout (`new_quant_version`: int4 pairs packed in its int8, a
+        # precomputed scale_bias) runs the same class with another processed layout: not this
+        # scheme's (refused at engine build as a scheme npu_flashrl cannot reload)
+        return super().claims(inner, line) and not getattr(inner, "new_quant_version", False)
+
+    def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
+        if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
+            raise WeightSyncError(f"{name}: a vllm-ascend W4A8_DYNAMIC layer; fn {quantizer.name!r} "
+                                  "does not quantize for it (use fn 'w4a8_profile_free')")
+        return W4A8Payload(name, tensor, quantizer.compute_dtype)
+
+    def checkpoint_items(self, name: str, payload):
+        """A bf16 checkpoint's projection as ModelSlim's W4A8 checkpoint carries it, for the
+        model's description's group size."""
+        w = payload.quantized(description_group_size())
+        yield name, w.q
+        yield self.checkpoint.scale_name(name), w.scale.unsqueeze(1)
+        yield self.checkpoint.offset_name(name), torch.zeros_like(w.scale).unsqueeze(1)
+        base = name[: -len("weight")]
+        yield base + "weight_scale_second", w.scale_second
+        yield base + "weight_offset_second", torch.zeros_like(w.scale_second)
+
+    def checkpoint_defaults(self, name: str, tensor: torch.Tensor):
+        return {}  # a ModelSlim W4A8 checkpoint carries every tensor its layer loads
+
+    def new_staging(self, target, with_scale: bool, in_place: bool = False) -> W4A8Staging:
+        return W4A8Staging(target)
+
+    def commit_derived(self, layer) -> None:
+        """Nothing beyond the commit: it derives every processed tensor itself."""
