@@ -52,7 +52,7 @@ _NEWER, _CURRENT = _ALL[1:], _ALL[-1:]
 
 MBRIDGE_UNTESTED = "no: mbridge has a bridge, not tested here"
 # tests/adapters/megatron/test_megatron_engine_archs.py holds this refusal to what the engine does
-DEEPSEEK_MEGATRON = ("no: verl 0.9.1's engine builds mbridge 0.15.1's DeepseekV3Bridge before it sets "
+DEEPSEEK_MEGATRON = ("no: the current line's verl engine builds mbridge 0.15.1's DeepseekV3Bridge before it sets "
                      "hf_config.rope_theta, and transformers 5's DeepseekV3Config has none (it is in "
                      "rope_parameters): the bridge fails with AttributeError 'rope_theta'")
 _VL_NOTE = ("language model's projections W8A8_DYNAMIC, vision tower and merger 16-bit; vLLM's "
@@ -81,7 +81,7 @@ COVERED: Tuple[Architecture, ...] = (
           _CURRENT,
           "MLA projections W8A8_DYNAMIC, kv_b_proj 16-bit (vllm-ascend's MLA asserts it) with its "
           "absorbed W_UK_T / W_UV re-derived after each sync; router + correction bias high precision; "
-          "shared experts and the first dense layers quantized. The MoE layers run vllm-ascend 0.23's "
+          "shared experts and the first dense layers quantized. The MoE layers run the current line's vllm-ascend "
           "forward on emulated kernels (the shared experts' swiglu_mode=1 kernel: not verified on "
           "hardware); the attention forward on the CPU is a plain-torch stand-in for vllm-ascend's "
           "NPU MLA kernels."),

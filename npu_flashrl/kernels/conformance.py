@@ -200,7 +200,7 @@ def _gating_softmax_golden(x, k):
 
 
 # --------------------------------------------------------------------------- DeepSeek shared experts
-# vllm-ascend 0.23's INT8 shared-experts path (`op_rules`, "DeepSeek shared experts"): the int32
+# the current line's vllm-ascend INT8 shared-experts path (`op_rules`, "DeepSeek shared experts"): the int32
 # output of npu_quant_matmul and vllm-ascend's own _C_ascend.npu_dequant_swiglu_quant, swiglu_mode 1.
 
 def _quant_matmul_int32():
@@ -229,7 +229,7 @@ def _dsq_mode1(clamp_limit=0.0, glu_alpha=1.0, glu_bias=0.0):
 def _dsq_mode1_golden(x, weight_scale, activation_scale, group_index, activate_left, quant_mode,
                       swiglu_mode, clamp_limit, glu_alpha, glu_bias):
     d = x.double() * weight_scale.double() * activation_scale.double().unsqueeze(-1)
-    glu, lin = d.chunk(2, dim=-1)  # halves, as vllm-ascend 0.23's kernel reads them
+    glu, lin = d.chunk(2, dim=-1)  # halves, as the current line's vllm-ascend kernel reads them
     if clamp_limit > 0:
         glu, lin = glu.clamp(max=clamp_limit), lin.clamp(-clamp_limit, clamp_limit)
     return _dq_rows(glu * torch.sigmoid(glu_alpha * glu) * (lin + glu_bias))

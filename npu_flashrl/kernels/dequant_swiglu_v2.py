@@ -1,7 +1,7 @@
-"""vllm-ascend's own `torch.ops._C_ascend.npu_dequant_swiglu_quant` (vllm-ascend 0.23), as a
+"""vllm-ascend's own `torch.ops._C_ascend.npu_dequant_swiglu_quant` (the current line's vllm-ascend), as a
 pure-torch reference kernel for the CPU emulation (`emulation.py` registers it).
 
-vllm-ascend 0.23 calls it for the routed experts (`ops/fused_moe/moe_mlp.py`, swiglu_mode 0) and
+the current line's vllm-ascend calls it for the routed experts (`ops/fused_moe/moe_mlp.py`, swiglu_mode 0) and
 for a model's INT8 shared experts (`ops/fused_moe/fused_moe_0_23_0.py` `_forward_shared_experts`,
 swiglu_mode 1, clamp_limit 0.0 unless the model sets a swiglu limit, DeepSeek-V2/V3 among them).
 Its binding (`csrc/torch_binding.cpp`) runs CANN's aclnnDequantSwigluQuantV2 (schema defaults:
@@ -17,7 +17,7 @@ out = x_glu * sigmoid(glu_alpha * x_glu) * (x_linear + glu_bias); then dynamic p
 (scale = rowmax|y| / 127, round half to even, saturating).
 
 Where the documents disagree (NOT VERIFIED ON HARDWARE): the page and vllm-ascend's proto.h say
-swiglu_mode 1 splits x into EVEN / ODD columns ("奇偶分块"); vllm-ascend 0.23's kernel
+swiglu_mode 1 splits x into EVEN / ODD columns ("奇偶分块"); the current line's vllm-ascend kernel
 (`csrc/moe/dequant_swiglu_quant/op_kernel/dequant_swiglu_quant.h`, `SwiGluGate` and
 `CreateOffsetLocalTensor`: "直接使用前一半和后一半数据") reads the first and second HALVES, as
 vLLM's merged gate_up_proj lays them out. This emulation follows the kernel vllm-ascend ships

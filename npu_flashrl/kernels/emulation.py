@@ -31,7 +31,7 @@ from npu_flashrl.kernels import dequant_swiglu_v2, int4, moe_reference, referenc
 
 EMULATED_PACKAGES = ("torch_npu", "torchair")  # what `install` can emulate
 # What `install()` emulates unless asked for more: torchair is an optional package (vllm-ascend
-# 0.23 imports it under `except ImportError`), so where it is not asked for, `import torchair`
+# the current line imports it under `except ImportError`), so where it is not asked for, `import torchair`
 # raises ModuleNotFoundError as on an NPU host without it. A line whose vllm-ascend imports it
 # unguarded asks for it (`StackLine.emulated_packages`, passed by `sim.cpu_vllm`).
 DEFAULT_PACKAGES = ("torch_npu",)

@@ -40,7 +40,7 @@ DOC = {
     "npu_swiglu": _OP_PLUGIN.format("npu_swiglu"),
     "npu_format_cast": _OP_PLUGIN.format("npu_format_cast"),
     "get_npu_format": _OP_PLUGIN.format("get_npu_format"),
-    # the shared experts' path of vllm-ascend 0.23 (see the "DeepSeek shared experts" block below)
+    # the shared experts' path of the current line's vllm-ascend (see the "DeepSeek shared experts" block below)
     "npu_quant_matmul@int32": _OP_PLUGIN.format("npu_quant_matmul"),
     "_C_ascend.npu_dequant_swiglu_quant":
         "https://gitcode.com/cann/ops-nn/blob/master/quant/dequant_swiglu_quant/docs/aclnnDequantSwigluQuantV2.md",
@@ -474,12 +474,12 @@ def check_format_cast(acl_format) -> None:
 
 
 # --------------------------------------------------------------------------- DeepSeek shared experts
-# What vllm-ascend 0.23's fused-MoE layer calls for a model's INT8 shared experts
+# What the current line's vllm-ascend fused-MoE layer calls for a model's INT8 shared experts
 # (`ops/fused_moe/fused_moe_0_23_0.py` `_forward_shared_experts`): npu_quant_matmul with an int32
 # output, then its own `torch.ops._C_ascend.npu_dequant_swiglu_quant` with swiglu_mode=1. The
 # routed experts call the same _C_ascend op with swiglu_mode 0 (`ops/fused_moe/moe_mlp.py`).
 
-# vllm-ascend 0.23's binding (csrc/torch_binding.cpp `npu_dequant_swiglu_quant`): "swiglu_mode
+# the current line's vllm-ascend binding (csrc/torch_binding.cpp `npu_dequant_swiglu_quant`): "swiglu_mode
 # only support 0 or 1", "clamp_limit should be positive finite" (checked as >= 0.0: its op
 # definition, csrc/moe/dequant_swiglu_quant/op_host/dequant_swiglu_quant_proto.h, documents
 # "Use 0.0 to disable clamp"), glu_alpha / glu_bias finite, "x last dim should be even", x more

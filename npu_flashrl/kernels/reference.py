@@ -295,7 +295,7 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     Documented constraints (the dtype combination table included): `op_rules.check_quant_matmul`.
     The int32 output (a row of the page's table 2: scale float32 / bfloat16, no offset, bias
     int32 / None, no pertoken_scale) is the accumulator x1 @ x2 (+ an int32 bias), unscaled: the page
-    gives no dequantization for it, and vllm-ascend 0.23 (its shared experts, `fused_moe_0_23_0.py`)
+    gives no dequantization for it, and the current line's vllm-ascend (its shared experts, `fused_moe_0_23_0.py`)
     dequantizes that output afterwards with the same weight scale in npu_dequant_swiglu_quant.
     NOT VERIFIED ON HARDWARE (`npu-flashrl verify --kernels` compares it on an NPU host); a sum
     outside int32 is not emulated (the page does not say whether it wraps or saturates).

@@ -55,6 +55,7 @@ VERSION = re.compile(
     + r"|(?<![\w.])v?(?:" + "|".join(re.escape(w) for w in sorted(_release_words(), key=len, reverse=True))
     + r")(?:\.\d+|\.x|rc\d+|\.post\d+|\.dev\d+|\+)*(?![\w.]*\d)"
     + r"|(?i:\b(?:vllm|vllm-ascend|vllm_ascend|verl)\b)[ =<>~^-]{1,4}" + _NUM)
+URL = re.compile(r"https?://\S+")  # a cited page at an upstream tag is a citation, not a version rule
 NAME = re.compile(r"_0\d\d\b|51d2104")  # a release spelled into a module name: server_091, ...
 
 
@@ -78,7 +79,7 @@ def findings(path: Path) -> list:
     tree = ast.parse(src)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            for m in VERSION.finditer(node.value):
+            for m in VERSION.finditer(URL.sub("", node.value)):  # a citation names its tag
                 out.append((node.lineno, f"string/docstring: ...{m.group(0)}..."))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
@@ -87,7 +88,7 @@ def findings(path: Path) -> list:
                     out.append((node.lineno, f"import of {n}"))
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
-            for m in VERSION.finditer(tok.string):
+            for m in VERSION.finditer(URL.sub("", tok.string)):
                 out.append((tok.start[0], f"comment: ...{m.group(0)}..."))
     out += [(n, f"version comparison: {t}") for n, t in _comparisons(tree)]
     return [(rel, n, what) for n, what in out]

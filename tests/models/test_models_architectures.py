@@ -77,5 +77,5 @@ def test_fully_covered_architectures_get_no_warning(name):
 def test_a_partly_covered_architecture_names_its_gaps():
     problem = architectures.coverage_problem("DeepseekV3ForCausalLM")
     assert problem.startswith("architecture DeepseekV3ForCausalLM is covered in part (Megatron export: no: "
-                              "verl 0.9.1's engine builds mbridge 0.15.1's DeepseekV3Bridge before")
+                              "the current line's verl engine builds mbridge 0.15.1's DeepseekV3Bridge before")
     assert "forward on CPU" not in problem and "MoE:" not in problem
