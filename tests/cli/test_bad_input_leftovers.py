@@ -1,0 +1,158 @@
+"""Issue 37's CLI leftovers: each bad input is a named error (naming the flag, variable or file and
+what was expected) or a correct acceptance; `verify --json` prints JSON in every outcome.
+
+CLI cases run the real `python -m npu_flashrl.cli` in a subprocess on the CPU stack.
+
+Stand-ins, by name:
+* a broken torch_npu: a `torch_npu` package on PYTHONPATH whose import raises ImportError (as a
+  torch_npu without CANN's libascendcl.so does);
+* `verify --kernels --strict` on an op that accepts an invalid input: `kernels.conformance.run` is
+  replaced by one returning such a row (the emulation refuses every invalid case, as it must, so
+  only a device could produce that row);
+* "read-only" files: tests run as root here and root ignores file modes, so those subprocesses drop
+  CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH from their capability bounding set (`_no_dac`).
+"""
+import ctypes
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from npu_flashrl import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL_"))}
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(PYTHONPATH=os.pathsep.join(paths), VLLM_PLUGINS="none", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
+    return env
+
+
+def _no_dac():
+    """preexec_fn: drop CAP_DAC_OVERRIDE (1) and CAP_DAC_READ_SEARCH (2) so file modes apply to root."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+def npu_flashrl(*args, env: Optional[dict] = None, no_dac: bool = False, cwd=None):
+    preexec = _no_dac if (no_dac and os.geteuid() == 0) else None
+    return subprocess.run([sys.executable, "-m", "npu_flashrl.cli", *map(str, args)], env=env or _env(),
+                          capture_output=True, text=True, timeout=300, preexec_fn=preexec, cwd=cwd)
+
+
+def _broken_torch_npu(tmp_path) -> str:
+    pkg = tmp_path / "fake_site" / "torch_npu"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('libascendcl.so: cannot open shared object file')\n")
+    return str(tmp_path / "fake_site")
+
+
+# ------------------------------------------------------------------------------ verify --kernels
+
+@pytest.mark.parametrize("extra,named", [
+    (["--config", "c.yaml"], "--config"),
+    (["--verl-overrides", "-"], "--verl-overrides"),
+    (["--apply-patches"], "--apply-patches"),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_verify_kernels_refuses_flags_it_does_not_read(extra, named, as_json, capsys):
+    argv = ["verify", "--kernels", *extra] + (["--json"] if as_json else [])
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert named in err and "--kernels" in err and "does not read" in err, err
+    if as_json:
+        doc = json.loads(out)
+        assert doc["ok"] is False and named in doc["error"]
+    else:
+        assert out == ""
+
+
+def test_verify_kernels_strict_fails_an_op_that_accepts_invalid_input(monkeypatch, capsys):
+    from npu_flashrl.kernels import conformance
+
+    row = {"op": "npu_quantize", "status": conformance.ACCEPTS_INVALID, "detail": "x", "device": "npu"}
+    monkeypatch.setattr(conformance, "run", lambda cases=None: [dict(row)])
+    assert cli.main(["verify", "--kernels", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert cli.main(["verify", "--kernels", "--json", "--strict"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["strict"] is True
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_verify_kernels_broken_torch_npu_is_a_fail_row(tmp_path, as_json):
+    env = _env(PYTHONPATH=os.pathsep.join([_broken_torch_npu(tmp_path), str(ROOT)]))
+    res = npu_flashrl("verify", "--kernels", *(["--json"] if as_json else []), env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    if as_json:
+        doc = json.loads(res.stdout)
+        assert doc["ok"] is False
+        (row,) = doc["rows"]
+        assert row["status"] == "FAIL" and "libascendcl.so" in row["detail"] and "torch_npu" in row["fix"]
+    else:
+        assert "`import torch_npu` fails" in res.stdout and "fix: reinstall the pinned torch_npu" in res.stdout
+
+
+# ------------------------------------------------------------------------- environment switches
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable"])
+def test_yield_flashrl_unknown_word_is_refused_by_name(value, monkeypatch):
+    from npu_flashrl.adapters import flashrl
+    from npu_flashrl.values import SwitchError
+
+    monkeypatch.setenv(flashrl.YIELD_ENV, value)
+    with pytest.raises(SwitchError, match=rf"NPU_FLASHRL_YIELD_FLASHRL='{value}': expected 1 or 0"):
+        flashrl.should_yield()
+
+
+@pytest.mark.parametrize("value,want", [("1", True), ("Yes", True), ("off", False), ("FALSE", False)])
+def test_yield_flashrl_spellings(value, want, monkeypatch):
+    from npu_flashrl.adapters import flashrl
+
+    monkeypatch.setenv(flashrl.YIELD_ENV, value)
+    assert flashrl.should_yield() is want
+
+
+def test_verify_names_bad_switches():
+    res = npu_flashrl("verify", "--json", env=_env(NPU_FLASHRL_YIELD_FLASHRL="maybe",
+                                                   NPU_FLASHRL_MISMATCH_WARN="inf"))
+    doc = json.loads(res.stdout)
+    rows = {r["check"]: r for r in doc["rows"]}
+    assert res.returncode == 1 and doc["ok"] is False
+    assert rows["NPU_FLASHRL_YIELD_FLASHRL"]["status"] == "FAIL"
+    assert "'maybe'" in rows["NPU_FLASHRL_YIELD_FLASHRL"]["detail"]
+    assert rows["NPU_FLASHRL_MISMATCH_WARN"]["status"] == "warn"
+    assert "'inf'" in rows["NPU_FLASHRL_MISMATCH_WARN"]["detail"]
+
+
+@pytest.mark.parametrize("value", ["inf", "Infinity", "nan", "-1", "0"])
+def test_mismatch_warn_not_finite_positive_warns_by_name(value, monkeypatch, caplog):
+    from npu_flashrl.adapters import verl as verl_adapter
+
+    monkeypatch.setenv(verl_adapter.WARN_ENV, value)
+    with caplog.at_level(logging.WARNING, logger="npu_flashrl"):
+        assert verl_adapter.warn_threshold() == verl_adapter.DEFAULT_WARN_THRESHOLD
+    assert f"NPU_FLASHRL_MISMATCH_WARN={value!r}" in caplog.text
+
+
+def test_mismatch_warn_finite_value_is_kept(monkeypatch):
+    from npu_flashrl.adapters import verl as verl_adapter
+
+    monkeypatch.setenv(verl_adapter.WARN_ENV, "1.5")
+    assert verl_adapter.warn_threshold() == 1.5
