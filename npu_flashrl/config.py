@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import stat
 import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
@@ -417,6 +418,9 @@ def output_path_problem(path: Union[str, os.PathLike]) -> Optional[str]:
         return f"{shown}: is a directory; expected a file path"
     if os.path.exists(path) and not os.path.isfile(path):
         return f"{shown}: exists and is not a regular file"
+    if os.path.isfile(path) and not os.access(path, os.W_OK):  # os.replace would swap it anyway
+        return (f"{shown}: exists and is read-only (mode {stat.S_IMODE(os.stat(path).st_mode):04o}), not "
+                f"replaced: make it writable (chmod u+w) or write elsewhere")
     probe = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(probe):  # atomic_write creates missing parents
         probe = os.path.dirname(probe)

@@ -156,3 +156,31 @@ def test_mismatch_warn_finite_value_is_kept(monkeypatch):
 
     monkeypatch.setenv(verl_adapter.WARN_ENV, "1.5")
     assert verl_adapter.warn_threshold() == 1.5
+
+
+# ------------------------------------------------------------------------------ setup -o read-only
+
+def _can_drop_dac() -> bool:
+    if os.geteuid() != 0:
+        return True
+    try:
+        return subprocess.run([sys.executable, "-c", "pass"], preexec_fn=_no_dac).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _can_drop_dac(), reason="cannot drop CAP_DAC_OVERRIDE as root here: file modes "
+                                               "cannot be tested")
+@pytest.mark.parametrize("extra", [[], ["-a"], ["--force"]])
+def test_setup_refuses_to_replace_a_read_only_config(tmp_path, extra):
+    cfg = tmp_path / "flashrl.yaml"
+    first = npu_flashrl("setup", "--fn", "bf16", "-o", cfg)
+    assert first.returncode == 0, first.stderr
+    os.chmod(cfg, 0o444)
+    before = (cfg.read_bytes(), os.stat(cfg).st_mtime_ns, os.stat(cfg).st_ino)
+    res = npu_flashrl("setup", "--fn", "bf16", *extra, "-o", cfg, no_dac=True)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"{cfg}: exists and is read-only (mode 0444)" in res.stderr and "chmod u+w" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert (cfg.read_bytes(), os.stat(cfg).st_mtime_ns, os.stat(cfg).st_ino) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flashrl.yaml"]
