@@ -184,3 +184,43 @@ def test_setup_refuses_to_replace_a_read_only_config(tmp_path, extra):
     assert "Traceback" not in res.stderr
     assert (cfg.read_bytes(), os.stat(cfg).st_mtime_ns, os.stat(cfg).st_ino) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flashrl.yaml"]
+
+
+# ------------------------------------------------------------------ install_pinned.sh, lint --verl-dir
+
+INSTALL = ROOT / "scripts" / "install_pinned.sh"
+LINT = ROOT / "tests" / "verl_examples" / "lint_overrides.py"
+
+
+@pytest.mark.parametrize("flag", ["--workdir", "--log", "--line", "--only"])
+def test_install_pinned_refuses_an_empty_equals_value(tmp_path, flag):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_REPO_URL")}
+    env.update(PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin", PYTHON=sys.executable, MIN_FREE_GB="0",
+               ASCEND_HOME=str(tmp_path / "Ascend"), HOME=str(tmp_path))
+    res = subprocess.run(["bash", str(INSTALL), "--dry-run", f"{flag}="], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"{flag}= needs a value" in res.stderr, res.stderr
+    assert " /verl" not in res.stdout and "clone" not in res.stdout.lower()  # nothing planned
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["missing", "not_a_verl_tree"])
+def test_lint_overrides_names_a_bad_verl_dir(tmp_path, name):
+    verl_dir = tmp_path / "verl-src"
+    if name == "not_a_verl_tree":
+        verl_dir.mkdir()
+    res = subprocess.run([sys.executable, str(LINT), "--verl-dir", str(verl_dir)], env=_env(),
+                         input="python3 -m verl.trainer.main_ppo trainer.total_epochs=1\n",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"--verl-dir {verl_dir}:" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert ("no such directory" if name == "missing" else "trainer/config") in res.stderr
+
+
+def test_lint_overrides_accepts_the_installed_verl_package_as_verl_dir():
+    verl = pytest.importorskip("verl")
+    res = subprocess.run([sys.executable, str(LINT), "--verl-dir", os.path.dirname(verl.__file__)], env=_env(),
+                         input="python3 -m verl.trainer.main_ppo trainer.total_epochs=1\n",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("ok: 1 overrides"), res.stdout + res.stderr
