@@ -224,3 +224,45 @@ def test_lint_overrides_accepts_the_installed_verl_package_as_verl_dir():
                          input="python3 -m verl.trainer.main_ppo trainer.total_epochs=1\n",
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("ok: 1 overrides"), res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------ the rest of the last set
+
+def test_deeply_nested_yaml_is_a_named_config_error(tmp_path):
+    cfg = tmp_path / "deep.yaml"
+    cfg.write_text("configs:\n  - " + "[" * 5000 + "]" * 5000 + "\n")
+    res = npu_flashrl("verify", "--json", "--config", cfg)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    rows = [r for r in json.loads(res.stdout)["rows"] if r["status"] == "FAIL"]
+    assert any(str(cfg) in r["detail"] and "nested too deeply" in r["detail"] for r in rows), rows
+
+
+def test_logging_file_that_cannot_be_written_falls_back_to_stderr_once():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    res = npu_flashrl("verify", env=_env(FLASHRL_LOGGING_FILE="/dev/full", FLASHRL_CONFIG="bf16"))
+    assert "--- Logging error ---" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.count("FLASHRL_LOGGING_FILE='/dev/full': cannot write to it") == 1, res.stderr
+    assert "Using the profile-free default config for bf16" in res.stderr  # the record that failed, kept
+
+
+@pytest.mark.parametrize("seed", [str(2**31), str(10**30), "-1"])
+def test_rehearse_seed_out_of_range_is_a_usage_error(seed):
+    res = npu_flashrl("rehearse", "--seed", seed)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "argument --seed" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("kind", ["loop", "dangling"])
+def test_output_dir_through_an_unresolvable_symlink_is_refused_up_front(tmp_path, kind):
+    if kind == "loop":
+        os.symlink(tmp_path / "b", tmp_path / "a")
+        os.symlink(tmp_path / "a", tmp_path / "b")
+    else:
+        os.symlink(tmp_path / "nowhere", tmp_path / "a")
+    res = npu_flashrl("rehearse", "--output-dir", tmp_path / "a")
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert f"--output-dir {tmp_path / 'a'}" in res.stderr and "symlink that does not resolve" in res.stderr
+    res = npu_flashrl("setup", "--fn", "bf16", "-o", tmp_path / "a" / "c.yaml")
+    assert res.returncode == 1 and "symlink that does not resolve" in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] + (["b"] if kind == "loop" else [])
