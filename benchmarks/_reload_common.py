@@ -245,6 +245,23 @@ def check_positive(ap, args, *names, allow_zero=()):
                  f"got {threads}")
 
 
+def check_json_output(ap, args):
+    """Refuse a `--json` the results could not be written to, before the run (a missing directory
+    ran the whole benchmark, then lost its result in a traceback)."""
+    import os
+
+    path = getattr(args, "json", None)
+    if not path:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        ap.error(f"--json {path}: is a directory; expected a file path")
+    if not os.path.isdir(directory):
+        ap.error(f"--json {path}: the directory {directory} does not exist (create it first)")
+    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        ap.error(f"--json {path}: not writable")
+
+
 def median_spread(xs):
     """(median, min, max) of repeated measurements."""
     s = sorted(xs)

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 # the shared pieces sit next to this script (it is run as a file, not imported as a package)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reload_common import (PeakMemory, check_positive, counted, device_counted,  # noqa: E402
+from _reload_common import (PeakMemory, check_json_output, check_positive, counted, device_counted,  # noqa: E402
                             flashrl_style_reload, has_layerwise_reload, kernel_throughput,
                             limit_bytes, load_line, print_throughput, print_variants, same_state,
                             syncs_per_layer, timed, verdict, vllm_layerwise_reload)
@@ -239,6 +239,7 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     check_positive(ap, args, "layers", "repeats", "threads", "fp32_vocab", allow_zero=("fp32_vocab",))
+    check_json_output(ap, args)
     if args.moe and args.fp32_vocab != ap.get_default("fp32_vocab"):
         ap.error("--fp32-vocab applies to the dense mode only (the streamed fp32 sync), not --moe")
     print(load_line("start"), flush=True)

@@ -51,8 +51,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reload_common import (PeakMemory, check_positive, fmt_spread, has_layerwise_reload,  # noqa: E402
-                            load_line, median_spread, verdict)
+from _reload_common import (PeakMemory, check_json_output, check_positive, fmt_spread,  # noqa: E402
+                            has_layerwise_reload, load_line, median_spread, verdict)
 from reload import QWEN25_7B, make_weights  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,6 +291,7 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     check_positive(ap, args, "layers", "bucket_mb", "repeats")
+    check_json_output(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

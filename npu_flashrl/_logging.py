@@ -22,6 +22,33 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _configured = False
 
 
+class _FileHandler(logging.FileHandler):
+    """FLASHRL_LOGGING_FILE's handler: the first record it cannot write (a full disk, /dev/full, a
+    closed file) moves the npu_flashrl logger to stderr with one WARNING naming the variable and
+    the error, instead of logging's traceback on every line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        import sys
+
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            return super().handleError(record)
+        logger = logging.getLogger(ROOT_NAME)
+        if self not in logger.handlers:
+            return
+        logger.removeHandler(self)
+        try:
+            self.close()
+        except OSError:
+            pass
+        fallback = logging.StreamHandler()
+        fallback.setFormatter(self.formatter)
+        logger.addHandler(fallback)
+        logger.warning("%s=%r: cannot write to it (%s); logging to stderr", FILE_ENV, self.baseFilename,
+                       exc.strerror or exc)
+        fallback.handle(record)
+
+
 def get_logger(name: str | None = None) -> logging.Logger:
     """Logger `npu_flashrl` or `npu_flashrl.<name>` (a module's `__name__` is used as it is);
     configures the tree once from the env vars."""
@@ -57,7 +84,7 @@ def _configure() -> None:
         handler = logging.StreamHandler()
     elif log_file:
         try:
-            handler = logging.FileHandler(log_file)
+            handler = _FileHandler(log_file)
         except OSError as exc:
             # a bad log path must not break every command (nor activation at import): stderr instead
             problems.append(f"{FILE_ENV}={log_file!r}: cannot open it ({exc.strerror or exc}); logging to stderr")

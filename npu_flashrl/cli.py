@@ -136,7 +136,9 @@ def _add_verify(sub) -> None:
                     "and every registered patch. Exit 1 when a required check fails (each with its fix).")
     p.add_argument("--config", help="config to check (default: $FLASHRL_CONFIG)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--strict", action="store_true", help="warnings (version drift, emulation) fail too")
+    p.add_argument("--strict", action="store_true",
+                   help="warnings (version drift, emulation) fail too; with --kernels, an op that accepts "
+                        "an input its Huawei page rejects fails too")
     p.add_argument("--apply-patches", action="store_true",
                    help="apply every registered patch in this process before listing them")
     p.add_argument("--verl-overrides", metavar="FILE",
@@ -147,18 +149,38 @@ def _add_verify(sub) -> None:
     p.add_argument("--kernels", action="store_true",
                    help="run the op-level conformance cases of the torch_npu ops npu_flashrl uses: on "
                         "an NPU host against the device, elsewhere against the emulation; one row per "
-                        "op, exit 1 on a difference")
+                        "op, exit 1 on a difference (takes only --json and --strict)")
     p.set_defaults(func=_run_verify)
+
+
+def _verify_error(args, message: str, code: int) -> int:
+    """A verify that cannot run: JSON on stdout under --json (every outcome is JSON), the message on
+    stderr either way."""
+    if args.json:
+        _out(json.dumps({"ok": False, "strict": bool(args.strict), "error": message, "rows": []}, indent=2))
+    print(f"{PROG} verify: error: {message}", file=sys.stderr)
+    return code
 
 
 def _run_verify(args) -> int:
     from npu_flashrl import verify
+    from npu_flashrl.errors import NpuFlashrlError
 
     if getattr(args, "kernels", False):
-        text, ok = verify.kernel_conformance(as_json=args.json)
+        given = [flag for flag, value in (("--config", args.config),
+                                          ("--verl-overrides", getattr(args, "verl_overrides", None)),
+                                          ("--apply-patches", args.apply_patches)) if value]
+        if given:
+            return _verify_error(args, f"--kernels runs only the torch_npu op conformance cases and does not "
+                                       f"read {', '.join(given)}: run `{PROG} verify {' '.join(given)} ...` "
+                                       f"separately (--kernels takes only --json and --strict)", 2)
+        text, ok = verify.kernel_conformance(as_json=args.json, strict=args.strict)
         _out(text)
         return 0 if ok else 1
-    rows = verify.verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
+    try:
+        rows = verify.verify_rows(args.config, args.apply_patches, getattr(args, "verl_overrides", None))
+    except NpuFlashrlError as exc:
+        return _verify_error(args, str(exc), getattr(exc, "code", 1))
     failing = verify.failing_rows(rows, strict=args.strict)
     if args.json:
         _out(json.dumps({"ok": not failing, "strict": bool(args.strict), "rows": rows}, indent=2))

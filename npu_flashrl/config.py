@@ -30,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import stat
+import sys
 import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
@@ -158,8 +160,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_yaml_unique(stream: Any) -> Any:
-    """yaml.safe_load, refusing duplicate keys (UniqueKeyLoader)."""
-    return yaml.load(stream, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    """yaml.safe_load, refusing duplicate keys (UniqueKeyLoader). Nesting deeper than PyYAML's
+    recursive composer can follow is a yaml.YAMLError saying so (not a RecursionError)."""
+    try:
+        return yaml.load(stream, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError(f"nested too deeply for the YAML reader (Python's recursion limit is "
+                             f"{sys.getrecursionlimit()}); a FlashRL config is a few levels deep") from None
 
 
 def normalize_fn(fn: Any, where: str = "fn") -> str:
@@ -420,8 +427,20 @@ def output_path_problem(path: Union[str, os.PathLike]) -> Optional[str]:
         return f"{shown}: is a directory; expected a file path"
     if os.path.exists(path) and not os.path.isfile(path):
         return f"{shown}: exists and is not a regular file"
+    if os.path.isfile(path) and not os.access(path, os.W_OK):  # os.replace would swap it anyway
+        mode = f"mode {stat.S_IMODE(os.stat(path).st_mode):04o}"
+        if not os.access(path, os.R_OK):
+            return f"{shown}: exists and we cannot read or write it ({mode}: check its permissions), not replaced"
+        return (f"{shown}: exists and is read-only ({mode}), not replaced: make it writable (chmod u+w) "
+                f"or write elsewhere")
     probe = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(probe):  # atomic_write creates missing parents
+        if os.path.islink(probe):  # exists() is False through a dangling link or a loop of links
+            try:
+                os.stat(probe)
+            except OSError as exc:
+                return (f"{shown}: {probe} is a symlink that does not resolve ({exc.strerror or exc}); "
+                        f"expected a directory or a path that can be created")
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         return f"{shown}: {probe} is not a directory"

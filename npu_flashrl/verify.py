@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -218,6 +219,31 @@ def cann_row(pins: dict) -> Dict[str, str]:
                 f"on an Ascend machine install CANN {want} and source its set_env.sh")
 
 
+def _switch_rows() -> List[Dict[str, str]]:
+    """The npu_flashrl environment tunables read at run time, refused here by name when they would
+    be refused (or fall back to a default) there."""
+    from npu_flashrl.adapters.flashrl import YIELD_ENV
+    from npu_flashrl.adapters.verl import DEFAULT_WARN_THRESHOLD, WARN_ENV
+    from npu_flashrl.values import SwitchError, env_switch
+
+    rows = []
+    try:
+        env_switch(YIELD_ENV)
+    except SwitchError as exc:
+        rows.append(_row(YIELD_ENV, FAIL, str(exc), f"export {YIELD_ENV}=1 (or 0), or unset it"))
+    raw = os.environ.get(WARN_ENV, "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (value > 0 and math.isfinite(value)):
+            rows.append(_row(WARN_ENV, WARN, f"{WARN_ENV}={raw!r} is not a finite number > 0: the mismatch "
+                                             f"warning uses the default {DEFAULT_WARN_THRESHOLD}",
+                             f"export {WARN_ENV}=1.05 (a finite token_mult_prob_error > 0), or unset it"))
+    return rows
+
+
 def activation_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
     """Did `import npu_flashrl` activate from FLASHRL_CONFIG in this process (it runs before verify)?"""
     import npu_flashrl
@@ -228,6 +254,7 @@ def activation_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
         lmhead_fp32_requested()
     except ConfigError as exc:
         rows.append(_row("FLASHRL_LMHEAD_FP32", FAIL, str(exc), "export FLASHRL_LMHEAD_FP32=1 (or 0)"))
+    rows += _switch_rows()
     error = getattr(npu_flashrl, "activation_error", None)
     if error:
         rows.append(_row("activation", FAIL, f"activation from {ENV_CONFIG} failed at import: {error}",
@@ -558,16 +585,29 @@ def verify_rows(config_path: Optional[str] = None, apply_patches: bool = False,
     return rows
 
 
-def kernel_conformance(as_json: bool = False) -> Tuple[str, bool]:
+def kernel_conformance(as_json: bool = False, strict: bool = False) -> Tuple[str, bool]:
     """`verify --kernels`: (the report, passed) of `kernels.conformance` (its cases run on the
-    NPU with a real torch_npu, else on the emulation)."""
+    NPU with a real torch_npu, else on the emulation). With `strict`, an op that accepts an input
+    its Huawei page rejects fails too. A torch_npu that is present but fails to import is a FAIL
+    row naming the import error and the fix (JSON under `as_json`), never a traceback."""
     from npu_flashrl.kernels import conformance
 
-    rows = conformance.run()
-    ok = not conformance.failed(rows)
+    broken = _torch_npu_import_error()
+    if broken:
+        rows = [{"op": "import torch_npu", "status": FAIL, "device": "npu",
+                 "detail": f"`import torch_npu` fails: {broken}",
+                 "fix": "reinstall the pinned torch_npu for this torch and source CANN's set_env.sh "
+                        "(scripts/install_pinned.sh --only torch_npu)"}]
+        ok = False
+    else:
+        rows = conformance.run()
+        ok = not conformance.failed(rows) and not (
+            strict and any(r["status"] == conformance.ACCEPTS_INVALID for r in rows))
     if as_json:
-        return json.dumps({"ok": ok, "rows": rows}, indent=2), ok
-    return conformance.format_rows(rows), ok
+        return json.dumps({"ok": ok, "strict": bool(strict), "rows": rows}, indent=2), ok
+    text = conformance.format_rows(rows)
+    fixes = [f"fix: {r['fix']}" for r in rows if r.get("fix")]
+    return "\n".join([text] + fixes), ok
 
 
 def failing_rows(rows: List[Dict[str, str]], strict: bool = False) -> List[Dict[str, str]]:

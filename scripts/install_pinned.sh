@@ -60,17 +60,28 @@ ONLY=""
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
+# The value of a `--flag=VALUE` argument; an empty one is refused by name (`--workdir=` planned
+# clones at /, since "$WORKDIR/$name" is then "/$name").
+eq_value() {
+  local value="${1#*=}"
+  if [[ -z "$value" ]]; then
+    echo "install_pinned.sh: ${1%%=*}= needs a value (got an empty one; see --help)" >&2
+    exit 2
+  fi
+  printf '%s' "$value"
+}
+
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --line) LINE="${2:?--line needs a line name}"; shift ;;
-    --line=*) LINE="${1#*=}" ;;
+    --line=*) LINE="$(eq_value "$1")" ;;
     --workdir) WORKDIR="${2:?--workdir needs a directory}"; shift ;;
-    --workdir=*) WORKDIR="${1#*=}" ;;
+    --workdir=*) WORKDIR="$(eq_value "$1")" ;;
     --log) LOG_FILE="${2:?--log needs a file}"; shift ;;
-    --log=*) LOG_FILE="${1#*=}" ;;
+    --log=*) LOG_FILE="$(eq_value "$1")" ;;
     --only) ONLY="${2:?--only needs component names}"; shift ;;
-    --only=*) ONLY="${1#*=}" ;;
+    --only=*) ONLY="$(eq_value "$1")" ;;
     --skip-checks) SKIP_CHECKS=1 ;;
     --allow-mismatch) ALLOW_MISMATCH=1 ;;
     --no-verify) RUN_VERIFY=0 ;;

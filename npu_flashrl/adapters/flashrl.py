@@ -58,6 +58,7 @@ from typing import Dict, List, Optional
 from npu_flashrl import patches
 from npu_flashrl._logging import get_logger
 from npu_flashrl.patches import PatchNotApplicable
+from npu_flashrl.values import env_switch
 
 logger = get_logger(__name__)
 
@@ -184,12 +185,10 @@ def on_ascend() -> bool:
 
 
 def should_yield() -> bool:
-    value = os.environ.get(YIELD_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return on_ascend()
+    """NPU_FLASHRL_YIELD_FLASHRL: on / off, unset: on Ascend only; another word raises
+    values.SwitchError naming the variable (never read as unset)."""
+    value = env_switch(YIELD_ENV)
+    return on_ascend() if value is None else value
 
 
 # ----------------------------------------------------------------------------- neutralizing

@@ -61,10 +61,15 @@ def schema_line(schema: Dict[str, object]) -> str:
 
 def find_verl_config_dir(verl_dir: Optional[str] = None) -> str:
     if verl_dir:
-        cand = os.path.join(verl_dir, "verl", "trainer", "config")
-        if not os.path.isdir(cand):
-            cand = os.path.join(verl_dir, "trainer", "config")
-        return cand
+        if not os.path.isdir(verl_dir):
+            raise FileNotFoundError(f"--verl-dir {verl_dir}: no such directory (expected a verl source tree "
+                                    f"or the installed verl package dir)")
+        for cand in (os.path.join(verl_dir, "verl", "trainer", "config"),
+                     os.path.join(verl_dir, "trainer", "config")):
+            if os.path.isdir(cand):
+                return cand
+        raise FileNotFoundError(f"--verl-dir {verl_dir}: neither verl/trainer/config nor trainer/config in it "
+                                f"(expected a verl source tree or the installed verl package dir)")
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("verl is not installed and --verl-dir not given (the verl source tree or "
@@ -90,6 +95,9 @@ def load_schema(config_name: str, verl_dir: Optional[str] = None,
                 entry: str = ENTRY_MODULE) -> Dict[str, object]:
     config_dir = find_verl_config_dir(verl_dir)
     path = os.path.join(config_dir, f"_generated_{config_name}.yaml")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file: this verl has no generated schema for config "
+                                f"'{config_name}' (a verl release older than the recipe's line?)")
     with open(path, encoding="utf-8") as fh:
         schema = flatten(yaml.load(fh, Loader=_Loader))
     if entry in EXPERIMENTAL_ENTRIES:

@@ -99,7 +99,7 @@ class Checker:
         try:
             with open(path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh)
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
             return None  # npu-flashrl setup / verify report a broken config
         entries = data.get("configs") if isinstance(data, dict) else None
         if isinstance(data, dict) and "fn" in data:

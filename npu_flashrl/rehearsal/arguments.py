@@ -12,6 +12,11 @@ HELP = ("rehearse the INT8 rollout end to end (default: a tiny Qwen2 trained for
         "each quantized layer's output error; non-zero exit when a check fails")
 
 
+# The largest --seed: int32, so that the offsets the run adds (seed + 999, ...) stay below numpy's
+# and torch's seed limits (2**32 - 1, 2**64 - 1); a huge seed ended in a raw OverflowError.
+MAX_SEED = 2**31 - 1
+
+
 def _number(kind, lo, lo_ok=True, hi=None):
     """argparse type: a finite `kind` >= lo (> lo when not lo_ok) and <= hi when given; bad values are
     usage errors (exit 2) before anything runs, not a failure at the end of a long run (`--max-error nan`)."""
@@ -95,7 +100,8 @@ def add_arguments(p) -> None:
                         f"{DEFAULT_BASELINE_TOL} (bf16 vLLM and bf16 transformers differ only by kernel rounding), "
                         f"{MOE_BASELINE_TOL} for a MoE --model (the same rounding also flips the top-k of tokens "
                         "whose router logits nearly tie: those tokens take other experts)")
-    p.add_argument("--seed", type=int, default=0, help="seed of pre-training, steps and data; default 0")
+    p.add_argument("--seed", type=_number(int, 0, hi=MAX_SEED), default=0,
+                   help=f"seed of pre-training, steps and data, 0 to {MAX_SEED}; default 0")
     p.add_argument("--threads", type=_number(int, 1, hi=MAX_THREADS), default=None,
                    help="torch CPU threads, at most %(max)d here (default 1 on CPU: these tiny ops are "
                         "latency-bound and several threads spin against each other on a busy machine)"

@@ -88,6 +88,12 @@ def test_reload_counts_held_at_tiny_shapes(tmp_path):
     ("sync.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     ("sync.py", ["--layers", "0"], "--layers must be at least 1, got 0"),
     ("sync.py", ["--bucket-mb", "0"], "--bucket-mb must be at least 1, got 0"),
+    # --json is checked before the run (a missing directory lost the whole run's result)
+    ("reload.py", ["--json", "/nonexistent-npu-flashrl/r.json"],
+     "--json /nonexistent-npu-flashrl/r.json: the directory /nonexistent-npu-flashrl does not exist"),
+    ("sync.py", ["--json", "/nonexistent-npu-flashrl/s.json"],
+     "--json /nonexistent-npu-flashrl/s.json: the directory /nonexistent-npu-flashrl does not exist"),
+    ("sync.py", ["--json", "/"], "--json /: is a directory; expected a file path"),
 ])
 def test_benchmark_arguments_checked(script, args, message, capsys):
     """Refused by argparse before anything runs (in this process: the scripts' `main(argv)`)."""

@@ -25,8 +25,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("file", nargs="?", help="command text (default: stdin)")
     args = ap.parse_args(argv)
     if args.file:
-        with open(args.file, encoding="utf-8") as fh:
-            text = fh.read()
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"lint_overrides.py: error: {args.file}: cannot read the command text: "
+                  f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+            return 2
     else:
         text = sys.stdin.read()
     cmd = read_command(text)
@@ -35,7 +40,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"no verl command with Hydra overrides in {where} (a recipe that refused prints none on stdout: "
               "run it without 2>/dev/null to see why)")
         return 1
-    schema = lint.load_schema(cmd.config_name, args.verl_dir, cmd.entry or lint.ENTRY_MODULE)
+    try:
+        schema = lint.load_schema(cmd.config_name, args.verl_dir, cmd.entry or lint.ENTRY_MODULE)
+    except FileNotFoundError as exc:  # a missing --verl-dir / schema, named; not a traceback
+        print(f"lint_overrides.py: error: {exc}", file=sys.stderr)
+        return 2
     problems = lint.lint(cmd.overrides, schema)
     for p in problems:
         print(p)

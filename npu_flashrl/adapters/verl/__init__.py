@@ -95,8 +95,8 @@ def warn_threshold() -> float:
     except ValueError:
         logger.warning("%s=%r is not a number; using %.2f", WARN_ENV, raw, DEFAULT_WARN_THRESHOLD)
         return DEFAULT_WARN_THRESHOLD
-    if not value > 0:
-        logger.warning("%s=%r must be > 0; using %.2f", WARN_ENV, raw, DEFAULT_WARN_THRESHOLD)
+    if not (value > 0 and math.isfinite(value)):  # inf would switch the warning off without a word
+        logger.warning("%s=%r must be a finite number > 0; using %.2f", WARN_ENV, raw, DEFAULT_WARN_THRESHOLD)
         return DEFAULT_WARN_THRESHOLD
     return value
 
