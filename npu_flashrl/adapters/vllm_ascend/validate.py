@@ -205,12 +205,37 @@ class DeferredChecks:
     def __init__(self):
         self._flags: List[torch.Tensor] = []
         self._checks: List[Callable[[], None]] = []
+        self._scales: List[torch.Tensor] = []
+        self._scale_checks: List[Callable[[], None]] = []
+        self._scale_dtype: Optional[torch.dtype] = None
 
     def add(self, flag: torch.Tensor, check: Callable[[], None]) -> None:
         self._flags.append(flag.reshape(()))
         self._checks.append(check)
 
+    def add_scales(self, scales: torch.Tensor, dtype: torch.dtype, check: Callable[[], None]) -> None:
+        """INT8-wire scales, tested together (a few launches per call, not per tensor): every
+        scale > 0 and 128 x scale finite in the rollout's `dtype` (|int8| <= 128, so every
+        dequantized value is then finite too: the pair check's sufficient condition)."""
+        self._scales.append(scales.reshape(-1))
+        self._scale_checks.append(check)
+        self._scale_dtype = dtype
+
+    def _scales_flag(self) -> None:
+        if not self._scales:
+            return
+        s = torch.cat([t.float() for t in self._scales])
+        ok = (s.amin() > 0) & torch.isfinite((s * 128).to(self._scale_dtype)).all()
+        checks = self._scale_checks
+
+        def each() -> None:
+            for check in checks:
+                check()
+        self.add(ok, each)
+        self._scales, self._scale_checks = [], []
+
     def raise_first(self) -> None:
+        self._scales_flag()
         flags, checks = self._flags, self._checks
         self._flags, self._checks = [], []
         if not flags:

@@ -154,9 +154,7 @@ class WireReceiver:
                 f"{_short(tensor.dtype)}; send the scales the quantizer computed (float32) "
                 "without casting them")
         if tensor.numel() and deferred is not None:
-            lo, hi = torch.aminmax(tensor)
-            deferred.add(torch.isfinite(lo) & torch.isfinite(hi) & (lo > 0),
-                         lambda: self.validate(name, weight_name, tensor))
+            deferred.add_scales(tensor, dtype, lambda: self.validate(name, weight_name, tensor))
         elif tensor.numel():
             lo, hi = torch.aminmax(tensor.float())
             if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
@@ -177,11 +175,10 @@ class WireReceiver:
         s = scale.reshape(-1).float()
         # |int8| <= 128: when 128 x every scale is finite in the rollout's dtype, so is every
         # dequantized value (rounding is monotone), and the int8 weight need not be read at all
-        fits = torch.isfinite((s * 128).to(dtype)).all()
         if deferred is not None:
-            deferred.add(fits, lambda: self.check_pair(weight_name, q, scale))
+            deferred.add_scales(s, dtype, lambda: self.check_pair(weight_name, q, scale))
             return
-        if bool(fits):
+        if bool(torch.isfinite((s * 128).to(dtype)).all()):
             return
         lo, hi = torch.aminmax(q, dim=1)
         absmax = torch.maximum(hi.float(), -lo.float())
