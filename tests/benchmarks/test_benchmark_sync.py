@@ -21,9 +21,14 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # 1053184 bytes here) that wait for their group's write are copied once (+13 launches), since a
 # generator may refill the buffer it yielded (b/ce, c/ce; shm's list calls need no copy).
 SYNC_TINY = {"a/shm": (29, 4002304, 4002304, 0), "a/ce": (29, 4002304, 4002304, 0),
-             "b/shm": (628, 28868428, 17463782, 1272832), "b/ce": (515, 26972212, 18516770, 1800192),
-             # (c): the INT8 wire written into the live weight in one pass, no staging buffer
-             "c/shm": (426, 3775228, 2673144, 14080), "c/ce": (451, 4844028, 3741944, 1053184),
+             # b/shm: a bucket's projections are checked by the quantizer's own refusal (read back
+             # with the bucket's other checks), not by a separate value pass (was 628, 28868428,
+             # 17463782, 1272832)
+             "b/shm": (469, 25991564, 17497385, 1272833), "b/ce": (515, 26972212, 18516770, 1800192),
+             # (c): the INT8 wire written into the live weight in one pass, no staging buffer;
+             # c/shm: a bucket's scale checks batched, one host sync per bucket (was 426, 3775228,
+             # 2673144, 14080: the peak now holds the bucket's scales for their one test)
+             "c/shm": (250, 3708550, 2641685, 22037), "c/ce": (451, 4844028, 3741944, 1053184),
              "d/shm": (226, 11731456, 9155104, 1111040), "d/ce": (226, 11731456, 9155104, 1111040)}
 
 
@@ -49,10 +54,12 @@ def test_sync_benchmark_smoke(tmp_path):
                  "launches wire receiver / layerwise = "):
         assert res.stdout.count(line) == 2, (line, res.stdout[-3000:])
     assert res.stdout.count("host syncs per layer, max over receivers = ") == 1
-    # device counts: verl's shm receiver copies every bucket tensor to the device
+    # device counts: verl's shm receiver copies every bucket tensor to the device; the INT8-wire
+    # receiver reads its bucket's checks back once per bucket over shm (list calls)
     shm_c = r["results"]["c/shm"]["device_counts"]
     assert shm_c["host_to_device_bytes"] == r["results"]["c/shm"]["wire_bytes"]
-    assert shm_c["host_syncs"] > 0 and "c/shm" in r["ratios"]["host_syncs_per_layer"]
+    assert shm_c["host_syncs"] <= shm_c["load_calls"]
+    assert r["ratios"]["host_syncs_per_layer"]["c/shm"] == 0
     assert "resource_tracker" not in res.stderr and not list(tmp_path.glob("npu_flashrl_bench_*"))
     assert r["limit_traffic_bytes"] == 2 * r["results"]["c/shm"]["wire_bytes"] == 5094400
     for key, held in SYNC_TINY.items():

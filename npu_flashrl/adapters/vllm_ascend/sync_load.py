@@ -10,12 +10,13 @@ call (generator) item by item, and no tensor it yields is held past the yield th
 sync was written marks the model inconsistent (`sync.Consistency`)."""
 from __future__ import annotations
 
-from typing import Iterable, List, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 
 from npu_flashrl.adapters.vllm_ascend.sync import failure_reason
 from npu_flashrl.adapters.vllm_ascend.targets import no_moe
+from npu_flashrl.adapters.vllm_ascend.validate import DeferredChecks
 from npu_flashrl.quant import WeightSyncError
 
 
@@ -27,6 +28,7 @@ class SyncLoad:
         self.state, self.validator, self.targets = state, validator, targets
         self.quantizer, self.consistency = quantizer, consistency
         self._original, self.limit = original, limit
+        self._held: Optional[_Held] = None  # a list call's deferred checks and commits
 
     def run(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         validator, st = self.validator, self.state
@@ -79,33 +81,51 @@ class SyncLoad:
                     buffered = 0
             if buffer:
                 loaded |= self._flush(buffer)
+            self._settle()
             st.wire.keep()
         except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
             self._fail(exc)
             raise
         finally:
+            self._held = None
             st.calls += 1
         return loaded
 
     def _check_whole(self, weights, seen: dict) -> list:
-        """A list call, checked whole (every tensor, and every INT8-wire pair it completes)."""
+        """A list call, checked whole (every tensor, and every INT8-wire pair it completes); its
+        value checks are read back together, in one host synchronisation (`DeferredChecks`),
+        and a failing one re-runs to refuse by name, before anything of the call is written. A
+        call of float tensors only, with a quantizer that hands its NaN / Inf refusal back as a
+        device flag (`defers_finite_check`), has no separate value pass over its projections:
+        the quantizer's flags join the call's checks, read back (`_settle`) before any layer the
+        call completes is committed and before any float is written. A call bringing INT8-wire
+        pairs is read back here: its pairs are written in place as they complete."""
         validator, wire = self.validator, self.state.wire
         weights = [validator.item(i, w) for i, w in enumerate(weights)]
         halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
+        deferred = DeferredChecks()
+        defers = getattr(self.quantizer, "defers_finite_check", False) and not any(
+            wire.weight_of(n, t) is not None for n, t in weights)
         for i, (name, tensor) in enumerate(weights):
             validator.once(name, i, seen)
             self._once_per_sync(name)
             wired = wire.weight_of(name, tensor)
             if wired is None:
-                validator.check(name, tensor, self.quantizer)
+                # a deferring quantizer refuses NaN / Inf of its projections itself
+                validator.check(name, tensor, self.quantizer, deferred=deferred,
+                                values=not (defers and validator.target(name) is not None))
             else:
-                wire.validate(name, wired, tensor)
+                wire.validate(name, wired, tensor, deferred=deferred)
                 which = wire.half(name, wired)
                 if which is not None:
                     halves.setdefault(wired, wire.held(wired))[which] = tensor
         for wired, (q, scale) in halves.items():  # pairs this call completes
             if q is not None and scale is not None:
-                wire.check_pair(wired, q, scale)
+                wire.check_pair(wired, q, scale, deferred=deferred)
+        if defers:  # read back with the quantizer's flags, before any write (`_settle`)
+            self._held = _Held(deferred)
+        else:
+            deferred.raise_first()  # the call's one host synchronisation
         return weights
 
     def _once_per_sync(self, name: str, record: bool = False) -> None:
@@ -124,13 +144,23 @@ class SyncLoad:
         dropped). Its payload is its scheme's; the quantizer's refusals name it."""
         if not target.holds(name):
             return False
+        held = self._held
+        if held is None:
+            return self.stage_payload(target, name, self._quantize(target, name, tensor))
+        flags: list = []
+        payload = self._quantize(target, name, tensor, _Deferring(self.quantizer, flags))
+        for flag in flags:  # the quantizer's refusal, re-run (not deferred) if its flag fails
+            held.checks.add(flag, lambda: self._quantize(target, name, tensor))
+        return self.stage_payload(target, name, payload)
+
+    def _quantize(self, target, name: str, tensor: torch.Tensor, quantizer=None):
+        """`tensor`'s payload by its scheme; the quantizer's refusals name it."""
         try:
-            payload = target.scheme.quantize(self.quantizer, name, tensor)
+            return target.scheme.quantize(quantizer or self.quantizer, name, tensor)
         except WeightSyncError:
             raise
         except ValueError as exc:
             raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
-        return self.stage_payload(target, name, payload)
 
     def stage_payload(self, target, name: str, payload, in_place: bool = False) -> bool:
         """Stage one shard already quantized (its scheme's payload: for W8A8 int8 [out, in] and an
@@ -149,7 +179,9 @@ class SyncLoad:
             # any failure of the sync from here on leaves the model refusing to generate
             st.wrote = True
         done = st.staged.stage(target, name, payload)
-        if done is not None:
+        if done is not None and self._held is not None and not done.in_place:
+            self._held.commits.append(done)  # committed once the call's checks are read back
+        elif done is not None:
             st.wrote = True
             st.layers.add(target.path)
             done.commit()
@@ -169,6 +201,7 @@ class SyncLoad:
     def _flush(self, buffer: List[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Write buffered non-projection tensors through vLLM's loaders and empty the buffer;
         then what a layer's scheme derives from its float bias (static W8A8: quant_bias)."""
+        self._settle()  # a list call's deferred checks first: nothing of it is written before
         names = [n for n, _ in buffer]
         self.state.wrote = True
         try:
@@ -185,6 +218,20 @@ class SyncLoad:
                 target.scheme.after_bias_update(target.layer)
         return set(loaded) if loaded is not None else set(names)
 
+    def _settle(self) -> None:
+        """A list call's deferred checks read back (one host synchronisation), then the layers
+        it completed committed; nothing of the call was written before."""
+        held = self._held
+        if held is None:
+            return
+        held.checks.raise_first()
+        st = self.state
+        for done in held.commits:
+            st.wrote = True
+            st.layers.add(done.target.path)
+            done.commit()
+        held.commits.clear()
+
     def _fail(self, exc: BaseException) -> None:
         """The call raised: this sync's staged (uncommitted) layers are dropped and keep their
         previous weights; anything already written makes the model inconsistent."""
@@ -196,3 +243,24 @@ class SyncLoad:
             st.failure = failure_reason(exc)
         if st.wrote:
             self.consistency.mark(failure_reason(exc))
+
+
+class _Held:
+    """What a list call holds back until its checks are read back (`SyncLoad._settle`)."""
+
+    def __init__(self, checks: DeferredChecks):
+        self.checks = checks
+        self.commits: list = []  # completed layers' stagings, committed after the checks
+
+
+class _Deferring:
+    """The sync's quantizer, handing its NaN / Inf refusal back as device flags (`finite`)."""
+
+    def __init__(self, quantizer, flags: list):
+        self._quantizer, self._flags = quantizer, flags
+
+    def quantize(self, name, weight, transposed=False):
+        return self._quantizer.quantize(name, weight, transposed=transposed, finite=self._flags)
+
+    def __getattr__(self, attr):
+        return getattr(self._quantizer, attr)

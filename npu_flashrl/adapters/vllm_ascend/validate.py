@@ -4,7 +4,7 @@ rollout model will hold it, the quantizer's own entry), and every refusal is a W
 naming the tensor and what was expected."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -59,10 +59,12 @@ class Validator:
                                   f"got {type(name).__name__}")
         return name, readable(name, tensor)
 
-    def check(self, name: str, tensor, quantizer, values: bool = True, device: bool = True) -> None:
+    def check(self, name: str, tensor, quantizer, values: bool = True, device: bool = True,
+              deferred: Optional["DeferredChecks"] = None) -> None:
         """Refuse a tensor by name: type, dtype class, device (with `device`: the cold load reads
         from disk), shape, and (with `values`) NaN/Inf as the rollout model will hold it (an fp32
-        1e5 is Inf in an fp16 model)."""
+        1e5 is Inf in an fp16 model); with `deferred`, the value check is read back with the
+        call's others (`DeferredChecks`)."""
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         readable(name, tensor)
@@ -98,9 +100,13 @@ class Validator:
             if want is not None and tuple(tensor.shape) != tuple(want):
                 raise WeightSyncError(f"{name}: expected shape {tuple(want)}, got {tuple(tensor.shape)}")
             dtype = param.dtype if param is not None and param.is_floating_point() else tensor.dtype
-        if values and tensor.is_floating_point() and not finite_as(tensor, dtype):
-            raise WeightSyncError(f"{name}: contains NaN or Inf{_as_note(tensor, dtype)}; "
-                                  "refusing the sync")
+        if values and tensor.is_floating_point():
+            if deferred is not None:
+                flag = finite_flag(tensor, dtype)
+                if flag is not None:
+                    deferred.add(flag, lambda: refuse_nonfinite(name, tensor, dtype))
+            else:
+                refuse_nonfinite(name, tensor, dtype)
 
     def _refuse_fused(self, name: str, resolved: str) -> None:
         """A quantized layer's own parameter (vLLM's fused `qkv_proj.weight_scale`, a fused-MoE
@@ -186,6 +192,83 @@ def readable(name: str, tensor):
     if tensor.requires_grad or isinstance(tensor, torch.nn.Parameter):
         tensor = tensor.detach()
     return tensor
+
+
+class DeferredChecks:
+    """The value checks of one load_weights call (a bucket), read back to the host together: each
+    check adds a device-side flag (True: passed, a sufficient condition) and the check itself,
+    which raises its own WeightSyncError. `raise_first()` reads all flags in one host
+    synchronisation; only when some flag is False does it run those checks, in call order, so
+    the first real failure raises with its own message (a flag may be conservative: a check it
+    sends back may still pass). Nothing of the call may be written before `raise_first()`."""
+
+    def __init__(self):
+        self._flags: List[torch.Tensor] = []
+        self._checks: List[Callable[[], None]] = []
+        self._scales: List[torch.Tensor] = []
+        self._scale_checks: List[Callable[[], None]] = []
+        self._scale_dtype: Optional[torch.dtype] = None
+        self._seen: set = set()
+
+    def add(self, flag: torch.Tensor, check: Callable[[], None]) -> None:
+        self._flags.append(flag.reshape(()))
+        self._checks.append(check)
+
+    def add_scales(self, scales: torch.Tensor, dtype: torch.dtype, check: Callable[[], None]) -> None:
+        """INT8-wire scales, tested together (a few launches per call, not per tensor): every
+        scale > 0 and 128 x scale finite in the rollout's `dtype` (|int8| <= 128, so every
+        dequantized value is then finite too: the pair check's sufficient condition)."""
+        key = (scales.data_ptr(), scales.numel(), scales.dtype)
+        if key not in self._seen:  # a pair's scale validated in this call is tested once
+            self._seen.add(key)
+            self._scales.append(scales.reshape(-1))
+        self._scale_checks.append(check)
+        self._scale_dtype = dtype
+
+    def _scales_flag(self) -> None:
+        if not self._scales:
+            return
+        s = torch.cat([t.float() for t in self._scales]) if len(self._scales) > 1 \
+            else self._scales[0].float()
+        # one pass over the scales: min > 0 (NaN fails it) and 128 x max finite in the rollout's
+        # dtype (rounding is monotone, so then 128 x every scale is)
+        lo, hi = torch.aminmax(s)
+        ok = (lo > 0) & torch.isfinite((hi * 128).to(self._scale_dtype))
+        checks = self._scale_checks
+
+        def each() -> None:
+            for check in checks:
+                check()
+        self.add(ok, each)
+        self._scales, self._scale_checks, self._seen = [], [], set()
+
+    def raise_first(self) -> None:
+        self._scales_flag()
+        flags, checks = self._flags, self._checks
+        self._flags, self._checks = [], []
+        if not flags:
+            return
+        together = torch.stack([f.to(flags[0].device) for f in flags])
+        if bool(together.all()):  # the call's one host synchronisation
+            return
+        for ok, check in zip(together.tolist(), checks):
+            if not ok:
+                check()
+
+
+def finite_flag(t: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """`finite_as` as a device-side bool tensor (no host synchronisation); None: nothing to check."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(t)
+    if dtype.is_floating_point and dtype != t.dtype:
+        lo, hi = lo.to(dtype), hi.to(dtype)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def refuse_nonfinite(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if not finite_as(t, dtype):
+        raise WeightSyncError(f"{name}: contains NaN or Inf{_as_note(t, dtype)}; refusing the sync")
 
 
 def finite_as(t: torch.Tensor, dtype: torch.dtype) -> bool:

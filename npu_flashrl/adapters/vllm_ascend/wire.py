@@ -112,7 +112,9 @@ class WireReceiver:
         pair = self._pairs.get(weight_name)
         return [None, None] if pair is None else [pair.q, pair.scale]
 
-    def validate(self, name: str, weight_name: str, tensor: torch.Tensor) -> None:
+    def validate(self, name: str, weight_name: str, tensor: torch.Tensor, deferred=None) -> None:
+        """Refuse a wire tensor by name; with `deferred` (a `validate.DeferredChecks`), the value
+        checks (zero offsets; finite, positive scales) are read back with the call's others."""
         quantizer = self.quantizer
         if getattr(quantizer, "name", None) != WIRE_FN:
             raise WeightSyncError(
@@ -137,6 +139,9 @@ class WireReceiver:
             raise WeightSyncError(f"{name}: expected shape ({out_rows}, 1) (W8A8_DYNAMIC, one per output "
                                   f"row of {weight_name}), got {tuple(tensor.shape)}")
         if self._format(layer).is_offset(name):
+            if deferred is not None and tensor.numel():
+                deferred.add(~tensor.ne(0).any(), lambda: self.validate(name, weight_name, tensor))
+                return
             if tensor.numel() and bool(tensor.ne(0).any()):
                 raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
                                       "(W8A8_DYNAMIC offsets are zero)")
@@ -148,23 +153,31 @@ class WireReceiver:
                 f"{name}: expected a float32 or {_short(dtype)} (the rollout's dtype) scale, got "
                 f"{_short(tensor.dtype)}; send the scales the quantizer computed (float32) "
                 "without casting them")
-        if tensor.numel():
+        if tensor.numel() and deferred is not None:
+            deferred.add_scales(tensor, dtype, lambda: self.validate(name, weight_name, tensor))
+        elif tensor.numel():
             lo, hi = torch.aminmax(tensor.float())
             if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
                 raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
             if float(lo) <= 0:
                 raise WeightSyncError(f"{name}: scales must be > 0, got min {float(lo)}; refusing the sync")
 
-    def check_pair(self, weight_name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def check_pair(self, weight_name: str, q: torch.Tensor, scale: torch.Tensor,
+                   deferred=None) -> None:
         """Refuse a pair the rollout would compute Inf / NaN with: every row's scale, and the
         scale times the row's largest int8 magnitude (what dequantizing gives), must be finite in
-        the rollout's dtype (a finite, positive 1e38 passes `validate` and overflows here)."""
+        the rollout's dtype (a finite, positive 1e38 passes `validate` and overflows here). With
+        `deferred`, the scales-only test is read back with the call's others, and this whole
+        check runs only when it fails."""
         if not q.numel():
             return
         dtype = self.quantizer.compute_dtype
         s = scale.reshape(-1).float()
         # |int8| <= 128: when 128 x every scale is finite in the rollout's dtype, so is every
         # dequantized value (rounding is monotone), and the int8 weight need not be read at all
+        if deferred is not None:
+            deferred.add_scales(s, dtype, lambda: self.check_pair(weight_name, q, scale))
+            return
         if bool(torch.isfinite((s * 128).to(dtype)).all()):
             return
         lo, hi = torch.aminmax(q, dim=1)
