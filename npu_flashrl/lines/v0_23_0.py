@@ -144,7 +144,7 @@ LINE = SchemeRegistryLine(
             "vllm::maybe_all_reduce_tensor_model_parallel":
                 "vllm_ascend.ops.register_custom_ops:_maybe_all_reduce_tensor_model_parallel_impl",
         },
-        per_model_caches=("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL"),
+        per_model_caches=("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL", "_HAS_LAYER_IDX"),
         # built only with expert parallelism (`ep_size > 1`)
         hccl_token_dispatchers=(f"{_COMM}:TokenDispatcherWithMC2", f"{_COMM}:TokenDispatcherWithAll2AllV"),
         # the all-gather comm method's `use_fusion_ops`, read from additional_config

@@ -66,12 +66,12 @@ class _FaultyQuantizer:
     def __getattr__(self, item):
         return getattr(self._inner, item)
 
-    def quantize(self, name, weight, transposed=False):
+    def quantize(self, name, weight, transposed=False, **kw):  # kw: the quantizer's own (finite=)
         f = self._fault
         if (f == "stale_shard" and name.endswith("layers.0.self_attn.k_proj.weight")) or (
                 f == "stale_expert" and STALE_EXPERT in name):
             weight = self._first.setdefault(name, weight.detach().clone())
-        q, scale = self._inner.quantize(name, weight, transposed=transposed)
+        q, scale = self._inner.quantize(name, weight, transposed=transposed, **kw)
         if f == "expert_scale_x0.5" and name.endswith(SCALED_EXPERT):
             scale = scale * 0.5
         elif f == "scale_x0.5" and scale is not None:
