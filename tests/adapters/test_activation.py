@@ -35,7 +35,8 @@ def test_plugin_entry_point_activates_in_a_fresh_process(tmp_path):
     cfg = _write_config(tmp_path / "c.yaml", [{"fn": "int8_profile_free", "load_format": "auto"}])
     code = """
         from npu_flashrl.kernels import emulation
-        emulation.install()
+        from npu_flashrl import lines
+        emulation.install(lines.current().emulated_packages)  # torchair where the line's vllm-ascend imports it
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         load_general_plugins()          # vLLM may load plugins more than once per process
@@ -59,7 +60,8 @@ def test_plugin_entry_point_activates_in_a_fresh_process(tmp_path):
 def test_without_flashrl_config_the_plugin_does_nothing():
     code = """
         from npu_flashrl.kernels import emulation
-        emulation.install()
+        from npu_flashrl import lines
+        emulation.install(lines.current().emulated_packages)  # torchair where the line's vllm-ascend imports it
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from npu_flashrl import patches
@@ -74,7 +76,8 @@ def test_without_flashrl_config_the_plugin_does_nothing():
 def test_config_pointing_nowhere_fails_loudly_in_the_plugin(tmp_path):
     code = """
         from npu_flashrl.kernels import emulation
-        emulation.install()
+        from npu_flashrl import lines
+        emulation.install(lines.current().emulated_packages)  # torchair where the line's vllm-ascend imports it
         from npu_flashrl.plugin import register
         register()
     """
@@ -138,7 +141,8 @@ def test_ray_worker_setup_hook_activates_trainer_side_patches(tmp_path):
     cfg = _write_config(tmp_path / "c.yaml", [{"fn": "int8_profile_free", "load_format": "auto"}])
     code = """
         from npu_flashrl.kernels import emulation
-        emulation.install()
+        from npu_flashrl import lines
+        emulation.install(lines.current().emulated_packages)  # torchair where the line's vllm-ascend imports it
         from npu_flashrl.activation import worker_process_setup
         worker_process_setup()
         from npu_flashrl import patches

@@ -50,7 +50,7 @@ def recipe_commands(tmp_path_factory):
     cfg = tmp / "flashrl.yaml"
     cfg.write_text("configs: []\n")
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS",)}
+           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     env.update(HOME=str(tmp / "home"), MODEL_PATH=str(model), DATA_DIR=str(tmp), FLASHRL_CONFIG=str(cfg),
                PYTHON=sys.executable, NPU_FLASHRL_PREFLIGHT_VERL="0")
     out = {}
@@ -155,7 +155,7 @@ def test_the_installed_lines_verl_refuses_through_the_recipe(tmp_path):
     cfg = tmp_path / "flashrl.yaml"
     cfg.write_text("configs: []\n")
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS",)}
+           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(tmp_path), FLASHRL_CONFIG=str(cfg),
                PYTHON=sys.executable)
     bad = subprocess.run(["bash", str(script), "--dry-run", f"{ACTOR}loss_agg_mode=token-avg"], env=env,

@@ -146,21 +146,12 @@ class SyncLoad:
             return False
         held = self._held
         if held is None:
-            return self.stage_payload(target, name, self._quantize(target, name, tensor))
+            return self.stage_payload(target, name, quantize(target, self.quantizer, name, tensor))
         flags: list = []
-        payload = self._quantize(target, name, tensor, _Deferring(self.quantizer, flags))
+        payload = quantize(target, _Deferring(self.quantizer, flags), name, tensor)
         for flag in flags:  # the quantizer's refusal, re-run (not deferred) if its flag fails
-            held.checks.add(flag, lambda: self._quantize(target, name, tensor))
+            held.checks.add(flag, lambda: quantize(target, self.quantizer, name, tensor))
         return self.stage_payload(target, name, payload)
-
-    def _quantize(self, target, name: str, tensor: torch.Tensor, quantizer=None):
-        """`tensor`'s payload by its scheme; the quantizer's refusals name it."""
-        try:
-            return target.scheme.quantize(quantizer or self.quantizer, name, tensor)
-        except WeightSyncError:
-            raise
-        except ValueError as exc:
-            raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
 
     def stage_payload(self, target, name: str, payload, in_place: bool = False) -> bool:
         """Stage one shard already quantized (its scheme's payload: for W8A8 int8 [out, in] and an
@@ -219,30 +210,34 @@ class SyncLoad:
         return set(loaded) if loaded is not None else set(names)
 
     def _settle(self) -> None:
-        """A list call's deferred checks read back (one host synchronisation), then the layers
-        it completed committed; nothing of the call was written before."""
-        held = self._held
-        if held is None:
-            return
-        held.checks.raise_first()
-        st = self.state
-        for done in held.commits:
-            st.wrote = True
-            st.layers.add(done.target.path)
-            done.commit()
-        held.commits.clear()
+        """A list call's deferred checks read back, then the layers it completed committed."""
+        if self._held is not None:
+            self._held.settle(self.state)
 
     def _fail(self, exc: BaseException) -> None:
-        """The call raised: this sync's staged (uncommitted) layers are dropped and keep their
-        previous weights; anything already written makes the model inconsistent."""
-        st = self.state
-        st.staged.drop()
-        st.wire.drop()
-        st.names.clear()  # what was staged is dropped: a retry of this sync sends it again
-        if st.failure is None:
-            st.failure = failure_reason(exc)
-        if st.wrote:
-            self.consistency.mark(failure_reason(exc))
+        fail_call(self.state, self.consistency, exc)
+
+
+def quantize(target, quantizer, name: str, tensor: torch.Tensor):
+    """`tensor`'s payload by its target's scheme; the quantizer's refusals name it."""
+    try:
+        return target.scheme.quantize(quantizer, name, tensor)
+    except WeightSyncError:
+        raise
+    except ValueError as exc:
+        raise WeightSyncError(f"{name}: {exc}; refusing the sync") from None
+
+
+def fail_call(st, consistency, exc: BaseException) -> None:
+    """A load call raised: this sync's staged (uncommitted) layers are dropped and keep their
+    previous weights; anything already written makes the model inconsistent."""
+    st.staged.drop()
+    st.wire.drop()
+    st.names.clear()  # what was staged is dropped: a retry of this sync sends it again
+    if st.failure is None:
+        st.failure = failure_reason(exc)
+    if st.wrote:
+        consistency.mark(failure_reason(exc))
 
 
 class _Held:
@@ -251,6 +246,16 @@ class _Held:
     def __init__(self, checks: DeferredChecks):
         self.checks = checks
         self.commits: list = []  # completed layers' stagings, committed after the checks
+
+    def settle(self, st) -> None:
+        """The deferred checks read back (one host synchronisation), then the completed layers
+        committed; nothing of the call was written before."""
+        self.checks.raise_first()
+        for done in self.commits:
+            st.wrote = True
+            st.layers.add(done.target.path)
+            done.commit()
+        self.commits.clear()
 
 
 class _Deferring:

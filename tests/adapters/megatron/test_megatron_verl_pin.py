@@ -92,7 +92,8 @@ def paths(tmp_path):
 PROBE = r'''
 import importlib, json, os, sys
 from npu_flashrl.kernels import emulation
-emulation.install()
+from npu_flashrl import lines
+emulation.install(lines.current().emulated_packages)  # torchair where the line's vllm-ascend imports it
 import torch, torch_npu
 torch.npu.is_available = lambda: True            # NPU host stand-in (see the module docstring)
 torch_npu.__npu_flashrl_emulated__ = False
