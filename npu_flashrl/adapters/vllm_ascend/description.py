@@ -29,7 +29,6 @@ from typing import List, Optional, Sequence
 
 from npu_flashrl.adapters.vllm_ascend.mla import MLA_PROJECTIONS
 from npu_flashrl.adapters.vllm_ascend.names import in_vision_tower
-from npu_flashrl.errors import NpuFlashrlError
 from npu_flashrl.quant import projections
 # the quant types live in their scheme modules (re-exported here for the description's users)
 from npu_flashrl.adapters.vllm_ascend.schemes.base import UnsupportedScheme  # noqa: F401
