@@ -160,6 +160,26 @@ class W4A8DynamicLinear(LinearScheme):
         # scheme's (refused at engine build as a scheme npu_flashrl cannot reload)
         return super().claims(inner, line) and not getattr(inner, "new_quant_version", False)
 
+    def check_target(self, target, quantizer) -> None:
+        """The layer's group size (its description's) must be the entry's `group_size` when the
+        entry sets one, and must divide the layer's input dim on this rank (vllm-ascend built
+        `weight_scale_second` with in // group_size columns: a remainder has no scale)."""
+        layer, size = target.layer, group_size_of(target.layer)
+        wanted = getattr(quantizer, "group_size", None)
+        if wanted is not None and wanted != size:
+            raise WeightSyncError(
+                f"{target.path}: a vllm-ascend W4A8_DYNAMIC layer built with group_size {size} (the "
+                f"checkpoint's quant description), and the FlashRL config entry says group_size "
+                f"{wanted}; a sync cannot change a layer's groups: drop the key, or set it to {size}")
+        in_full = int(layer.input_size)
+        in_part = int(getattr(layer, "input_size_per_partition", in_full))
+        if in_part % size or in_full % size:
+            part = f" ({in_part} on this tensor-parallel rank)" if in_part != in_full else ""
+            raise WeightSyncError(
+                f"{target.path}: input dim {in_full}{part} is not a multiple of group_size {size}: "
+                "vllm-ascend's W4A8_DYNAMIC layer has in // group_size scale groups, so its last "
+                "input channels would have no scale; pick a group_size that divides it")
+
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
         if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
             raise WeightSyncError(f"{name}: a vllm-ascend W4A8_DYNAMIC layer; fn {quantizer.name!r} "
