@@ -21,8 +21,9 @@ FLASHRL_KEY = "+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"
 
 
 def test_w4a8_dry_run_sets_up_a_w4a8_config_and_launches_as_w4a8(inputs):  # noqa: F811
-    proc = run(W4A8, dict(inputs["env"], QUANT_MODEL_PATH=str(inputs["tmp"] / "absent"),
-                          SETUP_EXTRA="group_size=128"), "--dry-run")
+    """group_size=128 by default (SETUP_EXTRA): Qwen2.5-7B's row-parallel in-dims per rank at the
+    recipe's rollout TP 4 are not multiples of vllm-ascend's default 256."""
+    proc = run(W4A8, dict(inputs["env"], QUANT_MODEL_PATH=str(inputs["tmp"] / "absent")), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     config = inputs["tmp"] / "run" / "configs" / "Qwen2.5-7B-Instruct.w4a8_profile_free.yaml"
     assert (f"npu-flashrl setup -m {inputs['model']} --fn w4a8_profile_free -o {config} group_size=128"
@@ -32,6 +33,8 @@ def test_w4a8_dry_run_sets_up_a_w4a8_config_and_launches_as_w4a8(inputs):  # noq
     assert ov[FLASHRL_KEY] == str(config)
     assert ov["trainer.experiment_name"] == "qwen25_7b_fsdp_w4a8_A2_verl09"
     assert "ROLLOUT_PRECISION=w4a8" in proc.stderr
+    mine = run(W4A8, dict(inputs["env"], SETUP_EXTRA="group_size=64"), "--dry-run")
+    assert mine.returncode == 0 and " group_size=64" in mine.stdout and "group_size=128" not in mine.stdout
 
 
 def test_w4a8_and_its_bf16_twin_differ_only_in_quantization(inputs):  # noqa: F811

@@ -13,8 +13,9 @@
 #
 # Environment: as grpo_qwen25_7b_fsdp_int8_A2_verl09.sh (FLASHRL_FN is fixed to w4a8_profile_free;
 #   QUANT_MODEL_PATH and PROFILE_PATH are not read), plus
-#   SETUP_EXTRA  extra key=value pairs for `npu-flashrl setup`, e.g. group_size=128 [empty: group
-#                size 256, vllm-ascend's default, which divides Qwen2.5-7B's 3584 and 18944]
+#   SETUP_EXTRA  extra key=value pairs for `npu-flashrl setup` [group_size=128: the group size must
+#                divide every projection's input dim on each rollout TP rank, and o_proj / down_proj
+#                hold in / ROLLOUT_TP of it; vllm-ascend's default 256 does not at ROLLOUT_TP=4]
 #   EXPERIMENT_NAME [qwen25_7b_fsdp_w4a8_A2_verl09]
 set -euo pipefail
 
@@ -24,5 +25,6 @@ source "$HERE/../common.sh"
 recipe_help "$@"
 recipe_sets RECIPE_LINE current
 recipe_sets FLASHRL_FN w4a8_profile_free
+export SETUP_EXTRA="${SETUP_EXTRA-group_size=128}"
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen25_7b_fsdp_w4a8_A2_verl09}"
 flashrl_entry "${CONFIG_SCRIPT:-$HERE/../configs/test_grpo_qwen25_7b_fsdp_w4a8_A2_verl09.sh}" "$@"
