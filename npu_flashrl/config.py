@@ -19,7 +19,9 @@ instead of a path (FlashRL: bf16 and the fp8 family; here bf16 and int8_profile_
 refused); with several entries worker DP group `RANK // (tp * pp)` uses `configs[dp_rank % n]`.
 
 fn values: `int8` (FlashRL's profile-based online INT8), `int8_profile_free` (ours: per-channel
-weight scales recomputed at every weight sync, no profile), `bf16` (unquantized). FlashRL's
+weight scales recomputed at every weight sync, no profile), `w4a8_profile_free` (ours: vllm-ascend's
+W4A8_DYNAMIC layers, int4 weights in groups of `group_size` input channels, default 256; the only
+fn that takes `group_size`; docs/w4a8.md), `bf16` (unquantized). FlashRL's
 `int8_wo_prune` is `int8` in 1.0.3 (same default config, same quantize function); `int8_fast` is
 `int8` with a CUDA-specific reload shortcut (skips CompressedTensorsW8A8Int8 post-processing), so on
 Ascend it is `int8` too. `int8_prune` (zeroes layernorm channels whose columns are zero in every

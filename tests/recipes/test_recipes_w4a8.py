@@ -9,14 +9,16 @@ and the data files are empty (a dry run reads neither)."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 
 import pytest
 
-from test_recipes import (BUCKET_KEY, EX, V09_BF16, V09_CONFIG, inputs, overrides_of,  # noqa: F401
-                          run)
+from test_recipes import (BUCKET_KEY, EX, MEG32_BF16, V09_BF16, V09_CONFIG, inputs,  # noqa: F401
+                          overrides_of, run)
 
 W4A8 = EX / "flash_rl" / "grpo_qwen25_7b_fsdp_w4a8_A2_verl09.sh"
 W4A8_CONFIG = EX / "configs" / "test_grpo_qwen25_7b_fsdp_w4a8_A2_verl09.sh"
+MEG32_W4A8 = EX / "flash_rl" / "grpo_qwen25_32b_megatron_w4a8_A2_verl09.sh"
 FLASHRL_KEY = "+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"
 
 
@@ -37,14 +39,28 @@ def test_w4a8_dry_run_sets_up_a_w4a8_config_and_launches_as_w4a8(inputs):  # noq
     assert mine.returncode == 0 and " group_size=64" in mine.stdout and "group_size=128" not in mine.stdout
 
 
-def test_w4a8_and_its_bf16_twin_differ_only_in_quantization(inputs):  # noqa: F811
-    a = run(W4A8, dict(inputs["env"], EXPERIMENT_NAME="x"), "--dry-run")
-    b = run(V09_BF16, dict(inputs["env"], EXPERIMENT_NAME="x", UPDATE_WEIGHTS_BUCKET_MB="1024"), "--dry-run")
+@pytest.mark.parametrize("w4a8, bf16", [(W4A8, V09_BF16), (MEG32_W4A8, MEG32_BF16)],
+                         ids=["qwen25_7b_fsdp", "qwen25_32b_megatron"])
+def test_w4a8_and_its_bf16_twin_differ_only_in_quantization(inputs, w4a8, bf16):  # noqa: F811
+    a = run(w4a8, dict(inputs["env"], EXPERIMENT_NAME="x"), "--dry-run")
+    b = run(bf16, dict(inputs["env"], EXPERIMENT_NAME="x", UPDATE_WEIGHTS_BUCKET_MB="1024"), "--dry-run")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     oa, ob = overrides_of(a.stdout), overrides_of(b.stdout)
     diff = {k for k in set(oa) | set(ob) if oa.get(k) != ob.get(k)}
     assert diff == {FLASHRL_KEY, BUCKET_KEY}, diff
     assert oa[FLASHRL_KEY].endswith(".w4a8_profile_free.yaml") and ob[FLASHRL_KEY].endswith(".bf16.yaml")
+
+
+def test_the_32b_w4a8_dry_run_sets_up_a_w4a8_config(inputs):  # noqa: F811
+    model = inputs["tmp"] / "models" / "Qwen2.5-32B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = run(MEG32_W4A8, dict(inputs["env"], MODEL_PATH=str(model)), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    config = inputs["tmp"] / "run" / "configs" / "Qwen2.5-32B-Instruct.w4a8_profile_free.yaml"
+    assert f"npu-flashrl setup -m {model} --fn w4a8_profile_free -o {config}" in proc.stdout.replace(" \\\n    ", " ")
+    assert "npu-flashrl profile" not in proc.stdout
+    assert overrides_of(proc.stdout)["trainer.experiment_name"] == "qwen25_32b_megatron_w4a8_A2_verl09"
 
 
 @pytest.mark.parametrize("script, fn, needle", [
@@ -84,7 +100,8 @@ def test_the_w4a8_launch_passes_verls_own_checks(inputs, tmp_path):  # noqa: F81
         pytest.skip("verl's own checks need the server-mode verl (the current line's venv)")
     cfg = tmp_path / "flashrl.yaml"
     cfg.write_text("configs:\n  - fn: w4a8_profile_free\n")
-    proc = run(W4A8_CONFIG, dict(inputs["env"], FLASHRL_CONFIG=str(cfg), NPU_FLASHRL_PREFLIGHT_VERL="1"),
-               "--dry-run")
+    # verl's checks import verl and torch: more than `run`'s minute on a loaded machine
+    proc = subprocess.run(["bash", str(W4A8_CONFIG), "--dry-run"], capture_output=True, text=True, timeout=600,
+                          env=dict(inputs["env"], FLASHRL_CONFIG=str(cfg), NPU_FLASHRL_PREFLIGHT_VERL="1"))
     assert proc.returncode == 0, proc.stderr
     assert "verl.trainer.main_ppo" in proc.stdout

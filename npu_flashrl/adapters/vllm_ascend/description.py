@@ -2,7 +2,9 @@
 
 vllm-ascend's "ascend" method needs a `quant_model_description.json`. For a bf16 checkpoint
 (profile-free INT8) or a compressed-tensors w8a8 checkpoint (RedHatAI style) we build that
-description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC layers: a rule,
+description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC layers (a bf16
+checkpoint under `fn: w4a8_profile_free`: W4A8_DYNAMIC, with the entry's `group_size` at the top
+level; the type and keys are the entry's quantizer's `description_type` / `description_keys`): a rule,
 with every weight of the checkpoint also listed explicitly (the scheme-registry layout,
 `lines/v0_23_0.py`, skips its json lookup only for a non-empty description, and its
 `apply_vllm_mapper` copies it into a plain dict, dropping the rule). ModelSlim checkpoints with their own json are left alone.
