@@ -26,12 +26,12 @@ complete). Not sent over the INT8 wire (`wire` None): an int8 [out, in] pair is 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
-from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, LayerStaging, WireFormat, stage_param
-from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme, LinearTarget
+from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, WireFormat, stage_param
+from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme, LinearShardStaging, LinearTarget
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
 from npu_flashrl.kernels import int4
 from npu_flashrl.quant import WeightSyncError
@@ -81,7 +81,7 @@ def _params_dtype(layer) -> torch.dtype:
     return layer.weight_offset.dtype
 
 
-class W4A8Staging(LayerStaging):
+class W4A8Staging(LinearShardStaging):
     """A (fused) W4A8 linear layer's shards of one sync, in the checkpoint layout the layer's
     `weight_loader` fills: int4 values int8 [out, in_part], `weight_scale` [out, 1] and
     `weight_scale_second` [out, in_part / group] in the model dtype."""
@@ -108,23 +108,8 @@ class W4A8Staging(LayerStaging):
                                   "float weights quantized by its scheme (the INT8 wire's per-channel "
                                   "int8 is not its format)")
         w = payload.quantized(group_size_of(t.layer))
-        shard = t.shard_of(name)
-        sid = t.shard_ids[t.shards.index(shard)]
-        args = () if sid is None else (sid,)
-        loader = t.layer.weight_loader
-        try:
-            loader(self.q, w.q, *args)
-            loader(self.scale, w.scale.unsqueeze(1), *args)
-            loader(self.scale_second, w.scale_second, *args)
-        except AssertionError as exc:
-            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
-        self.received.add(shard)
-
-    def complete(self) -> bool:
-        return len(self.received) == len(self.target.shards)
-
-    def missing(self) -> List[str]:
-        return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
+        self.load_shard(name, (self.q, w.q), (self.scale, w.scale.unsqueeze(1)),
+                        (self.scale_second, w.scale_second))
 
     def buffers(self):
         return self.q.data, self.scale.data, self.scale_second.data
