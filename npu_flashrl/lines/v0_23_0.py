@@ -155,4 +155,5 @@ LINE = SchemeRegistryLine(
         weight_prefetch=True,  # the static scheme needs the model runner's weight-prefetch helper
     ),
     quant_method_map=f"{_Q}.methods.registry:_SCHEME_REGISTRY",  # (quant_type, layer_type) -> class
+    w4a8_moe_cast="maybe_trans_nz",  # methods/w4a8.py: maybe_trans_nz, then pack_to_int32
 )

@@ -9,6 +9,7 @@ quantizes every projection but the router).
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Tuple
 
@@ -29,7 +30,16 @@ def build_pair(root: str, seed: int) -> Tuple[str, str]:
 
     bf16, ms = os.path.join(root, f"bf16_{seed}"), os.path.join(root, f"w4a8_{seed}")
     build_tiny_qwen3_moe(bf16, seed=seed, config_overrides=OVERRIDES)
-    write_modelslim_w4a8(bf16, ms, group_size=GROUP)
+    desc = write_modelslim_w4a8(bf16, ms, group_size=GROUP)
+    # the fused-MoE layer's own key, which v0.10.1rc1's AscendQuantConfig looks up for it (the
+    # later lines map it to its experts' names and ignore this one)
+    for i in range(LAYERS):
+        desc[f"model.layers.{i}.mlp.experts.weight"] = "W4A8_DYNAMIC"
+    # vLLM 0.10.1's Qwen3-MoE builds its lm_head with the empty prefix, which v0.10.1rc1's
+    # AscendQuantConfig looks up as ".weight"
+    desc[".weight"] = "FLOAT"
+    with open(os.path.join(ms, "quant_model_description.json"), "w") as f:
+        json.dump(desc, f, indent=1)
     return bf16, ms
 
 

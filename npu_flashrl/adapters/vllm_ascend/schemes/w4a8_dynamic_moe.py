@@ -13,25 +13,28 @@ the layer's own group size (`W4A8Payload` of the linear scheme), stages the int4
 `weight_scale` [out, 1] and `weight_scale_second` [out, in / group] (fp32, as the layer loads
 them) through the FusedMoE layer's own `weight_loader` (expert map, TP narrowing, w1/w3 offsets
 are upstream's), and once every local expert of the layer arrived, derives the processed tensors
-with the layer's own scheme object (`process_scale`, `maybe_trans_nz`, `pack_to_int32`: the
-device's packing op on an NPU, its emulation elsewhere) and copies them into the tensors the layer
+with the layer's own scheme object (`process_scale`, `pack_to_int32`: the device's packing op
+on an NPU, its emulation elsewhere; the NZ cast between them is the line's,
+`StackLine.w4a8_moe_weight_cast`) and copies them into the tensors the layer
 already holds. A refused or incomplete sync leaves the layer untouched (everything waits in the
 staging). Not sent over the INT8 wire (`wire` None).
 
 Not claimed (refused by their shape at the first sync, as before this scheme): the per-channel
 form (`group_size` 0), ModelSlim's "1.0.0" packed layout and the compressed-tensors W4A8 MoE
 layout (each processes into other tensors); dynamic EPLB and redundant experts are refused at
-engine build as for W8A8 (`experts.refuse_unsupported`).
+engine build as for W8A8 (`experts.refuse_unsupported`). Lines: 0.23 and 0.11; refused at engine
+build on v0.10.1rc1, whose post-processing keeps another processed layout.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend import experts as _experts
-from npu_flashrl.adapters.vllm_ascend.schemes.base import MOE, LayerStaging, inner_method, stage_param
+from npu_flashrl.adapters.vllm_ascend.schemes.base import (
+    MOE, LayerStaging, UnsupportedScheme, inner_method, stage_param)
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
 from npu_flashrl.adapters.vllm_ascend.schemes.w4a8_dynamic import (
     CHECKPOINT, W4A8_DYNAMIC, W4A8Payload, description_group_size)
@@ -108,12 +111,12 @@ class W4A8ExpertStaging(LayerStaging):
     def commit(self) -> None:
         layer = self.target.layer
         inner = inner_method(layer)
-        trans_nz = importlib.import_module(type(inner).__module__).maybe_trans_nz
+        line = lines.current()
         derived = {}
         for which in (GATE_UP, DOWN):  # everything first: a failure leaves the layer as it was
             w = self._w[which]
             scale, bias = inner.process_scale(w, self._s[which].data, self._s2[which].data)
-            derived[which] = (inner.pack_to_int32(trans_nz(w)), scale, bias)
+            derived[which] = (inner.pack_to_int32(line.w4a8_moe_weight_cast(w)), scale, bias)
         for which, (packed, scale, bias) in derived.items():
             getattr(layer, f"{which}_weight").data.copy_(packed)
             getattr(layer, f"{which}_weight_scale").data.copy_(scale)
@@ -135,6 +138,16 @@ class W4A8DynamicMoE(W8A8DynamicMoE):
         return (super().claims(inner, line) and not getattr(inner, "new_quant_version", False)
                 and not getattr(inner, "is_per_channel_weight", False)
                 and not getattr(inner, "quant_method", ""))
+
+    def targets(self, model: torch.nn.Module, layers: Sequence[Tuple[str, torch.nn.Module]]):
+        line = lines.current()
+        if line.w4a8_moe_cast is None:
+            raise UnsupportedScheme(
+                f"{layers[0][0]}: vllm-ascend {line.vllm_ascend}'s W4A8_DYNAMIC fused-MoE "
+                "post-processing keeps another processed layout (its fused scales in "
+                "weight_scale_second), which npu_flashrl does not reload; use the current line "
+                "(vllm-ascend 0.23) or 0.11 for W4A8 MoE rollouts")
+        return super().targets(model, layers)
 
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
         if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
