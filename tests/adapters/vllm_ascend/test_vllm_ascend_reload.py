@@ -291,8 +291,9 @@ def test_schemes_are_registered_by_quant_type_and_layer_type(va):
 
     assert [s.key for s in schemes.registered()] == [
         ("W8A8_DYNAMIC", "linear"), ("W8A8_DYNAMIC", "moe"), ("W8A8", "linear"),
-        ("W4A8_DYNAMIC", "linear")]
+        ("W4A8_DYNAMIC", "linear"), ("W4A8_DYNAMIC", "moe")]
     assert schemes.get_scheme("W8A8_DYNAMIC", "moe").wire is schemes.PER_CHANNEL_INT8
+    assert schemes.get_scheme("W4A8_DYNAMIC", "moe").wire is None  # float wire only
     with pytest.raises(ValueError, match=r"scheme \('W8A8', 'linear'\) registered twice"):
         schemes.register_scheme("W8A8", "linear")(type("Other", (schemes.get_scheme("W8A8", "linear").__class__,), {}))
     with pytest.raises(ValueError, match="layer type 'attention'"):
