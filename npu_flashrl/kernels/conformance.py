@@ -346,6 +346,69 @@ CASES += [
 ]
 
 
+
+# --------------------------------------------------------------------------- W4A8 fused-MoE cases
+# vllm-ascend's W4A8_DYNAMIC fused MoE: the experts packed by npu_quantize(quint4x2) (the page's
+# "8 int4 per int32", with kernels/int4.py's nibble order: on a device this row checks it) and
+# the A8W4 grouped matmul (aclnnGroupedMatmulV4's formula, taken literally here).
+
+def _quantize_quint4x2():
+    # vllm-ascend's call: fp32 int4 values, scale tensor([1.0]), axis -1, div_mode False
+    w = torch.randint(-8, 8, (2, 4, 16), generator=_g(31)).float()
+    return (w, torch.tensor([1.0]), None, torch.quint4x2, -1, False), {}
+
+
+def _quantize_quint4x2_golden(x, scales, zero_points, dtype, axis, div_mode):
+    flat = x.reshape(-1, x.shape[-1]).round().clamp(-8, 7).to(torch.int32)
+    return _int4_golden_pack(flat).reshape(*x.shape[:-1], x.shape[-1] // 8)
+
+
+def _fp32_bits_as_int64(s: torch.Tensor) -> torch.Tensor:
+    return s.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _gmm_a8w4(k: int = 256):
+    def build():
+        e, n, m = 2, 16, 5
+        x = torch.randint(-128, 128, (m, k), generator=_g(32), dtype=torch.int8)
+        w = torch.randint(-8, 8, (e, k, n), generator=_g(33), dtype=torch.int32)
+        s = (torch.rand(e, max(k // 256, 1), n, generator=_g(34)) * 0.01).half().float()
+        bias = 8 * (w.double() * s.double().repeat_interleave(256, dim=1)[:, :k]).sum(dim=1)
+        packed = torch.stack([_int4_golden_pack(w[i]) for i in range(e)])
+        pts = torch.rand(m, generator=_g(35))
+        return ([x], [packed]), {"bias": [bias.float()], "scale": [_fp32_bits_as_int64(s)],
+                                 "per_token_scale": [pts], "group_list": torch.tensor([3, 2]),
+                                 "split_item": 2, "group_type": 0, "group_list_type": 1,
+                                 "output_dtype": torch.bfloat16}
+    return build
+
+
+def _gmm_a8w4_golden(x, w, bias, scale, per_token_scale, group_list, **_):
+    # y_i = ((x_i - 8) @ (weight_i * scale_i) + bias_i) * per_token_scale_i
+    xs, p, b = x[0].double(), per_token_scale[0].double(), bias[0].double()
+    s = (scale[0] & 0xFFFFFFFF).to(torch.int32).view(torch.float32).double()
+    out = torch.zeros(xs.shape[0], s.shape[2], dtype=torch.float64)
+    start = 0
+    for i, c in enumerate(group_list.tolist()):
+        wi = _unpack_golden(w[0][i]).double() * s[i].repeat_interleave(256, dim=0)
+        out[start:start + c] = ((xs[start:start + c] - 8) @ wi + b[i]) * p[start:start + c].unsqueeze(-1)
+        start += c
+    return [out.to(torch.bfloat16)]
+
+
+CASES += [
+    Case("npu_quantize@quint4x2", "int4 values (2, 4, 16) fp32, scale 1.0 (vllm-ascend's W4A8 MoE packing)",
+         _quantize_quint4x2, _quantize_quint4x2_golden),
+    Case("npu_quantize@quint4x2", "last dim not a multiple of 8 (refused)",
+         lambda: ((torch.zeros(2, 12), torch.tensor([1.0]), None, torch.quint4x2, -1, False), {}),
+         valid=False),
+    Case("npu_grouped_matmul@A8W4", "int8 x, int4 weight (2, 256, 16), per-group uint64 scale, counts",
+         _gmm_a8w4(), _gmm_a8w4_golden),
+    Case("npu_grouped_matmul@A8W4", "K=128, not a multiple of quantGroupSize 256 (refused)",
+         _gmm_a8w4(128), valid=False),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 def _to(obj, device):

@@ -27,7 +27,7 @@ from typing import Dict, List
 import torch
 
 from npu_flashrl.errors import NpuFlashrlError
-from npu_flashrl.kernels import dequant_swiglu_v2, int4, moe_reference, reference
+from npu_flashrl.kernels import dequant_swiglu_v2, int4, int4_moe, moe_reference, reference
 
 EMULATED_PACKAGES = ("torch_npu", "torchair")  # what `install` can emulate
 # What `install()` emulates unless asked for more: torchair is an optional package (vllm-ascend
@@ -61,6 +61,8 @@ _TORCH_NPU_OPS = {
 
 # W4A8_DYNAMIC linear (int4 packing and the weight-quant matmul): kernels/int4.py
 _TORCH_NPU_OPS.update(int4.TORCH_NPU_OPS)
+# W4A8_DYNAMIC fused MoE (quint4x2 packing, the A8W4 grouped matmul): kernels/int4_moe.py
+_TORCH_NPU_OPS.update(int4_moe.TORCH_NPU_OPS)
 
 
 def _no_hash(x, k, bias, input_ids, tid2eid, norm_type=1, **kw):

@@ -172,10 +172,14 @@ def check_quantize(x, scales, zero_points, dtype, axis, div_mode) -> None:
                     "zero_points", f"must have the shape and dtype of scales ({tuple(scales.shape)}, "
                     f"{_name(scales.dtype)}) with div_mode=False, got {tuple(zero_points.shape)}, "
                     f"{_name(zero_points.dtype)}")
-        require(dtype == torch.qint8, op, "dtype",
-                f"must be torch.qint8 with div_mode=False (torch.quint4x2 is not emulated), got {dtype}")
+        require(dtype in (torch.qint8, torch.quint4x2), op, "dtype",
+                f"must be torch.qint8 or torch.quint4x2 with div_mode=False, got {dtype}")
         require(-2 <= axis < x.dim(), op, "axis",
                 f"must be in [-2, {x.dim()}) with div_mode=False, got {axis}")
+        if dtype == torch.quint4x2:
+            # "div_mode为False且dtype为quint4x2时，最后一维需要能被8整除" (8 int4 per int32 output)
+            require(x.dim() >= 1 and x.shape[-1] % 8 == 0, op, "input",
+                    f"last dim must be a multiple of 8 with dtype=torch.quint4x2, got shape {tuple(x.shape)}")
     ax = axis % x.dim()
     for name, t in (("scales", scales), ("zero_points", zero_points)):
         if t is None:
@@ -627,3 +631,85 @@ def check_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset,
         require_dtype(bias, (F16, F32), op, "bias")
         require(tuple(bias.shape) in ((1, n), (n,)), op, "bias", f"must be (1, N) or (N,) with N={n}, "
                 f"got {tuple(bias.shape)}")
+
+
+# =========================================================================== W4A8 fused MoE
+# vllm-ascend's W4A8_DYNAMIC fused-MoE layers (`AscendW4A8DynamicFusedMoEMethod`, ModelSlim's
+# original per-group layout): the experts packed by npu_quantize(dtype=quint4x2) at load (rules in
+# `check_quantize` above), the forward by npu_grouped_matmul in its A8W4 form (int8 x, int4 weight,
+# a uint64 per-group scale and the precomputed bias). The torch_npu page lists int4 weights for a
+# Tensor group_list but not the A8W4 row; the aclnn page of the kernel it calls does (below).
+# Emulated in `kernels/int4_moe.py`.
+
+DOC.update({
+    "npu_grouped_matmul@A8W4":
+        "https://gitcode.com/cann/ops-transformer/blob/master/gmm/grouped_matmul/docs/aclnnGroupedMatmulV4.md",
+    # how a float scale travels as the uint64 / int64 quantization parameter (low 32 bits)
+    "npu_trans_quant_param": _OP_PLUGIN.format("npu_trans_quant_param"),
+})
+A8W4_QUANT_GROUP = 256  # "当前支持quantGroupSize=256"
+A8W4_MAX_K = 18432  # "k <= 18432"
+A8W4_N_ALIGN = 8  # "要求n为8的整数倍"
+A8W4_MAX_GROUPS = 1024  # groupType 0, single x / weight / y: "最多支持1024个group"
+
+
+def check_grouped_matmul_a8w4(x, weight, bias, scale, offset, per_token_scale, group_list,
+                              split_item: int, group_type, act_type: int, output_dtype) -> None:
+    """The A8W4 row of aclnnGroupedMatmulV4 (Atlas A2 / A3), symmetric (offset null): single
+    tensors, x int8 (M, K), weight int4 (E, K, N) not transposed (int32 carrying 8 int4 each),
+    bias FLOAT [E, N] (required: the offline 8 * sum_k(weight * scale)), scale UINT64
+    [E, K / 256, N] (per-group and per-channel fused offline), per_token_scale FLOAT [M], output
+    BFLOAT16 (FLOAT16 with the same inputs), groupType 0, actType 0, K a multiple of 256 and at
+    most 18432, N a multiple of 8."""
+    op, doc = "npu_grouped_matmul", "npu_grouped_matmul@A8W4"
+
+    def one(lst, arg):
+        require(isinstance(lst, (list, tuple)) and len(lst) == 1 and isinstance(lst[0], torch.Tensor),
+                op, arg, "must be a list of exactly one tensor in the A8W4 scenario "
+                "(x, weight, y single tensors)", doc)
+        return lst[0]
+
+    xs, w = one(x, "x"), one(weight, "weight")
+    require(xs.dtype == I8 and xs.dim() == 2, op, "x", f"must be int8 (M, K) in the A8W4 scenario, got "
+            f"{_name(xs.dtype)} {tuple(xs.shape)}", doc)
+    require(w.dtype == I32 and w.dim() == 3, op, "weight", "must be 3-D (E, K, N) int4, carried as int32 "
+            f"(E, K, N / 8), got {_name(w.dtype)} {tuple(w.shape)}", doc)
+    require(w.is_contiguous(), op, "weight", "must not be transposed in the A8W4 scenario", doc)
+    e, k, n = w.shape[0], w.shape[1], w.shape[2] * 8
+    m = xs.shape[0]
+    require(xs.shape[1] == k, op, "weight", f"its K ({k}) must equal x's K ({xs.shape[1]})", doc)
+    require(group_type == 0 and act_type == 0, op, "group_type/act_type",
+            f"must be 0 / 0 in the A8W4 scenario, got {group_type} / {act_type}", doc)
+    require(split_item in (2, 3), op, "split_item", f"must be 2 or 3 (one output tensor), got {split_item}", doc)
+    require(offset is None, op, "offset", "asymmetric A8W4 (offset set) is not emulated; pass None", doc)
+    require(k % A8W4_QUANT_GROUP == 0 and k <= A8W4_MAX_K, op, "x", f"K={k} must be a multiple of "
+            f"quantGroupSize {A8W4_QUANT_GROUP} and at most {A8W4_MAX_K} (offset null)", doc)
+    require(n % A8W4_N_ALIGN == 0, op, "weight", f"N={n} must be a multiple of {A8W4_N_ALIGN}", doc)
+    require(bias is not None, op, "bias", "is required in the A8W4 scenario (the offline "
+            "8 * weight * scale summed over K)", doc)
+    b = one(bias, "bias")
+    require(b.dtype == F32 and tuple(b.shape) == (e, n), op, "bias",
+            f"is required: float32 [E={e}, N={n}] (8 * weight * scale summed over K), got "
+            f"{_name(b.dtype)} {tuple(b.shape)}", doc)
+    s = one(scale, "scale")
+    groups = k // A8W4_QUANT_GROUP
+    require(s.dtype == I64 and tuple(s.shape) == (e, groups, n), op, "scale",
+            f"must be uint64 (torch int64) [E={e}, K/{A8W4_QUANT_GROUP}={groups}, N={n}], got "
+            f"{_name(s.dtype)} {tuple(s.shape)}", doc)
+    p = one(per_token_scale, "per_token_scale")
+    require(p.dtype == F32 and tuple(p.shape) == (m,), op, "per_token_scale",
+            f"must be float32 [M={m}], got {_name(p.dtype)} {tuple(p.shape)}", doc)
+    require(output_dtype in (BF16, F16), op, "output_dtype",
+            f"must be bfloat16 or float16 in the A8W4 scenario, got {_name(output_dtype)}", doc)
+    require(isinstance(group_list, torch.Tensor) and group_list.dtype == I64 and group_list.dim() == 1
+            and group_list.numel() == e, op, "group_list",
+            f"must be a 1-D int64 Tensor with one entry per expert ({e})", doc)
+    require(e <= A8W4_MAX_GROUPS, op, "group_list", f"at most {A8W4_MAX_GROUPS} groups, got {e}", doc)
+    vals = [int(v) for v in group_list.tolist()]
+    # "仅支持groupListType为1（算子不会检查groupListType的值，会认为groupListType为1）": counts
+    require(all(v >= 0 for v in vals), op, "group_list", f"counts must be non-negative, got {vals}", doc)
+    # torch_npu's page: "数值的总和与x中tensor的第一维相等"
+    require(sum(vals) == m, op, "group_list", f"its sum ({sum(vals)}) must equal x's first dim M={m} "
+            "(the A8W4 op reads group_list as counts whatever group_list_type says)")
+    require(xs.shape[-1] < GMM_INNER_LIMIT and n < GMM_INNER_LIMIT, op, "x/weight",
+            f"last dims must be below InnerLimit {GMM_INNER_LIMIT}")

@@ -115,6 +115,11 @@ class StackLine:
     # what the CPU emulation must stand in for: torchair only where this vllm-ascend imports it
     # unguarded (elsewhere `import torchair` fails as on an NPU host without it)
     emulated_packages: Tuple[str, ...] = ("torch_npu",)
+    # what W4A8_DYNAMIC fused-MoE post-processing does to the transposed int4 experts before it
+    # packs them (`w4a8_moe_weight_cast`): "maybe_trans_nz" (0.23: NZ as weight_nz_mode says),
+    # "nz" (0.11: cast to FRACTAL_NZ unconditionally); None: its post-processing keeps another
+    # processed layout (v0.10.1rc1: the fused scales in weight_scale_second), not reloaded here
+    w4a8_moe_cast: Optional[str] = None
 
     # patch names, the same on every line (their targets and bodies are the line's); the run-once
     # patches of the schemes are named by the schemes (`once_patch`)
@@ -216,6 +221,22 @@ class StackLine:
         from npu_flashrl.lines import derived
 
         derived.commit_extras(layer)
+
+    def w4a8_moe_weight_cast(self, weight):
+        """The transposed int4 experts (int8 [E, K, N]) as W4A8_DYNAMIC fused-MoE post-processing
+        hands them to its `pack_to_int32` on this line (`w4a8_moe_cast`)."""
+        if self.w4a8_moe_cast == "maybe_trans_nz":
+            from vllm_ascend.utils import maybe_trans_nz
+
+            return maybe_trans_nz(weight)
+        if self.w4a8_moe_cast == "nz":
+            import torch_npu  # the device's, or the emulation's on a CPU
+
+            from npu_flashrl.kernels import ACL_FORMAT_FRACTAL_NZ
+
+            return torch_npu.npu_format_cast(weight, ACL_FORMAT_FRACTAL_NZ)
+        raise NotImplementedError(f"vllm-ascend {self.vllm_ascend}: W4A8_DYNAMIC fused-MoE layers are "
+                                  "not reloaded on this line (w4a8_moe_cast is None)")
 
     def commit_moe_extras(self, layer) -> None:
         """After new expert scales were written: what the fused-MoE scheme derives from them."""

@@ -37,4 +37,5 @@ LINE = QuantConfigLine(
     ),
     quant_method_map=f"{_Q}.utils:ASCEND_QUANTIZATION_METHOD_MAP",
     refused_architectures={"DeepseekV2ForCausalLM": _MLA_STALE, "DeepseekV3ForCausalLM": _MLA_STALE},
+    w4a8_moe_cast="nz",  # w4a8_dynamic.py: npu_format_cast(FRACTAL_NZ), then pack_to_int32
 )

@@ -57,6 +57,8 @@ class SchemeRegistryLine(StackLine):
         dims = 1  # linear: [out]; fused MoE: [E, 2I] (restored: [E, 2I, 1])
         if scale is None:
             scale, dims = getattr(layer, "w13_weight_scale", None), 2
+            if isinstance(scale, torch.Tensor) and scale.dtype == torch.int64:
+                dims = 3  # W4A8_DYNAMIC fused MoE: int64 [E, H / group, 2I] (restored: fp32 [E, 2I, 1])
         return marked(layer, PROCESSED_ATTR) and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 
@@ -153,4 +155,5 @@ LINE = SchemeRegistryLine(
         weight_prefetch=True,  # the static scheme needs the model runner's weight-prefetch helper
     ),
     quant_method_map=f"{_Q}.methods.registry:_SCHEME_REGISTRY",  # (quant_type, layer_type) -> class
+    w4a8_moe_cast="maybe_trans_nz",  # methods/w4a8.py: maybe_trans_nz, then pack_to_int32
 )

@@ -125,15 +125,26 @@ def _device_neutral_ops_on_cpu() -> None:
         _cpu_libs[qual] = lib  # the registration lives as long as the Library object
 
 
+# the quantized fused-MoE schemes whose constructors ask the mc2 group for an HCCL name
+_HCCL_ASKING_MOE_SCHEMES = ("W8A8_DYNAMIC", "W4A8_DYNAMIC")
+
+
 def _mc2_without_hccl() -> None:
-    """Stand-in for the HCCL side of vllm-ascend's mc2 group (idempotent): its W8A8_DYNAMIC
-    fused-MoE scheme asks the group's NPU backend for an HCCL communicator name when it is
-    built; on gloo there is none, so the scheme's module sees a group without a device group
-    and upstream takes its own fallback (an empty name, as for a group without MC2 metadata).
-    The group itself, used by the dispatchers, is untouched. Same attribute on every line."""
+    """Stand-in for the HCCL side of vllm-ascend's mc2 group (idempotent): its W8A8_DYNAMIC and
+    W4A8_DYNAMIC fused-MoE schemes ask the group's NPU backend for an HCCL communicator name when
+    they are built; on gloo there is none, so each scheme's module sees a group without a device
+    group and upstream takes its own fallback (an empty name, as for a group without MC2
+    metadata). The group itself, used by the dispatchers, is untouched. Same attribute on every
+    line; a line without one of the schemes has nothing to stand in for."""
     import importlib
 
-    module = importlib.import_module(current().method_class("W8A8_DYNAMIC", "moe").__module__)
+    for quant_type in _HCCL_ASKING_MOE_SCHEMES:
+        cls = current().method_class(quant_type, "moe")
+        if cls is not None:
+            _module_without_hccl(importlib.import_module(cls.__module__))
+
+
+def _module_without_hccl(module) -> None:
     original = getattr(module, "get_mc2_group", None)
     if original is None or getattr(original, "__npu_flashrl_stand_in__", False):
         return

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from npu_flashrl.kernels import emulation, reference
+from npu_flashrl.kernels import emulation, int4_moe, reference
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
@@ -29,7 +29,9 @@ def torch_npu():
 def test_quant_ops_are_the_reference_kernels(torch_npu):
     assert torch_npu.__npu_flashrl_emulated__ is True
     assert torch_npu.npu_dynamic_quant is reference.npu_dynamic_quant
-    assert torch_npu.npu_quantize is reference.npu_quantize
+    # npu_quantize: the int4-aware entry (quint4x2 for W4A8 MoE), which hands qint8 / quint8 /
+    # int32 to reference.npu_quantize (tests/kernels/test_int4_moe.py)
+    assert torch_npu.npu_quantize is int4_moe.npu_quantize
     assert torch_npu.npu_quant_matmul is reference.npu_quant_matmul
     assert torch_npu.npu_format_cast is reference.npu_format_cast
     assert torch_npu.npu_format_cast_ is reference.npu_format_cast_

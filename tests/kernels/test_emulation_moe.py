@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from npu_flashrl.kernels import emulation
+from npu_flashrl.kernels import emulation, int4_moe
 from npu_flashrl.kernels import moe_reference as mr
 
 
@@ -340,7 +340,8 @@ def test_torch_npu_names_are_the_kernels():
     import torch_npu
 
     assert torch_npu.npu_moe_init_routing_v2 is mr.npu_moe_init_routing_v2
-    assert torch_npu.npu_grouped_matmul is mr.npu_grouped_matmul
+    # the int4-aware entry (A8W4 for W4A8 MoE), which hands every other form to mr's kernel
+    assert torch_npu.npu_grouped_matmul is int4_moe.npu_grouped_matmul
     assert torch_npu.npu_moe_token_unpermute is mr.npu_moe_token_unpermute
     x = torch.ones(2, 3, dtype=torch.int8)
     w = torch_npu.npu_format_cast(torch.ones(1, 3, 4, dtype=torch.int8), 29)

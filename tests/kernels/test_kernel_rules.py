@@ -101,7 +101,7 @@ REFUSALS = {
     "quantize mul zp dtype": (lambda: ref.npu_quantize(torch.zeros(2, 3), torch.ones(3), torch.zeros(3, dtype=BF16),
                                                       torch.qint8, -1, False), "shape and dtype of scales"),
     "quantize mul quint8": (lambda: ref.npu_quantize(torch.zeros(2, 3), torch.ones(3), None, torch.quint8, -1, False),
-                            "npu_quantize: dtype: must be torch.qint8 with div_mode=False"),
+                            "npu_quantize: dtype: must be torch.qint8 or torch.quint4x2 with div_mode=False"),
     "quantize div int8 dtype": (lambda: ref.npu_quantize(torch.zeros(2, 3), torch.ones(3), None, torch.int8),
                                 "npu_quantize: dtype: must be torch.qint8, torch.quint8 or torch.int32"),
     "quantize mul axis -3": (lambda: ref.npu_quantize(torch.zeros(2, 2, 3), torch.ones(2), None, torch.qint8, -3, False),

@@ -291,8 +291,9 @@ def test_schemes_are_registered_by_quant_type_and_layer_type(va):
 
     assert [s.key for s in schemes.registered()] == [
         ("W8A8_DYNAMIC", "linear"), ("W8A8_DYNAMIC", "moe"), ("W8A8", "linear"),
-        ("W4A8_DYNAMIC", "linear")]
+        ("W4A8_DYNAMIC", "linear"), ("W4A8_DYNAMIC", "moe")]
     assert schemes.get_scheme("W8A8_DYNAMIC", "moe").wire is schemes.PER_CHANNEL_INT8
+    assert schemes.get_scheme("W4A8_DYNAMIC", "moe").wire is None  # float wire only
     with pytest.raises(ValueError, match=r"scheme \('W8A8', 'linear'\) registered twice"):
         schemes.register_scheme("W8A8", "linear")(type("Other", (schemes.get_scheme("W8A8", "linear").__class__,), {}))
     with pytest.raises(ValueError, match="layer type 'attention'"):
@@ -391,7 +392,8 @@ def test_each_registered_scheme_brings_one_run_once_patch_on_its_tables_class(va
     assert [p.name for p in once] == ["ascend_w8a8_dynamic_process_once",
                                       "ascend_w8a8_dynamic_moe_process_once",
                                       "ascend_w8a8_static_process_once",
-                                      "ascend_w4a8_dynamic_linear_process_once"]
+                                      "ascend_w4a8_dynamic_linear_process_once",
+                                      "ascend_w4a8_dynamic_moe_process_once"]
     for scheme, patch in zip(schemes.registered(), once):
         cls = scheme.method_class(ln)
         assert cls is ln.method_class(*scheme.key)
@@ -402,6 +404,7 @@ def test_each_registered_scheme_brings_one_run_once_patch_on_its_tables_class(va
         assert patches.original(cls.process_weights_after_loading) is not cls.process_weights_after_loading
     assert set(p.name for p in once) <= set(va.PATCHES)
     assert schemes.supported("linear") == ["W8A8_DYNAMIC", "W8A8", "W4A8_DYNAMIC"]
+    assert schemes.supported("moe") == ["W8A8_DYNAMIC", "W4A8_DYNAMIC"]
     assert "supported: AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod" in ln.unsupported_reason(
         object(), [schemes.get_scheme(*k).method_class(ln).__name__
                    for k in (("W8A8_DYNAMIC", "linear"), ("W8A8", "linear"))])

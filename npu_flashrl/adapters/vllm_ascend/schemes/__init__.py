@@ -8,12 +8,12 @@
   `once_patches`, `find_targets`;
 - `linear`: what the W8A8 linear schemes share (`LinearTarget`, `LinearStaging`);
 - `w8a8_dynamic` (linear), `w8a8_dynamic_moe` (fused MoE), `w8a8_static` (linear),
-  `w4a8_dynamic` (linear: int4 in groups, two scale levels).
+  `w4a8_dynamic` (linear: int4 in groups, two scale levels), `w4a8_dynamic_moe` (fused MoE, per group).
 
 Importing this package registers them all. Adding a scheme: docs/architecture.md.
 """
 from npu_flashrl.adapters.vllm_ascend.schemes import w8a8_dynamic, w8a8_dynamic_moe, w8a8_static  # noqa: F401
-from npu_flashrl.adapters.vllm_ascend.schemes import w4a8_dynamic  # noqa: F401
+from npu_flashrl.adapters.vllm_ascend.schemes import w4a8_dynamic, w4a8_dynamic_moe  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.schemes.base import (  # noqa: F401
     LINEAR, MOE, PER_CHANNEL_INT8, Int8Payload, LayerStaging, Scheme, UnsupportedScheme, WireFormat,
     inner_method)

@@ -1,0 +1,175 @@
+"""vllm-ascend's W4A8_DYNAMIC fused-MoE scheme (`AscendW4A8DynamicFusedMoEMethod`, ModelSlim's
+original per-group layout: `group_size` > 0, no `version` "1.0.0" in the description).
+
+One layer's experts after vllm-ascend's post-processing (what a sync writes, in place):
+`w13_weight` int32 [E, H, 2I / 8] and `w2_weight` int32 [E, I, H / 8] (the int4 values of the
+transposed experts packed by `torch_npu.npu_quantize(dtype=quint4x2)`), `w13_weight_scale` int64
+[E, H / group, 2I] and `w2_weight_scale` int64 [E, I / group, H] (both scale levels fused and
+rounded through fp16, as fp32 bit patterns), `w13_scale_bias` fp32 [E, 2I] and `w2_scale_bias`
+fp32 [E, H] (the A8W4 grouped matmul's auxiliary 8 * sum_k(w * scale)); the zero offsets stay.
+
+A sync quantizes each expert projection on its full row with `kernels.int4`'s staged quantizer and
+the layer's own group size (`W4A8Payload` of the linear scheme), stages the int4 values (int8),
+`weight_scale` [out, 1] and `weight_scale_second` [out, in / group] (fp32, as the layer loads
+them) through the FusedMoE layer's own `weight_loader` (expert map, TP narrowing, w1/w3 offsets
+are upstream's), and once every local expert of the layer arrived, derives the processed tensors
+with the layer's own scheme object (`process_scale`, `pack_to_int32`: the device's packing op
+on an NPU, its emulation elsewhere; the NZ cast between them is the line's,
+`StackLine.w4a8_moe_weight_cast`) and copies them into the tensors the layer
+already holds. A refused or incomplete sync leaves the layer untouched (everything waits in the
+staging). Not sent over the INT8 wire (`wire` None).
+
+Not claimed (refused by their shape at the first sync, as before this scheme): the per-channel
+form (`group_size` 0), ModelSlim's "1.0.0" packed layout and the compressed-tensors W4A8 MoE
+layout (each processes into other tensors); dynamic EPLB and redundant experts are refused at
+engine build as for W8A8 (`experts.refuse_unsupported`). Lines: 0.23 and 0.11; refused at engine
+build on v0.10.1rc1, whose post-processing keeps another processed layout.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from npu_flashrl import lines
+from npu_flashrl.adapters.vllm_ascend import experts as _experts
+from npu_flashrl.adapters.vllm_ascend.schemes.base import (
+    MOE, LayerStaging, UnsupportedScheme, inner_method, stage_param)
+from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
+from npu_flashrl.adapters.vllm_ascend.schemes.w4a8_dynamic import (
+    CHECKPOINT, W4A8_DYNAMIC, W4A8Payload, description_group_size)
+from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic_moe import ExpertTarget, W8A8DynamicMoE
+from npu_flashrl.quant import WeightSyncError
+
+GATE_UP, DOWN = _experts.GATE_UP, _experts.DOWN
+_GROUP = "group"  # vLLM's FusedMoeWeightScaleSupported.GROUP: how the loader shards weight_scale_second
+
+
+class W4A8ExpertStaging(LayerStaging):
+    """One W4A8 fused-MoE layer's local experts of one sync, in the checkpoint layout the layer's
+    `weight_loader` fills: int4 values int8 (views [E, 2I, H] / [E, H, I] of [E, H, 2I] / [E, I, H]
+    memory, the processed order), `weight_scale` fp32 [E, out, 1], `weight_scale_second` fp32
+    [E, out, in / group]. `received` holds HF names."""
+
+    def __init__(self, target: ExpertTarget):
+        super().__init__(target)
+        layer = target.layer
+        inner = inner_method(layer)
+        self.group_size = int(inner.group_size)
+        e = layer.w13_weight.shape[0]
+        hidden, inter = int(layer.hidden_size), int(layer.intermediate_size_per_partition)
+        dev = layer.w13_weight.device
+        # processed (transposed) shapes: [E, K, N] with K the input of each projection
+        kn = {GATE_UP: (hidden, 2 * inter), DOWN: (inter, hidden)}
+        self._w, self._wp, self._s, self._s2 = {}, {}, {}, {}
+        for which, (k, n) in kn.items():
+            w = torch.empty((e, k, n), dtype=torch.int8, device=dev)
+            self._w[which] = w
+            self._wp[which] = stage_param(w.transpose(1, 2), getattr(layer, f"{which}_weight"))
+            template = getattr(layer, f"{which}_weight_scale")
+            self._s[which] = stage_param(torch.empty((e, n, 1), dtype=torch.float32, device=dev), template)
+            s2 = stage_param(torch.empty((e, n, k // self.group_size), dtype=torch.float32, device=dev),
+                             template)
+            s2.quant_method = _GROUP  # as vllm-ascend's MoE adapter marks weight_scale_second
+            self._s2[which] = s2
+
+    def stage(self, name, payload) -> None:
+        t = self.target
+        if not isinstance(payload, W4A8Payload):
+            raise WeightSyncError(f"{name}: {t.path} is a vllm-ascend W4A8_DYNAMIC fused-MoE layer; it "
+                                  "takes float experts quantized by its scheme (the INT8 wire's "
+                                  "per-channel int8 is not its format)")
+        w = payload.quantized(self.group_size)
+        expert_id, shard_id, which = t.names[name]
+        loader = _experts.checkpoint_layout_loader(t.layer)
+        prefix = f"{t.path}.{which}_weight"
+        try:
+            ok = None
+            for param, value, suffix in ((self._wp[which], w.q, ""), (self._s[which], w.scale.unsqueeze(1), "_scale"),
+                                         (self._s2[which], w.scale_second, "_scale_second")):
+                ok = loader(param, value, prefix + suffix, shard_id, expert_id, return_success=True)
+                if ok is False:
+                    break
+        except (AssertionError, RuntimeError) as exc:
+            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
+        if ok is False:  # the layer's own expert map says it is not on this rank
+            raise WeightSyncError(f"{name}: {t.path}'s weight loader refused expert {expert_id} "
+                                  "(not local to this rank), although its expert map had it")
+        self.received.add(name)
+
+    def complete(self) -> bool:
+        return self.received >= self.target.local
+
+    def missing(self) -> List[str]:
+        return sorted(self.target.local - self.received)
+
+    def buffers(self):
+        return (tuple(self._w.values()) + tuple(p.data for p in self._s.values())
+                + tuple(p.data for p in self._s2.values()))
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        layer = self.target.layer
+        inner = inner_method(layer)
+        line = lines.current()
+        derived = {}
+        for which in (GATE_UP, DOWN):  # everything first: a failure leaves the layer as it was
+            w = self._w[which]
+            scale, bias = inner.process_scale(w, self._s[which].data, self._s2[which].data)
+            derived[which] = (inner.pack_to_int32(line.w4a8_moe_weight_cast(w)), scale, bias)
+        for which, (packed, scale, bias) in derived.items():
+            getattr(layer, f"{which}_weight").data.copy_(packed)
+            getattr(layer, f"{which}_weight_scale").data.copy_(scale)
+            getattr(layer, f"{which}_scale_bias").data.copy_(bias)
+
+
+@register_scheme(W4A8_DYNAMIC, MOE)
+class W4A8DynamicMoE(W8A8DynamicMoE):
+    wire = None  # no pre-quantized form the trainer sends (an INT4 wire: docs/w4a8.md)
+    checkpoint = CHECKPOINT
+    needs_scales = True
+    patch_name = "ascend_w4a8_dynamic_moe_process_once"
+    process_once_why = ("W4A8_DYNAMIC fused-MoE post-processing (transpose, int4 pack, scale folding, "
+                        "scale_bias) runs once per layer")
+
+    def claims(self, inner, line) -> bool:
+        # per-group, ModelSlim's original layout only: the per-channel form, the "1.0.0" packed
+        # layout and compressed-tensors' process into other tensors (module docstring)
+        return (super().claims(inner, line) and not getattr(inner, "new_quant_version", False)
+                and not getattr(inner, "is_per_channel_weight", False)
+                and not getattr(inner, "quant_method", ""))
+
+    def targets(self, model: torch.nn.Module, layers: Sequence[Tuple[str, torch.nn.Module]]):
+        line = lines.current()
+        if line.w4a8_moe_cast is None:
+            raise UnsupportedScheme(
+                f"{layers[0][0]}: vllm-ascend {line.vllm_ascend}'s W4A8_DYNAMIC fused-MoE "
+                "post-processing keeps another processed layout (its fused scales in "
+                "weight_scale_second), which npu_flashrl does not reload; use the current line "
+                "(vllm-ascend 0.23) or 0.11 for W4A8 MoE rollouts")
+        return super().targets(model, layers)
+
+    def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
+        if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
+            raise WeightSyncError(f"{name}: a vllm-ascend W4A8_DYNAMIC fused-MoE expert; fn "
+                                  f"{quantizer.name!r} does not quantize for it (use fn 'w4a8_profile_free')")
+        return W4A8Payload(name, tensor, quantizer.compute_dtype)
+
+    def checkpoint_items(self, name: str, payload):
+        """A bf16 checkpoint's expert projection as ModelSlim's W4A8 checkpoint carries it."""
+        w = payload.quantized(description_group_size())
+        base = name[: -len("weight")]
+        yield name, w.q
+        yield base + "weight_scale", w.scale.unsqueeze(1)
+        yield base + "weight_offset", torch.zeros_like(w.scale).unsqueeze(1)
+        yield base + "weight_scale_second", w.scale_second
+        yield base + "weight_offset_second", torch.zeros_like(w.scale_second)
+
+    def checkpoint_defaults(self, name: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {}  # a ModelSlim W4A8 checkpoint carries every tensor its layer loads
+
+    def new_staging(self, target, with_scale: bool, in_place: bool = False) -> W4A8ExpertStaging:
+        return W4A8ExpertStaging(target)  # always buffered: the commit derives from all local experts
+
+    def commit_derived(self, layer) -> None:
+        """Nothing beyond the commit: it derives every processed tensor itself."""
