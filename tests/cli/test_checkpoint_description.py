@@ -85,8 +85,6 @@ BAD = {  # label: (how the copy differs from the good checkpoint, words the refu
                         [f"layer {Q_PROJ} is typed W8A8", "is BF16, expected int8"]),
     "scale_shape": ("ms", {"tensors": {f"{Q_PROJ}.weight_scale": lambda t: t.repeat(1, 2)}},
                     [f"{Q_PROJ}.weight_scale has shape", "expected ["]),
-    "undescribed_int8": ("ms", {"description": None, "drop": f"{DOWN}.weight"},
-                         [f"{DOWN}.weight (int8", "not in the description"]),
     "ct_4bit": ("ct", {"quant_config": lambda q: _group(q)["weights"].update(num_bits=4)},
                 ["config_groups.group_0.weights.num_bits = 4"]),
     "ct_weight_only": ("ct", {"quant_config": lambda q: _group(q).update(input_activations=None)},
@@ -96,17 +94,7 @@ BAD = {  # label: (how the copy differs from the good checkpoint, words the refu
 
 def _bad_copy(dirs, label, dst):
     base, change, _ = BAD[label]
-    change = dict(change)
-    drop = change.pop("drop", None)
-    model = _copy(dirs[base], dst, **change)
-    if drop:
-        path = os.path.join(model, "quant_model_description.json")
-        with open(path) as f:
-            desc = json.load(f)
-        del desc[drop]
-        with open(path, "w") as f:
-            json.dump(desc, f)
-    return model
+    return _copy(dirs[base], dst, **change)
 
 
 @pytest.mark.parametrize("label", sorted(BAD))
@@ -180,3 +168,24 @@ def test_the_preflight_refuses_the_layer(dirs, tmp_path):
     cfg.write_text(yaml.safe_dump({"configs": [{"fn": "bf16", "model": model}]}))
     found, _ = P.launch_phase(words, {"FLASHRL_CONFIG": str(cfg)}, [], P.verl_lines.SERVER, True, None, "hint")
     assert not any("typed FLOAT" in p for p in found), found
+
+
+def test_an_int8_weight_the_description_lacks_is_said(dirs, tmp_path, capsys, caplog, monkeypatch):
+    """vllm-ascend raises KeyError for a layer it builds whose weight the description lacks; a layer
+    vLLM does not build (DeepSeek's MTP layer) is never looked up, so this is a warning, not a refusal."""
+    model = _copy(dirs["ms"], tmp_path / "m")
+    path = os.path.join(model, "quant_model_description.json")
+    with open(path) as f:
+        desc = json.load(f)
+    del desc[f"{DOWN}.weight"]
+    with open(path, "w") as f:
+        json.dump(desc, f)
+    with caplog.at_level("WARNING"):
+        assert cli.main(["setup", "--fn", "int8_profile_free", "-m", model, "-o", str(tmp_path / "c.yaml")]) == 0
+    assert any(f"{DOWN}.weight (int8" in r.getMessage() and "not in the description" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    capsys.readouterr()
+    monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
+    assert cli.main(["verify", "--json", "--config", str(tmp_path / "c.yaml")]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert any(r["status"] == "warn" and "not in the description" in r["detail"] for r in rows), rows
