@@ -393,7 +393,9 @@ def description_rows(entry, check: str) -> List[Dict[str, str]]:
     fix = ("re-export the checkpoint with a scheme the INT8 rollout writes, or fix its quant description; "
            "for a fn that takes no profile, a bf16 checkpoint works too")
     rows = [_row(check, FAIL, f"model {entry.model}: {p}", fix) for p in problems]
-    rows += [_row(check, WARN, n, "npu-flashrl verify on a host where vllm-ascend imports" if "scheme table" in n
+    # notes under a row of their own (as `architecture of ...`): the entry's own row still says ok
+    rows += [_row(f"quant description of {entry.model}", WARN, n,
+                  "npu-flashrl verify on a host where vllm-ascend imports" if "scheme table" in n
                   else "add the weight to the description with its quant type") for n in notes]
     return rows
 
