@@ -35,4 +35,8 @@ def special_file_problem(path: str) -> Optional[str]:
     kind = file_kind(path)
     if kind is None:
         return None
+    if kind == _KINDS[0][1]:  # a FIFO: `--config <(cat file)` has a writer, and is still no file
+        return (f"is {kind}, not a regular file: a pipe is read once, so the other processes that read "
+                "this path (vLLM workers, Ray actors, a later check) would find it empty, and with no "
+                "writer opening it waits forever; give the path of a file")
     return f"is {kind}, not a regular file (reading it would wait for input forever); give the path of a file"

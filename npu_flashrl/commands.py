@@ -14,7 +14,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import yaml
 
+from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import CliError
+
+logger = get_logger(__name__)
 
 DEFAULT_CONFIG_OUTPUT = os.path.join("~", ".flashrl_config.yaml")  # FlashRL's default
 
@@ -145,6 +148,23 @@ def _check_model_dir(model: str, what: str = "model") -> None:
         raise CliError(f"-m {model}: {problem}")
 
 
+def _check_description(entry) -> None:
+    """An INT8 entry's checkpoint: its quant description per layer (ModelSlim) or per group
+    (compressed-tensors) against the scheme registry and its own tensors, as the engine build
+    would read it (`description_check`); refused by layer / group name, nothing written."""
+    from npu_flashrl.adapters.vllm_ascend.description_check import description_problems
+    from npu_flashrl.config import FN_BF16
+
+    if entry.fn == FN_BF16:
+        return  # npu_flashrl stays out of a bf16 rollout's engine
+    problems, notes = description_problems(entry.model)
+    for note in notes:
+        logger.warning("setup -m %s: %s", entry.model, note)
+    if problems:
+        raise CliError(f"-m {entry.model}: the engine would refuse or misrun this checkpoint:\n  "
+                       + "\n  ".join(problems) + "\nnothing written")
+
+
 def _check_w8a8(model: str) -> None:
     from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, corrupt_scale_problems, moe_profile_problem
     from npu_flashrl.verify import W8A8_FIX
@@ -220,7 +240,10 @@ def build_entry(fn: Optional[str], model: Optional[str], profile: Optional[str],
             _check_model_dir(entry.model)
             _check_w4a8(entry)
         if needs_profile(entry):
-            _check_w8a8(entry.model)
+            _check_w8a8(entry.model)  # a ModelSlim checkpoint is refused for fn int8 first
+        if entry.model:
+            _check_description(entry)
+        if needs_profile(entry):
             path = entry.profile_path()
             try:
                 prof = load_profile(path)

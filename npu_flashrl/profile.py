@@ -286,6 +286,9 @@ def make_profile(bf16_dir: str, w8a8_dir: str, output: str, fn: str = "int8",
     moe = moe_profile_problem(bf16_dir)
     if moe:
         raise ProfileError(f"-m {moe}; a MoE rollout needs no profile: {MOE_FIX}")
+    modelslim = modelslim_profile_problem(w8a8_dir)
+    if modelslim:
+        raise ProfileError(f"-q {modelslim}")
     profile = compute_int8_profile(bf16_dir, w8a8_dir, progress=progress)
     save_profile(profile, output)
     logger.info("int8 profile with %d entries written to %s", len(profile), output)
@@ -435,6 +438,35 @@ def moe_profile_problem(model_dir: str) -> Optional[str]:
         ckpt.close()
 
 
+def modelslim_profile_problem(model_dir: str) -> Optional[str]:
+    """Why FlashRL's int8 profile cannot be made from / used with ``model_dir`` because it is a
+    ModelSlim checkpoint (None: it has no quant_model_description.json). The profile is made from a
+    compressed-tensors W8A8 checkpoint: a ModelSlim one carries tensors no profile entry covers
+    (`weight_offset`; a static W8A8 one `input_scale`, `deq_scale`, `quant_bias`), so setup's
+    profile check would refuse the profile made from it. Its layers run with no profile instead."""
+    from npu_flashrl.adapters.vllm_ascend.description import DESCRIPTION_FILE, FLOAT
+    from npu_flashrl.config import FN_INT8_PROFILE_FREE
+    from npu_flashrl.quant.w4a8 import W4A8_DYNAMIC, W4A8Quantizer
+
+    path = os.path.join(model_dir, DESCRIPTION_FILE)
+    if not os.path.exists(path):
+        return None
+    types: List[str] = []
+    try:
+        import json
+
+        with open(path, encoding="utf-8") as f:
+            desc = json.load(f)
+        types = sorted({v for k, v in desc.items() if k.endswith(".weight") and isinstance(v, str) and v != FLOAT})
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        pass  # unreadable: the description check names it; the refusal stands
+    fn = W4A8Quantizer.name if types == [W4A8_DYNAMIC] else FN_INT8_PROFILE_FREE
+    typed = f" (its layers typed {', '.join(types)})" if types else ""
+    return (f"{model_dir} is a ModelSlim checkpoint ({path}{typed}): FlashRL's int8 profile (fn int8) is made "
+            "from and used with a compressed-tensors W8A8 checkpoint, and no profile covers a ModelSlim "
+            f"checkpoint's tensors; run it without a profile: npu-flashrl setup --fn {fn} -m {model_dir}")
+
+
 def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
     """Why ``model_dir`` is not a W8A8 checkpoint (empty list: it is), from the safetensors headers.
 
@@ -442,6 +474,9 @@ def check_w8a8_checkpoint(model_dir: str, limit: int = 3) -> List[str]:
     every sync (the profile's scales assume them): its projections must be int8 with a
     ``weight_scale`` each. Each line names the file and the tensor.
     """
+    modelslim = modelslim_profile_problem(model_dir)
+    if modelslim:
+        return [modelslim]
     try:
         ckpt = SafetensorsCheckpoint(model_dir)
     except ProfileError as exc:

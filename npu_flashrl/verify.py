@@ -21,8 +21,8 @@ from npu_flashrl._logging import get_logger
 
 logger = get_logger(__name__)
 
-W8A8_FIX = ("-m must be the W8A8 checkpoint (compressed-tensors w8a8, e.g. RedHatAI's, or a ModelSlim "
-            "W8A8 export); for a bf16 checkpoint use --fn int8_profile_free")
+W8A8_FIX = ("-m must be the compressed-tensors W8A8 checkpoint the profile was made from (e.g. RedHatAI's); "
+            "a ModelSlim checkpoint or a bf16 one runs without a profile: --fn int8_profile_free")
 
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
@@ -312,6 +312,10 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                 rows.append(_row(check, FAIL, f"model {entry.model}: {problem}",
                                  "re-download or re-convert the checkpoint"))
                 continue
+            described = description_rows(entry, check)
+            rows += described
+            if any(r["status"] == FAIL for r in described):
+                continue
         if not needs_profile(entry):
             if entry.profile and not os.path.isfile(entry.profile.strip()):  # a missing file named here
                 rows.append(_row(check, FAIL, f"profile {entry.profile}: no such file (and fn {entry.fn} "
@@ -373,6 +377,26 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                              f"make the profile for this model: npu-flashrl profile -m BF16 -q {entry.model} -o {path}"))
         else:
             rows.append(_row(check, OK, f"profile {path} ({len(prof)} entries) matches model {entry.model}"))
+    return rows
+
+
+def description_rows(entry, check: str) -> List[Dict[str, str]]:
+    """An INT8 entry's checkpoint quant description per layer / group against the scheme registry
+    and its own tensors (`description_check`): FAIL per problem (each names the layer or group),
+    WARN for what could not be checked here."""
+    from npu_flashrl.adapters.vllm_ascend.description_check import description_problems
+    from npu_flashrl.config import FN_BF16
+
+    if entry.fn == FN_BF16:
+        return []
+    problems, notes = description_problems(entry.model)
+    fix = ("re-export the checkpoint with a scheme the INT8 rollout writes, or fix its quant description; "
+           "for a fn that takes no profile, a bf16 checkpoint works too")
+    rows = [_row(check, FAIL, f"model {entry.model}: {p}", fix) for p in problems]
+    # notes under a row of their own (as `architecture of ...`): the entry's own row still says ok
+    rows += [_row(f"quant description of {entry.model}", WARN, n,
+                  "npu-flashrl verify on a host where vllm-ascend imports" if "scheme table" in n
+                  else "add the weight to the description with its quant type") for n in notes]
     return rows
 
 

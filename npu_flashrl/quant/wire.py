@@ -63,6 +63,32 @@ class WireFormat:
     def is_offset(self, name: str) -> bool:
         return name.endswith("." + self.offset_suffix)
 
+    def header_problem(self, weight_name: str, header: Callable[[str], Optional[Tuple[str, tuple]]]
+                       ) -> Optional[str]:
+        """Why one projection's checkpoint tensors do not fit this format (None: they do), read from
+        the safetensors headers only: `header(name)` gives (safetensors dtype string, shape), None
+        for a tensor the checkpoint lacks. The weight is int8 (I8) [out, in]; its scale (and an
+        offset, when present) one value per output row: [out] or [out, 1]."""
+        got = header(weight_name)
+        if got is None:
+            return f"{weight_name} is not in the checkpoint"
+        dtype, shape = got
+        if dtype != "I8":
+            return f"{weight_name} is {dtype}, expected int8 (I8)"
+        if len(shape) != 2:
+            return f"{weight_name} has shape {list(shape)}, expected 2-D [out, in]"
+        rows = (shape[0],), (shape[0], 1)
+        for name in (self.scale_name(weight_name), self.offset_name(weight_name)):
+            part = header(name)
+            if part is None:
+                if name == self.scale_name(weight_name):
+                    return f"{name} is missing (int8 {weight_name} without its scale)"
+                continue
+            if tuple(part[1]) not in rows:
+                return (f"{name} has shape {list(part[1])}, expected [{shape[0]}] or [{shape[0]}, 1] "
+                        f"(one value per output row of {weight_name} {list(shape)})")
+        return None
+
 
 # vllm-ascend's W8A8 checkpoint tensors: int8 weight, one fp32 scale per output channel
 PER_CHANNEL_INT8 = WireFormat("per-channel int8")

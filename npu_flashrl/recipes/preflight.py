@@ -28,6 +28,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from npu_flashrl.lines import verl as verl_lines
+from npu_flashrl.recipes import quant_check
 from npu_flashrl.recipes import variables as V
 from npu_flashrl.recipes.command import Command, read_words
 from npu_flashrl.values import is_null, is_true
@@ -455,6 +456,9 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
     checker = Checker(cmd, line, environ, features, node_npus).check()
     problems += checker.problems
     found, more = model_problems(checker, line)
+    problems += found
+    notes += more
+    found, more = quant_check.checkpoint_problems(checker)
     problems += found
     notes += more
     if not dry_run:

@@ -9,12 +9,16 @@ OmegaConf resolves them), then verl's own checks called on it on the CPU:
 * the rollout config and its checkpoint engine's through ``omega_conf_to_dataclass`` (their
   ``__post_init__``, as verl's agent loop and trainer build them; the ref's section is renamed
   inside its worker before it is built, so it is checked through the actor's rules only);
+* the actor update's mini-batch split (``micro_batch_problems``): what verl 0.9.1 asserts only at
+  the first update, after the first rollout, on the server line's main entry point;
 * the experimental entry points' own preparation (``rollout.nnodes`` / ``rollout.n_gpus_per_node``
   copied into ``actor_rollout_ref.rollout``, as their ``main`` does) and the fully-async trainer's
   ``async_training`` section.
 
-Nothing of verl's rules is copied here: each message is verl's own exception text, prefixed with
-the check that raised it. Imports verl (and so torch): `check` runs only when the installed verl
+Nothing of verl's config rules is copied here: each message is verl's own exception text, prefixed
+with the check that raised it. The one exception is the mini-batch split, which verl checks only on
+the data of a running update in modules that import its whole engine stack: that arithmetic is
+done here, and a test holds it to verl's own `prepare_micro_batches`. Imports verl (and so torch): `check` runs only when the installed verl
 runs the recipe's config line.
 """
 from __future__ import annotations
@@ -99,6 +103,15 @@ def typed_as_strings(cmd: Command, root: str, config: Any) -> List[str]:
     return problems
 
 
+VALIDATE = "verl.utils.config.validate_config"
+SPLIT = "the actor update's mini-batch split"
+
+
+def _raise(problems: List[str]) -> None:
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def _message(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return " ".join(text.split())[:1200]
@@ -134,6 +147,63 @@ def _critic(config: Any) -> Tuple[bool, Optional[str]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return bool(need_critic(config)), None
+
+
+def _data_parallel_size(actor: Any, n_gpus: int) -> Optional[int]:
+    """The actor engine's data-parallel size on `n_gpus` trainer NPUs, from verl's own actor
+    dataclass (`actor`: its `engine` config carries the Ulysses size its __post_init__ synced,
+    Megatron's the model-parallel sizes); None where the engine's layout is not read here."""
+    engine = getattr(actor, "engine", None)
+    if getattr(actor, "strategy", "") == "megatron":
+        sizes = [getattr(engine, k, 1) or 1 for k in ("tensor_model_parallel_size",
+                                                     "pipeline_model_parallel_size", "context_parallel_size")]
+        if getattr(engine, "dynamic_context_parallel", False):
+            return 1  # verl's Megatron engine then answers dp = 1
+    else:
+        sizes = [getattr(engine, "ulysses_sequence_parallel_size", 1) or 1]
+    model = 1
+    for size in sizes:
+        model *= int(size)
+    return n_gpus // model if model and n_gpus % model == 0 else None
+
+
+def micro_batch_problems(config: Any) -> List[str]:
+    """The actor's mini-batch against its micro-batch, as verl 0.9.1 splits them at every actor
+    update, which no config check of verl sees (`validate_config` / `ActorConfig.validate` compare
+    them only for the deprecated global `ppo_micro_batch_size`): the trainer hands each update
+    `ppo_mini_batch_size * rollout.n` samples (`_update_actor`), the engine worker splits them
+    over the data-parallel ranks (`train_mini_batch` asserts `mini_batch_size % dp == 0`) and the
+    engine cuts each rank's share into micro-batches (`verl.workers.engine.utils.
+    prepare_micro_batches` asserts it is a multiple of `ppo_micro_batch_size_per_gpu`), an
+    AssertionError at the first update, after the first rollout. verl's modules holding those
+    asserts import its whole engine stack (datasets, peft; tens of seconds), so the arithmetic is
+    done here; tests/recipes/test_recipe_verl_checks.py holds it to verl's own
+    `prepare_micro_batches`."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    section = config.actor_rollout_ref.actor
+    micro = section.get("ppo_micro_batch_size_per_gpu")
+    if section.get("use_dynamic_bsz") or not isinstance(micro, int) or micro < 1:
+        return []  # dynamic batches are cut by tokens; a missing micro-batch is verl's own refusal
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actor = omega_conf_to_dataclass(section)
+    n_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    dp = _data_parallel_size(actor, n_gpus)
+    mini = int(section.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    if dp is None:
+        return []
+    named = (f"actor_rollout_ref.actor.ppo_mini_batch_size={section.ppo_mini_batch_size} x "
+             f"actor_rollout_ref.rollout.n={config.actor_rollout_ref.rollout.n} = {mini} samples per actor update")
+    if mini % dp:
+        return [f"{named} over the actor's {dp} data-parallel ranks ({n_gpus} NPUs): verl's engine worker asserts "
+                f"mini_batch_size % data_parallel_size == 0 at the first update (train_mini_batch)"]
+    if (mini // dp) % micro:
+        return [f"{named} = {mini // dp} per data-parallel rank ({dp} ranks), not a multiple of "
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}: verl's prepare_micro_batches "
+                "asserts 'data size must be divisible by force_group_size * micro_batch_size_per_gpu' at the "
+                "first actor update; make the per-rank mini-batch a multiple of the micro-batch"]
+    return []
 
 
 def check(cmd: Command, line: str) -> Tuple[List[str], List[str]]:
@@ -173,8 +243,10 @@ def check(cmd: Command, line: str) -> Tuple[List[str], List[str]]:
     problems += typed_as_strings(cmd, root, config)
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    steps = [("verl.utils.config.validate_config",
+    steps = [(VALIDATE,
               lambda: validate_config(config=config, use_reference_policy=ref, use_critic=critic))]
+    if verl_lines.is_server_line(line) and not cmd.experimental:  # the async trainers batch otherwise
+        steps.append((SPLIT, lambda: _raise(micro_batch_problems(config))))
     # the rollout and its checkpoint engine are built from their sections as they are (verl's
     # agent loop and trainer); the ref's section is renamed inside its worker before it is built
     for key in ("rollout", "rollout.checkpoint_engine"):
@@ -182,7 +254,10 @@ def check(cmd: Command, line: str) -> Tuple[List[str], List[str]]:
         if node is not None and "_target_" in node:
             steps.append((f"omega_conf_to_dataclass(actor_rollout_ref.{key})",
                           lambda node=node: omega_conf_to_dataclass(node)))
+    refused = set()
     for where, step in steps:
+        if where == SPLIT and VALIDATE in refused:
+            continue  # its batch sizes were refused already
         out = io.StringIO()
         try:
             # verl prints its "checks passed" banner and warns about its own defaults (profiler tool config)
@@ -190,5 +265,7 @@ def check(cmd: Command, line: str) -> Tuple[List[str], List[str]]:
                 warnings.simplefilter("ignore")
                 step()
         except Exception as exc:  # noqa: BLE001 - verl's AssertionError / ValueError / TypeError
-            problems.append(f"verl refuses this job at launch ({where}): {_message(exc)}")
+            when = "at its first actor update" if where == SPLIT else "at launch"
+            problems.append(f"verl refuses this job {when} ({where}): {_message(exc)}")
+            refused.add(where)
     return problems, notes

@@ -85,6 +85,27 @@ def settings_hash(settings: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def cached_entry(entry_dir: str) -> Dict[str, Any]:
+    """The meta.json of a complete rehearsal cache entry, its checkpoints' headers checked; a corrupt
+    entry (a truncated shard, an unreadable meta.json: a run killed while copying, a full disk) is
+    refused naming the cache entry and how to rebuild it, not as a bad model of the user's."""
+    from npu_flashrl.checkpoint import checkpoint_problem
+
+    fix = f"delete {entry_dir} (the next rehearse trains it again) or pass another --cache-dir"
+    try:
+        with open(os.path.join(entry_dir, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RehearsalError(f"rehearsal cache entry {entry_dir}: meta.json unreadable ({exc}); {fix}") from None
+    for sub in ("bf16", "master"):
+        problem = checkpoint_problem(os.path.join(entry_dir, sub))
+        if problem:
+            raise RehearsalError(f"rehearsal cache entry {entry_dir} is corrupt: {problem}; {fix}")
+    return meta
+
+
 def ensure_tiny_model(cache_root: str, settings: Dict[str, Any], task, progress: bool) -> Dict[str, Any]:
     """The pre-trained tiny model in `cache_root/<hash>` ({bf16,master}/ + meta.json); trains on a miss."""
     import shutil
@@ -99,8 +120,7 @@ def ensure_tiny_model(cache_root: str, settings: Dict[str, Any], task, progress:
     final = os.path.join(cache_root, key)
     meta_path = os.path.join(final, "meta.json")
     if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = cached_entry(final)
         return {"dir": final, "bf16_dir": os.path.join(final, "bf16"), "master_dir": os.path.join(final, "master"),
                 "cache_hit": True, "key": key, "train": meta.get("train_result"), "train_s": 0.0}
 

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 
 import pytest
 import yaml
@@ -385,3 +386,19 @@ def test_verify_cli_config_with_overrides_of_the_installed_line(d):
     text = check(Case(["verify", "--config", "int8_profile_free", "--verl-overrides", d / "ov.txt"], 1,
                       [key], [d]), cli_runner)
     assert "all required checks passed" not in text
+
+
+def test_a_pipe_with_a_writer_is_refused_for_what_it_is(w, d):
+    """`verify --config <(cat file)`: the pipe has a writer, so it would not wait; it is refused
+    because a pipe is read once (every vLLM worker and Ray actor reads the config path), and the
+    message says so instead of "would wait for input forever"."""
+    import subprocess
+
+    from test_bad_input import _env
+
+    cfg = d / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"configs": [{"fn": "bf16"}]}))
+    proc = subprocess.run(["bash", "-c", f'"{sys.executable}" -m npu_flashrl.cli verify --config <(cat "{cfg}")'],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "a pipe is read once" in proc.stdout and "wait for input forever" not in proc.stdout, proc.stdout[-2000:]

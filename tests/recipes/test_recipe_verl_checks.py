@@ -101,6 +101,12 @@ CASES = {  # extra overrides: words the one problem must hold
     "hex_tp": ([f"{RO}tensor_model_parallel_size=0x4"],
                ["tensor_model_parallel_size=0x4", "string '0x4'", "int"]),
     "word_for_bool": ([f"{ACTOR}use_kl_loss=enabled"], ["use_kl_loss=enabled", "True or False"]),
+    # the actor update's split (verl asserts it only at the first update): 8 x 4 samples over 8 ranks
+    "micro_vs_mini": ([f"{ACTOR}use_dynamic_bsz=False", f"{ACTOR}ppo_micro_batch_size_per_gpu=3"],
+                      ["mini-batch split", "= 4 per data-parallel rank (8 ranks)",
+                       "ppo_micro_batch_size_per_gpu=3", "prepare_micro_batches"]),
+    "mini_vs_dp": ([f"{ACTOR}use_dynamic_bsz=False", f"{ACTOR}ppo_mini_batch_size=1"],
+                   ["mini-batch split", "= 4 samples per actor update", "8 data-parallel ranks"]),
 }
 
 
@@ -166,3 +172,61 @@ def test_the_installed_lines_verl_refuses_through_the_recipe(tmp_path):
     good = subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
     assert good.returncode == 0, good.stderr
     assert "verl.trainer.main_ppo" in good.stdout
+
+
+def _verl_prepare_micro_batches():
+    """verl 0.9.1's own `prepare_micro_batches` (verl/workers/engine/utils.py), loaded from its file
+    without `verl.workers.engine`'s package __init__ (which imports every engine: peft, ...).
+    Stand-in: where `datasets` is not installed (this CPU venv), the one name the module imports
+    from `verl.utils.dataset.dataset_utils` (`DatasetPadMode`, unused by that function)."""
+    import enum
+    import types
+
+    import verl
+
+    try:
+        import verl.utils.dataset.dataset_utils  # noqa: F401
+    except ImportError:
+        for name in [k for k in sys.modules if k.startswith("verl.utils.dataset")]:
+            del sys.modules[name]
+        stub = types.ModuleType("verl.utils.dataset.dataset_utils")
+        stub.DatasetPadMode = enum.Enum("DatasetPadMode", {"NO_PADDING": "no_padding"})
+        sys.modules["verl.utils.dataset.dataset_utils"] = stub
+    path = os.path.join(os.path.dirname(verl.__file__), "workers", "engine", "utils.py")
+    spec = importlib.util.spec_from_file_location("_verl_engine_utils_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.prepare_micro_batches
+
+
+def test_the_mini_batch_split_is_verls_own():
+    """`verl_check.micro_batch_problems` refuses exactly the (mini-batch, micro-batch) pairs verl's
+    own `prepare_micro_batches` asserts on, for each rank's share of an update (2 NPUs, n=2)."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from npu_flashrl.recipes import verl_check
+    from npu_flashrl.recipes.command import Command
+
+    _installed_line()
+    prepare = _verl_prepare_micro_batches()
+    root = verl_check.verl_dir()
+    seen = set()
+    for mini in (1, 2, 3, 4, 6):
+        for micro in (1, 2, 3, 4):
+            overrides = ["trainer.n_gpus_per_node=2", "trainer.nnodes=1", f"{RO}n=2", "data.train_batch_size=12",
+                         f"{ACTOR}strategy=fsdp", f"{ACTOR}use_dynamic_bsz=False",
+                         f"{ACTOR}ppo_mini_batch_size={mini}", f"{ACTOR}ppo_micro_batch_size_per_gpu={micro}"]
+            config = verl_check.compose(Command("verl.trainer.main_ppo", {}, "ppo_trainer", overrides), root)
+            ours = verl_check.micro_batch_problems(config)
+            rows = mini * 2 // 2  # each of the 2 data-parallel ranks' share of mini x n samples
+            data = tu.get_tensordict({"x": torch.zeros(rows, 1)},
+                                     non_tensor_dict={"use_dynamic_bsz": False, "micro_batch_size_per_gpu": micro})
+            try:
+                prepare(data)
+                refused = False
+            except AssertionError:
+                refused = True
+            assert bool(ours) == refused, (mini, micro, ours)
+            seen.add(refused)
+    assert seen == {True, False}
