@@ -20,6 +20,15 @@ sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tens
 
 A pair still incomplete at the end of the sync is a missing shard (`missing`): the end of the
 sync names it and drops it, and a failed call drops it with everything else staged (`drop`).
+
+The value checks run on the [out] scales, never per int8 element: an int8 payload cannot hold
+NaN or Inf, and its magnitudes are at most 128, so a pair whose every scale is finite, > 0 and
+has 128 x scale finite in the rollout's dtype dequantizes to finite values (rounding is
+monotone); only a scale failing that bound makes a list call read its int8 rows (`check_pair`),
+for the row's exact magnitude. A call's scale checks are read back together with its other
+checks (`validate.DeferredChecks`): a list call's once, before anything of it is written; a
+streamed call's before its sync's first write and at the end of the call, from each scale's
+min, max and largest row (three device scalars per scale, no copy of it).
 """
 from __future__ import annotations
 
