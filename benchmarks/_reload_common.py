@@ -136,18 +136,22 @@ def flashrl_style_reload(model, weights):
 def checkpoint_format_stream(weights):
     """What a user feeding vLLM's layerwise reload must send: each projection (expert shards
     included) quantized by the same kernel into checkpoint format (int8 [out, in],
-    weight_scale / weight_offset [out, 1])."""
+    weight_scale / weight_offset [out, 1]), its NaN / Inf refusal read back once at the end (as
+    npu_flashrl's receivers do: no host synchronisation per projection)."""
     from npu_flashrl import kernels
 
+    finite: list = []
     for name, t in weights:
         if name.endswith("_proj.weight"):
-            q, s = kernels.quantize_weight_per_channel(t, torch.bfloat16)
+            q, s = kernels.quantize_weight_per_channel(t, torch.bfloat16, finite=finite)
             base = name[: -len("weight")]
             yield name, q
             yield base + "weight_scale", s.to(t.dtype).unsqueeze(1)
             yield base + "weight_offset", torch.zeros(s.shape[0], 1, dtype=t.dtype)
         else:
             yield name, t
+    if finite and not bool(torch.stack([f.reshape(()) for f in finite]).all()):
+        raise ValueError("checkpoint_format_stream: a projection contains NaN or Inf")
 
 
 def vllm_layerwise_reload(model, weights):
@@ -312,9 +316,17 @@ def limit_bytes(weights, projection):
     return total
 
 
-def syncs_per_layer(costs, layers, calls=1):
-    """Host synchronisations per decoder layer beyond one per load_weights call (a bucket)."""
-    return max(0, costs.host_syncs - calls) / layers
+# what H allows: one read-back per load_weights call (a bucket) and, for a sync whose first write
+# comes in a streamed call, one more (its checks read back before that write, so that a stream
+# refused before then leaves the model as it was): a few per sync, none per layer
+H_ALLOWS = ("beyond one per load_weights call and one per streamed sync (its read-back before "
+            "its first write)")
+
+
+def syncs_per_layer(costs, layers, calls=1, streamed=False):
+    """Host synchronisations per decoder layer beyond what `H_ALLOWS` (`streamed`: the sync
+    came as a streamed call)."""
+    return max(0, costs.host_syncs - calls - int(streamed)) / layers
 
 
 def verdict(ok):

@@ -51,8 +51,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reload_common import (PeakMemory, check_json_output, check_positive, fmt_spread,  # noqa: E402
-                            has_layerwise_reload, load_line, median_spread, verdict)
+from _reload_common import (H_ALLOWS, PeakMemory, check_json_output, check_positive,  # noqa: E402
+                            fmt_spread, has_layerwise_reload, load_line, median_spread, verdict)
 from reload import QWEN25_7B, make_weights  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -482,13 +482,15 @@ def report(args, results, same, wire_bytes, stats, trainer):
         else:
             print("peak extra in-place / layerwise = - (this vLLM has no layerwise reload)")
             print("launches wire receiver / layerwise = - (this vLLM has no layerwise reload)")
-    h = {key: max(0, r["device_counts"]["host_syncs"] - r["device_counts"]["load_calls"]) / args.layers
-         for key, r in ((f"{k}/{tr}", r) for (k, tr), r in results.items()) if "failed" not in r}
+    # the checkpoint engine's sync is one streamed call (the gloo engine's generator)
+    h = {f"{k}/{tr}": max(0, r["device_counts"]["host_syncs"] - r["device_counts"]["load_calls"]
+                          - int(tr == "ce")) / args.layers
+         for (k, tr), r in results.items() if "failed" not in r}
     if h:
         worst = max(h, key=h.get)
-        ratios["host_syncs_per_layer"] = h
+        ratios["host_syncs_per_layer"], ratios["host_syncs_rule"] = h, H_ALLOWS
         print(f"\nhost syncs per layer, max over receivers = {h[worst]:.1f} (target 0: "
-              f"{verdict(h[worst] == 0)}; beyond one per load_weights call; "
+              f"{verdict(h[worst] == 0)}; {H_ALLOWS}; "
               + ", ".join(f"{k} {v:.1f}" for k, v in h.items()) + ")")
     if args.json:
         with open(args.json, "w") as f:

@@ -110,9 +110,9 @@ def render(reload, sync):
               f"Qwen2.5-7B's 28 layers of {q7 / 1e6:.1f} M projection elements it would hold "
               f"about {growth * q7 * 27 / 2**30:.1f} GiB more than at one layer (an extrapolation); "
               "the in-place reload's peak does not grow with the layer count (P)",
-              "- H = host syncs per layer beyond one per load_weights call: "
+              f"- H = host syncs per layer {dev['host_syncs_rule']}: "
               + ", ".join(f"{k}) {v:.1f}" for k, v in sorted(dev["host_syncs_per_layer"].items()))
-              + " (target 0)"]
+              + " (target 0; each variant here is one streamed call)"]
     per, q, proj = _per_element(reload)
     lines += ["", "### FlashRL-style against in place", "",
               "FlashRL-style costs the quantizer plus 8 B per projection element (the loader's copy "
@@ -153,11 +153,12 @@ def render(reload, sync):
                      f"L = launches wire receiver / layerwise = "
                      f"{t.get('launches_wire_over_layerwise', float('nan')):.2f} (target <= 1)")
     lines.append("- ce is fed to the rollout as one streamed load_weights call (the gloo engine's "
-                 "generator), checked item by item with a host sync per check; verl's "
-                 "checkpoint-engine worker hands buckets on as list calls, which shm shows")
+                 "generator), checked item by item, its value checks read back before the sync's "
+                 "first write and at the end of the call; verl's checkpoint-engine worker hands "
+                 "buckets on as list calls, which shm shows (one read-back per bucket)")
     h = ratios.get("host_syncs_per_layer", {})
     if h:
-        lines.append("- H = host syncs per layer beyond one per load_weights call, max over receivers "
+        lines.append(f"- H = host syncs per layer {ratios['host_syncs_rule']}, max over receivers "
                      f"= {max(h.values()):.1f} (target 0)")
     tc, wb = sync["trainer_device_counts"], sync["wire_bytes"]
     lines += ["", f"Trainer side of the INT8 wire (`quant.wire.int8_wire` on the trainer's device): "
@@ -174,8 +175,9 @@ def render(reload, sync):
               f"{A2['host_sync_s'] * 1e6:.0f} us per host synchronisation (not verified on "
               f"hardware; measure the launch cost with `{MEASURE_LAUNCH}`). Per projection element "
               "the device bytes of this run's (b); per wire byte those of the INT8-wire receiver over "
-              "the checkpoint engine (its device-side copy included); launches and host "
-              "syncs per layer from this run; float tensors copied once.", "",
+              "the checkpoint engine (its device-side copy included); launches per layer and "
+              "host syncs per sync (they do not grow with the layers) from this run; float "
+              "tensors copied once.", "",
               "| per sync | wire bf16 / int8 GB | HCCS s bf16 / int8 | RoCE s bf16 / int8 | "
               "HBM s (b) / wire receiver | launches, s (b) | host syncs, s (b) |",
               "|---|---|---|---|---|---|---|"]
@@ -194,7 +196,7 @@ def render(reload, sync):
         hbm_b = (per["b"] * pe + 4 * fe) / tp
         hbm_wire = (wire_per * wire8 / tp) if wire_per else float("nan")
         launches = b["launches"] / reload["layers"] * layers
-        syncs = b["host_syncs"] / reload["layers"] * layers
+        syncs = b["host_syncs"]  # per sync: read back per call, not per layer (H)
         lines.append(
             f"| {name} | {wire16 / 1e9:.1f} / {wire8 / 1e9:.1f} | "
             f"{wire16 / A2['hccs_link_Bps']:.2f} / {wire8 / A2['hccs_link_Bps']:.2f} | "
@@ -203,7 +205,8 @@ def render(reload, sync):
             f"{launches:.0f}, {launches * A2['launch_s']:.3f} | {syncs:.0f}, {syncs * A2['host_sync_s']:.3f} |")
     lines += ["", "The wire (HCCL) dominates HBM traffic by an order of magnitude on these "
               "assumptions, so the INT8 wire's fewer bytes is the gain that carries over; launches "
-              "and host syncs are of the order of the HBM time and grow with the layer count.",
+              "are of the order of the HBM time and grow with the layer count; host syncs do not "
+              "(one streamed call reads its checks back twice, a bucketed sync once per bucket).",
               "", END]
     return "\n".join(lines) + "\n"
 

@@ -12,9 +12,12 @@ other tensors of a W8A8 checkpoint are already what the INT8 model wants (the pr
 is in them)."""
 from __future__ import annotations
 
-from typing import Dict, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
+
+from npu_flashrl.adapters.vllm_ascend.validate import Flagging
+from npu_flashrl.quant import WeightSyncError
 
 
 class ColdLoad:
@@ -33,6 +36,12 @@ class ColdLoad:
         caller's)."""
         defaults: Dict[str, torch.Tensor] = {}
         seen: Set[str] = set()
+        # a quantizer that hands its NaN / Inf refusal back as a device flag: read back once, at
+        # the end of the stream (no host synchronisation per projection); vLLM's loaders have
+        # the stream's weights by then, and the refusal (naming the first bad tensor) fails
+        # the load as a refusal mid-stream would
+        flags: Optional[List[Tuple[str, torch.Tensor]]] = \
+            [] if getattr(quantizer, "defers_finite_check", False) else None
         for name, tensor in weights:
             seen.add(name)
             defaults.pop(name, None)
@@ -40,7 +49,13 @@ class ColdLoad:
             if target is not None and tensor.is_floating_point():
                 # the quantizer checks the values
                 self.validator.check(name, tensor, quantizer, values=False, device=False)
-                payload = target.scheme.quantize(quantizer, name, tensor, transposed=False)
+                if flags is None:
+                    payload = target.scheme.quantize(quantizer, name, tensor, transposed=False)
+                else:
+                    mine: list = []
+                    payload = target.scheme.quantize(Flagging(quantizer, mine), name, tensor,
+                                                     transposed=False)
+                    flags.extend((name, f) for f in mine)
                 yield from target.scheme.checkpoint_items(name, payload)
                 continue
             owner = self._checkpoint_owner(name)
@@ -51,6 +66,12 @@ class ColdLoad:
                 continue
             out = tensor if self.prequantized_checkpoint else quantizer.transform(name, tensor)
             yield name, out.clone() if copy and out is tensor else out
+        if flags:
+            ok = torch.stack([f.reshape(()) for _, f in flags])
+            if not bool(ok.all()):  # the stream's one host synchronisation
+                bad = flags[ok.tolist().index(False)][0]
+                raise WeightSyncError(f"{bad}: contains NaN or Inf (the {quantizer.name} quantizer's "
+                                      "check, read back at the end of the load); refusing the load")
         yield from defaults.items()
 
     def _checkpoint_owner(self, name: str):
@@ -61,3 +82,4 @@ class ColdLoad:
         if target is not None and target.scheme.checkpoint.scale_name(weight) == name:
             return target
         return None
+

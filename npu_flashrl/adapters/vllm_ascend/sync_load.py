@@ -4,10 +4,15 @@ Each tensor is checked (`validate`; an INT8-wire tensor by the sync's `WireRecei
 projection (or expert shard) becomes its scheme's payload and is staged through its layer's own
 weight loader (`staging`), and a layer is written in place once every shard this rank holds
 arrived in this sync; float parameters (norms, embeddings, biases) go through vLLM's own loaders
-in small groups. A list/dict call is checked whole before anything of it is written; a streamed
-call (generator) item by item, and no tensor it yields is held past the yield that gave it
-(what waits for a group's write is copied, once). Any exit from the call after something of the
-sync was written marks the model inconsistent (`sync.Consistency`)."""
+in small groups. A list/dict call is checked whole before anything of it is written, its value
+checks read back in one host synchronisation. A streamed call (generator) is checked item by
+item, its value checks (NaN / Inf, the quantizer's refusal, the INT8 wire's scales) read back
+twice, not per tensor: before its sync's first write (a stream refused before then leaves the
+model as it was) and at the end of the call; a refusal found at the end names the tensor and
+finds something of the sync written. No tensor a stream yields is held past the yield that gave
+it (what waits for a group's write is copied, once; a deferred check keeps a tensor's extremes,
+not the tensor). Any exit from the call after something of the sync was written marks the model
+inconsistent (`sync.Consistency`): it refuses to generate, so weights of two syncs are never used."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Set, Tuple
@@ -16,7 +21,7 @@ import torch
 
 from npu_flashrl.adapters.vllm_ascend.sync import failure_reason
 from npu_flashrl.adapters.vllm_ascend.targets import no_moe
-from npu_flashrl.adapters.vllm_ascend.validate import DeferredChecks
+from npu_flashrl.adapters.vllm_ascend.validate import DeferredChecks, Flagging
 from npu_flashrl.quant import WeightSyncError
 
 
@@ -42,6 +47,9 @@ class SyncLoad:
         try:
             if checked:  # refuse a bad call before writing anything of it
                 weights = self._check_whole(weights, seen)
+            else:  # streamed: value checks read back before the sync's first write and at the end
+                self._held = _Held(DeferredChecks(), holds=False,
+                                   defers=getattr(self.quantizer, "defers_finite_check", False))
             for i, item in enumerate(weights):
                 name, tensor = item if checked else validator.item(i, item)
                 st.items += 1
@@ -50,14 +58,15 @@ class SyncLoad:
                 self._once_per_sync(name, record=True)
                 wired = st.wire.weight_of(name, tensor)
                 if wired is not None:  # INT8 wire: pre-quantized on the trainer (wire.py)
-                    if not checked:
-                        st.wire.validate(name, wired, tensor)
+                    if not checked:  # a scale's check keeps its extremes, not the tensor
+                        st.wire.validate(name, wired, tensor, deferred=self._held.checks, kept=False)
                     loaded |= self._take_wire(name, wired, tensor, borrowed=checked)
                     continue
                 target = validator.target(name)
                 if not checked:
                     # streamed: the quantizer finds NaN/Inf in projections during its own pass
-                    validator.check(name, tensor, self.quantizer, values=target is None)
+                    validator.check(name, tensor, self.quantizer, values=target is None,
+                                    deferred=self._held.checks)
                 if target is not None:
                     if self._stage(target, name, tensor):
                         loaded.add(name)
@@ -79,9 +88,9 @@ class SyncLoad:
                 if buffered >= self.limit:
                     loaded |= self._flush(buffer)
                     buffered = 0
+            self._settle()  # the call's checks (a streamed call's last read-back), then its last floats
             if buffer:
                 loaded |= self._flush(buffer)
-            self._settle()
             st.wire.keep()
         except BaseException as exc:  # KeyboardInterrupt / CancelledError too: re-raised as is
             self._fail(exc)
@@ -123,7 +132,7 @@ class SyncLoad:
             if q is not None and scale is not None:
                 wire.check_pair(wired, q, scale, deferred=deferred)
         if defers:  # read back with the quantizer's flags, before any write (`_settle`)
-            self._held = _Held(deferred)
+            self._held = _Held(deferred, holds=True, defers=True)
         else:
             deferred.raise_first()  # the call's one host synchronisation
         return weights
@@ -145,12 +154,15 @@ class SyncLoad:
         if not target.holds(name):
             return False
         held = self._held
-        if held is None:
+        if held is None or not held.defers:
             return self.stage_payload(target, name, quantize(target, self.quantizer, name, tensor))
         flags: list = []
-        payload = quantize(target, _Deferring(self.quantizer, flags), name, tensor)
-        for flag in flags:  # the quantizer's refusal, re-run (not deferred) if its flag fails
-            held.checks.add(flag, lambda: quantize(target, self.quantizer, name, tensor))
+        payload = quantize(target, Flagging(self.quantizer, flags), name, tensor)
+        for flag in flags:
+            if held.holds:  # a list call's tensor: the quantizer's refusal re-run if its flag fails
+                held.checks.add(flag, lambda: quantize(target, self.quantizer, name, tensor))
+            else:  # streamed (the tensor may be refilled): the quantizer's flag is its refusal
+                held.checks.add(flag, lambda: _refuse_quantized(self.quantizer, name))
         return self.stage_payload(target, name, payload)
 
     def stage_payload(self, target, name: str, payload, in_place: bool = False) -> bool:
@@ -168,11 +180,14 @@ class SyncLoad:
         if st.staged.open(target, payload.with_scale, in_place).in_place:
             # the live layer holds this shard from now on, its other shards until they come:
             # any failure of the sync from here on leaves the model refusing to generate
+            self._before_write()
             st.wrote = True
         done = st.staged.stage(target, name, payload)
-        if done is not None and self._held is not None and not done.in_place:
-            self._held.commits.append(done)  # committed once the call's checks are read back
+        held = self._held
+        if done is not None and held is not None and held.holds and not done.in_place:
+            held.commits.append(done)  # committed once the call's checks are read back
         elif done is not None:
+            self._before_write()
             st.wrote = True
             st.layers.add(target.path)
             done.commit()
@@ -181,8 +196,11 @@ class SyncLoad:
     def _take_wire(self, name: str, weight_name: str, tensor: torch.Tensor,
                    borrowed: bool) -> Set[str]:
         """One INT8-wire tensor: its projection is staged once its int8 and scale both arrived."""
-        # a list call (borrowed) checked every pair it completes before writing anything
-        loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed, pair_checked=borrowed)
+        # a list call (borrowed) checked every pair it completes before writing anything; a
+        # streamed call's pair checks are read back with its others (on the scales)
+        deferred = None if borrowed or self._held is None else self._held.checks
+        loaded, pair = self.state.wire.take(name, weight_name, tensor, borrowed, pair_checked=borrowed,
+                                            deferred=deferred)
         if pair is not None:
             target = self.validator.target(weight_name)
             if not self.stage_payload(target, weight_name, target.scheme.from_wire(*pair), in_place=True):
@@ -192,7 +210,7 @@ class SyncLoad:
     def _flush(self, buffer: List[Tuple[str, torch.Tensor]]) -> Set[str]:
         """Write buffered non-projection tensors through vLLM's loaders and empty the buffer;
         then what a layer's scheme derives from its float bias (static W8A8: quant_bias)."""
-        self._settle()  # a list call's deferred checks first: nothing of it is written before
+        self._before_write()  # a list call's deferred checks first: nothing of it is written before
         names = [n for n, _ in buffer]
         self.state.wrote = True
         try:
@@ -210,9 +228,20 @@ class SyncLoad:
         return set(loaded) if loaded is not None else set(names)
 
     def _settle(self) -> None:
-        """A list call's deferred checks read back, then the layers it completed committed."""
+        """The call's deferred checks read back, then the layers a list call completed committed."""
         if self._held is not None:
             self._held.settle(self.state)
+
+    def _before_write(self) -> None:
+        """Before anything reaches the live weights: a list call's checks are all read back (it
+        writes nothing before); a streamed call's before its sync's first write (a stream
+        refused before then leaves the model as it was), and after that at the call's end (one
+        host synchronisation for the rest of the call, not one per tensor or layer: a refusal
+        then finds something of the sync written and leaves the model refusing to generate,
+        so weights of two syncs are never used)."""
+        held = self._held
+        if held is not None and (held.holds or not self.state.wrote):
+            held.settle(self.state)
 
     def _fail(self, exc: BaseException) -> None:
         fail_call(self.state, self.consistency, exc)
@@ -241,11 +270,13 @@ def fail_call(st, consistency, exc: BaseException) -> None:
 
 
 class _Held:
-    """What a list call holds back until its checks are read back (`SyncLoad._settle`)."""
+    """A call's deferred checks (`SyncLoad._settle`), and what a list call (`holds`) holds back
+    until they are read back. `defers`: the quantizer hands its NaN / Inf refusal back as a
+    device flag (`defers_finite_check`)."""
 
-    def __init__(self, checks: DeferredChecks):
-        self.checks = checks
-        self.commits: list = []  # completed layers' stagings, committed after the checks
+    def __init__(self, checks: DeferredChecks, holds: bool, defers: bool):
+        self.checks, self.holds, self.defers = checks, holds, defers
+        self.commits: list = []  # a list call's completed layers, committed after the checks
 
     def settle(self, st) -> None:
         """The deferred checks read back (one host synchronisation), then the completed layers
@@ -258,14 +289,6 @@ class _Held:
         self.commits.clear()
 
 
-class _Deferring:
-    """The sync's quantizer, handing its NaN / Inf refusal back as device flags (`finite`)."""
-
-    def __init__(self, quantizer, flags: list):
-        self._quantizer, self._flags = quantizer, flags
-
-    def quantize(self, name, weight, transposed=False):
-        return self._quantizer.quantize(name, weight, transposed=transposed, finite=self._flags)
-
-    def __getattr__(self, attr):
-        return getattr(self._quantizer, attr)
+def _refuse_quantized(quantizer, name: str) -> None:
+    raise WeightSyncError(f"{name}: contains NaN or Inf (the {getattr(quantizer, 'name', 'online')} "
+                          "quantizer's check, read back with the call's others); refusing the sync")

@@ -102,9 +102,7 @@ class Validator:
             dtype = param.dtype if param is not None and param.is_floating_point() else tensor.dtype
         if values and tensor.is_floating_point():
             if deferred is not None:
-                flag = finite_flag(tensor, dtype)
-                if flag is not None:
-                    deferred.add(flag, lambda: refuse_nonfinite(name, tensor, dtype))
+                defer_finite(deferred, name, tensor, dtype)
             else:
                 refuse_nonfinite(name, tensor, dtype)
 
@@ -199,25 +197,34 @@ class DeferredChecks:
     check adds a device-side flag (True: passed, a sufficient condition) and the check itself,
     which raises its own WeightSyncError. `raise_first()` reads all flags in one host
     synchronisation; only when some flag is False does it run those checks, in call order, so
-    the first real failure raises with its own message (a flag may be conservative: a check it
-    sends back may still pass). Nothing of the call may be written before `raise_first()`."""
+    the first real failure raises with its own message (a conservative flag may send back a
+    check that still passes; a flag added `exact` always refuses when False, by the name it was
+    added with if its check passes on a re-run: nothing succeeds silently). A list call writes
+    nothing before `raise_first()`. A streamed call reads its checks back before its sync's
+    first write and at its end (`sync_load.SyncLoad`), so its checks hold no tensor the caller
+    may refill: each keeps the few device values its refusal needs (a tensor's extremes, its
+    own copy of a scale)."""
 
     def __init__(self):
         self._flags: List[torch.Tensor] = []
-        self._checks: List[Callable[[], None]] = []
+        self._checks: List[Tuple[Callable[[], None], Optional[str]]] = []
         self._scales: List[torch.Tensor] = []
         self._scale_checks: List[Callable[[], None]] = []
         self._scale_dtype: Optional[torch.dtype] = None
         self._seen: set = set()
+        self._extremes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # streamed scales' (min, max)
+        self._extreme_checks: List[Tuple[Callable[[], None], Optional[str]]] = []
 
-    def add(self, flag: torch.Tensor, check: Callable[[], None]) -> None:
-        self._flags.append(flag.reshape(()))
-        self._checks.append(check)
+    def add(self, flag: torch.Tensor, check: Callable[[], None], exact: Optional[str] = None) -> None:
+        """`exact`: the name a False `flag` is refused by when `check` passes on its re-run."""
+        self._flags.append(flag.reshape(1))
+        self._checks.append((check, exact))
 
     def add_scales(self, scales: torch.Tensor, dtype: torch.dtype, check: Callable[[], None]) -> None:
         """INT8-wire scales, tested together (a few launches per call, not per tensor): every
         scale > 0 and 128 x scale finite in the rollout's `dtype` (|int8| <= 128, so every
-        dequantized value is then finite too: the pair check's sufficient condition)."""
+        dequantized value is then finite too: the pair check's sufficient condition). `scales`
+        must keep their values until `raise_first()` (a streamed call passes its own copy)."""
         key = (scales.data_ptr(), scales.numel(), scales.dtype)
         if key not in self._seen:  # a pair's scale validated in this call is tested once
             self._seen.add(key)
@@ -225,7 +232,27 @@ class DeferredChecks:
         self._scale_checks.append(check)
         self._scale_dtype = dtype
 
+    def add_extremes(self, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype,
+                     check: Callable[[], None], exact: Optional[str] = None) -> None:
+        """One streamed INT8-wire scale, by its min and max (device scalars): the `add_scales`
+        test on them, all of a call's in a few launches at `raise_first()`; `check` refuses
+        from them, no tensor is kept."""
+        self._extremes.append((lo.reshape(()), hi.reshape(())))
+        self._extreme_checks.append((check, exact))
+        self._scale_dtype = dtype
+
+    def _extremes_flags(self) -> None:
+        if not self._extremes:
+            return
+        lo = torch.stack([e[0] for e in self._extremes]).float()
+        hi = torch.stack([e[1] for e in self._extremes]).float()
+        ok = (lo > 0) & torch.isfinite((hi * 128).to(self._scale_dtype))
+        self._flags.append(ok)  # one flag per scale, its check beside it
+        self._checks.extend(self._extreme_checks)
+        self._extremes, self._extreme_checks = [], []
+
     def _scales_flag(self) -> None:
+        self._extremes_flags()
         if not self._scales:
             return
         s = torch.cat([t.float() for t in self._scales]) if len(self._scales) > 1 \
@@ -248,41 +275,69 @@ class DeferredChecks:
         self._flags, self._checks = [], []
         if not flags:
             return
-        together = torch.stack([f.to(flags[0].device) for f in flags])
+        together = torch.cat([f.to(flags[0].device) for f in flags])
         if bool(together.all()):  # the call's one host synchronisation
             return
-        for ok, check in zip(together.tolist(), checks):
+        for ok, (check, exact) in zip(together.tolist(), checks):
             if not ok:
                 check()
+                if exact is not None:
+                    raise WeightSyncError(
+                        f"{exact}: its value check failed on the device but passed when run "
+                        "again (its values changed during the load_weights call); refusing the sync")
 
 
-def finite_flag(t: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """`finite_as` as a device-side bool tensor (no host synchronisation); None: nothing to check."""
+class Flagging:
+    """A quantizer handing its NaN / Inf refusal back as device flags (`finite`, appended to
+    `flags`) instead of reading it back itself (`defers_finite_check` quantizers)."""
+
+    def __init__(self, quantizer, flags: list):
+        self._quantizer, self._flags = quantizer, flags
+
+    def quantize(self, name, weight, transposed=False):
+        return self._quantizer.quantize(name, weight, transposed=transposed, finite=self._flags)
+
+    def __getattr__(self, attr):
+        return getattr(self._quantizer, attr)
+
+
+def defer_finite(deferred: DeferredChecks, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """`refuse_nonfinite` of `t`, read back with the call's other checks (no host
+    synchronisation here): the flag and the refusal keep `t`'s extremes (two device scalars),
+    not `t` (a streamed tensor may be refilled by its sender after its yield)."""
     if t.device.type == "meta" or t.numel() == 0:
-        return None
+        return
     lo, hi = torch.aminmax(t)
-    if dtype.is_floating_point and dtype != t.dtype:
+    src = t.dtype  # the refusal must not hold `t`
+    deferred.add(_finite(lo, hi, dtype), lambda: _refuse_extremes(name, lo, hi, src, dtype),
+                 exact=name)
+
+
+def _finite(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Extremes finite as `dtype` holds them (casting is monotone: the extremes decide)."""
+    if dtype.is_floating_point and dtype != lo.dtype:
         lo, hi = lo.to(dtype), hi.to(dtype)
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
+def _refuse_extremes(name: str, lo: torch.Tensor, hi: torch.Tensor, src: torch.dtype,
+                     dtype: torch.dtype) -> None:
+    """`refuse_nonfinite`'s refusal, from the extremes of a tensor of dtype `src`."""
+    if bool(_finite(lo, hi, dtype)):
+        return
+    note = "" if src == dtype or not dtype.is_floating_point or not bool(_finite(lo, hi, src)) else \
+        f" as {_short(dtype)} (the rollout dtype; finite in {_short(src)})"
+    raise WeightSyncError(f"{name}: contains NaN or Inf{note}; refusing the sync")
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def refuse_nonfinite(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if not finite_as(t, dtype):
-        raise WeightSyncError(f"{name}: contains NaN or Inf{_as_note(t, dtype)}; refusing the sync")
-
-
-def finite_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """NaN/Inf check of `t` as `dtype` will hold it, in one reduction pass and no temporary of
-    the tensor's size: casting is monotonic, so the extremes decide an overflow."""
+    """Refuse NaN/Inf in `t` as `dtype` will hold it (an fp32 1e5 is Inf in fp16), from one
+    reduction pass and no temporary of the tensor's size."""
     if t.device.type == "meta" or t.numel() == 0:
-        return True
+        return
     lo, hi = torch.aminmax(t)
-    if dtype.is_floating_point and dtype != t.dtype:
-        lo, hi = lo.to(dtype), hi.to(dtype)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
-def _as_note(t: torch.Tensor, dtype: torch.dtype) -> str:
-    if t.dtype == dtype or not dtype.is_floating_point or not finite_as(t, t.dtype):
-        return ""
-    return f" as {str(dtype).replace('torch.', '')} (the rollout dtype; finite in {str(t.dtype).replace('torch.', '')})"
+    _refuse_extremes(name, lo, hi, t.dtype, dtype)

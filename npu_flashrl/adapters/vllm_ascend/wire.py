@@ -20,9 +20,19 @@ sync (`sync.SyncState`) holds one `WireReceiver`, which it asks about every tens
 
 A pair still incomplete at the end of the sync is a missing shard (`missing`): the end of the
 sync names it and drops it, and a failed call drops it with everything else staged (`drop`).
+
+The value checks run on the [out] scales, never per int8 element: an int8 payload cannot hold
+NaN or Inf, and its magnitudes are at most 128, so a pair whose every scale is finite, > 0 and
+has 128 x scale finite in the rollout's dtype dequantizes to finite values (rounding is
+monotone); only a scale failing that bound makes a list call read its int8 rows (`check_pair`),
+for the row's exact magnitude. A call's scale checks are read back together with its other
+checks (`validate.DeferredChecks`): a list call's once, before anything of it is written; a
+streamed call's before its sync's first write and at the end of the call, from each scale's
+min, max and largest row (three device scalars per scale, no copy of it).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -39,6 +49,11 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _refuse_offset(name: str) -> None:
+    raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
+                          "(W8A8_DYNAMIC offsets are zero)")
+
+
 class WirePair:
     """One projection's int8 weight and scale of this sync, until both have arrived."""
 
@@ -48,6 +63,7 @@ class WirePair:
         self.q: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
         self.borrowed = False  # holds a view of the caller's (bucket) tensor
+        self.bounded = False  # its scale's streamed check covers the pair's bound (`take`)
 
     def missing(self) -> List[str]:
         return [n for n, t in ((self.name, self.q), (self.scale_name, self.scale)) if t is None]
@@ -112,9 +128,15 @@ class WireReceiver:
         pair = self._pairs.get(weight_name)
         return [None, None] if pair is None else [pair.q, pair.scale]
 
-    def validate(self, name: str, weight_name: str, tensor: torch.Tensor, deferred=None) -> None:
+    def validate(self, name: str, weight_name: str, tensor: torch.Tensor, deferred=None,
+                 kept: bool = True) -> None:
         """Refuse a wire tensor by name; with `deferred` (a `validate.DeferredChecks`), the value
-        checks (zero offsets; finite, positive scales) are read back with the call's others."""
+        checks (zero offsets; finite, positive scales) are read back with the call's others.
+        `kept` False: the caller may refill `tensor` after this item (a streamed call): a
+        scale's deferred check keeps its extremes and largest row (three device scalars), not
+        the tensor, and covers its pair's bound (128 x scale finite in the rollout's dtype)
+        too. No check reads the int8 weight: its values cannot be NaN / Inf, and its row
+        magnitudes are at most 128, so the scales decide alone (`check_pair`)."""
         quantizer = self.quantizer
         if getattr(quantizer, "name", None) != WIRE_FN:
             raise WeightSyncError(
@@ -139,12 +161,13 @@ class WireReceiver:
             raise WeightSyncError(f"{name}: expected shape ({out_rows}, 1) (W8A8_DYNAMIC, one per output "
                                   f"row of {weight_name}), got {tuple(tensor.shape)}")
         if self._format(layer).is_offset(name):
-            if deferred is not None and tensor.numel():
-                deferred.add(~tensor.ne(0).any(), lambda: self.validate(name, weight_name, tensor))
+            if not tensor.numel():
                 return
-            if tensor.numel() and bool(tensor.ne(0).any()):
-                raise WeightSyncError(f"{name}: non-zero weight_offset; the INT8 rollout is symmetric "
-                                      "(W8A8_DYNAMIC offsets are zero)")
+            nonzero = tensor.ne(0).any()
+            if deferred is not None:  # an exact flag: its refusal needs no tensor
+                deferred.add(~nonzero, lambda: _refuse_offset(name), exact=name)
+            elif bool(nonzero):
+                _refuse_offset(name)
             return
         dtype = quantizer.compute_dtype
         if tensor.dtype not in (torch.float32, dtype):
@@ -153,7 +176,13 @@ class WireReceiver:
                 f"{name}: expected a float32 or {_short(dtype)} (the rollout's dtype) scale, got "
                 f"{_short(tensor.dtype)}; send the scales the quantizer computed (float32) "
                 "without casting them")
-        if tensor.numel() and deferred is not None:
+        if tensor.numel() and deferred is not None and not kept:
+            s = tensor.reshape(-1).float()
+            hi, row = s.max(0)
+            lo = s.min()
+            deferred.add_extremes(lo, hi, dtype, lambda: self._refuse_streamed_scale(
+                name, weight_name, lo, hi, row, dtype), exact=name)
+        elif tensor.numel() and deferred is not None:
             deferred.add_scales(tensor, dtype, lambda: self.validate(name, weight_name, tensor))
         elif tensor.numel():
             lo, hi = torch.aminmax(tensor.float())
@@ -162,14 +191,38 @@ class WireReceiver:
             if float(lo) <= 0:
                 raise WeightSyncError(f"{name}: scales must be > 0, got min {float(lo)}; refusing the sync")
 
-    def check_pair(self, weight_name: str, q: torch.Tensor, scale: torch.Tensor,
+    def _refuse_streamed_scale(self, name: str, weight_name: str, lo: torch.Tensor, hi: torch.Tensor,
+                               row: torch.Tensor, dtype: torch.dtype) -> None:
+        """`validate`'s and `check_pair`'s refusals of a streamed scale, from its extremes (its
+        pair's int8 is written before the read-back and not read again: the bound 128 x scale
+        decides, as `check_pair` with `q` None)."""
+        lo_, hi_ = float(lo), float(hi)
+        if not (math.isfinite(lo_) and math.isfinite(hi_)):
+            raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
+        if lo_ <= 0:
+            raise WeightSyncError(f"{name}: scales must be > 0, got min {lo_}; refusing the sync")
+        if not bool(torch.isfinite((hi.float() * 128).to(dtype))):
+            self._refuse_bound(weight_name, int(row), hi_, dtype)
+
+    def _refuse_bound(self, weight_name: str, row: int, scale: float, dtype: torch.dtype) -> None:
+        raise WeightSyncError(
+            f"{self._format(self._layer(weight_name)).scale_name(weight_name)}: row {row}'s scale "
+            f"{scale:g} times 128 (the largest int8 magnitude; {weight_name} came in a streamed "
+            f"call and is not read again) is {scale * 128:g}, not finite in {_short(dtype)} (the "
+            "rollout's dtype): the rollout could compute Inf / NaN with it; refusing the sync")
+
+    def check_pair(self, weight_name: str, q: Optional[torch.Tensor], scale: torch.Tensor,
                    deferred=None) -> None:
         """Refuse a pair the rollout would compute Inf / NaN with: every row's scale, and the
         scale times the row's largest int8 magnitude (what dequantizing gives), must be finite in
         the rollout's dtype (a finite, positive 1e38 passes `validate` and overflows here). With
         `deferred`, the scales-only test is read back with the call's others, and this whole
-        check runs only when it fails."""
-        if not q.numel():
+        check runs only when it fails. `q` None: a streamed call's pair, whose int8 is written
+        before the read-back and not read again: the bound 128 x scale decides alone (sound for
+        what a trainer sends: its quantizer sets a row's scale to absmax / 127, so every row but
+        an all-zero one (scale 1) holds a 127, and the bound refuses only scales within 1/128 of
+        overflowing the rollout's dtype, which no finite weight of that dtype gives)."""
+        if not (scale.numel() if q is None else q.numel()):
             return
         dtype = self.quantizer.compute_dtype
         s = scale.reshape(-1).float()
@@ -178,8 +231,12 @@ class WireReceiver:
         if deferred is not None:
             deferred.add_scales(s, dtype, lambda: self.check_pair(weight_name, q, scale))
             return
-        if bool(torch.isfinite((s * 128).to(dtype)).all()):
+        bound = (s * 128).to(dtype)
+        if bool(torch.isfinite(bound).all()):
             return
+        if q is None:
+            row = int((~torch.isfinite(bound)).nonzero()[0, 0])
+            self._refuse_bound(weight_name, row, float(s[row]), dtype)
         lo, hi = torch.aminmax(q, dim=1)
         absmax = torch.maximum(hi.float(), -lo.float())
         deq = absmax * s
@@ -193,14 +250,16 @@ class WireReceiver:
                 "rollout would compute Inf / NaN with it; refusing the sync")
 
     def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool,
-             pair_checked: bool = False
+             pair_checked: bool = False, deferred=None
              ) -> Tuple[Set[str], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
         """Take one wire tensor: (the names loaded, the projection's (int8, fp32 scale [out]) once
         both are here, else None). `borrowed`: the tensor is a view the caller reuses after this
         call (kept past the call only through `keep`). `pair_checked`: a pair it completes was
-        checked already (`check_pair`, by a list call before anything of it was written). The
-        pair is returned as it came: a complete pair is written before the call returns, so
-        nothing of the caller's memory needs copying."""
+        checked already (`check_pair`, by a list call before anything of it was written);
+        `deferred` (a streamed call's `DeferredChecks`, whose scales were validated `kept=False`):
+        the pair's bound is read back with the call's other checks, on its scale. The pair is
+        returned as it came: a complete pair is written before the call returns, so nothing of
+        the caller's memory needs copying."""
         fmt = self._format(self._layer(weight_name))
         if fmt.is_offset(name):
             return {name}, None  # validated zero; the commit zeroes the live offset
@@ -211,12 +270,16 @@ class WireReceiver:
             pair.q = tensor
         else:
             pair.scale = tensor
+            pair.bounded = deferred is not None  # its streamed check covers the pair's bound
         if pair.q is None or pair.scale is None:
             pair.borrowed = True
             if not borrowed:  # a streamed caller may reuse its buffer for its next item
                 pair.keep()
             return {name}, None
-        if not pair_checked:
+        if deferred is not None:
+            if not pair.bounded:  # a scale held from an earlier (list) call: a copy, kept
+                self.check_pair(weight_name, None, pair.scale, deferred=deferred)
+        elif not pair_checked:
             self.check_pair(weight_name, pair.q, pair.scale)
         del self._pairs[weight_name]
         return {weight_name, pair.scale_name}, (pair.q, pair.scale.reshape(-1).float())

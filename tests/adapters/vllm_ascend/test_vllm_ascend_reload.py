@@ -192,13 +192,22 @@ def test_bad_tensor_raises_naming_it_and_previous_weights_intact(va, ckpts, case
             v.model.load_weights(bad)
         assert_same_state(state(v.model), before)
         assert v.model._npu_flashrl_loader.pending() == {}
-        # streamed (generator) input: the failing layer is untouched, no staging is left behind
+        # streamed (generator) input: no staging is left behind; a refusal checked as the item
+        # comes leaves the failing layer untouched. Value checks are read back before the sync's
+        # first write (layer 0's bias: nothing written) and at the end of the call (no host sync
+        # per tensor): layer 1's NaN is found there, after the layer was written, and the model
+        # refuses to generate until a complete sync.
         with pytest.raises(va.WeightSyncError, match=match):
             v.model.load_weights(iter(bad))
         after = state(v.model)
-        if case in ("nan", "shape", "int_dtype"):
+        if case in ("shape", "int_dtype"):
             assert torch.equal(after["model.layers.1.mlp.gate_up_proj.weight"],
                                before["model.layers.1.mlp.gate_up_proj.weight"])
+        if case == "nan":
+            assert v.model._npu_flashrl_loader.inconsistent is not None
+        if case == "inf_bias":
+            assert v.model._npu_flashrl_loader.inconsistent is None
+            assert_same_state(after, before)
         assert v.model._npu_flashrl_loader.pending() == {}
 
 
