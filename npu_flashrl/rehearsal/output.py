@@ -33,9 +33,9 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 def format_layer_table(layer_results: Dict[str, List[Dict[str, Any]]]) -> str:
-    """Per INT8 variant and layer type, over all syncs: int8 values off the reference, the worst scale
+    """Per quantized variant and layer type, over all syncs: int8 / int4 values off the reference, the worst scale
     difference and the output error against the bf16 counterpart (mean / max)."""
-    header = ("variant", "layer type", "layers", "syncs", "int8 values off", "scale rel diff",
+    header = ("variant", "layer type", "layers", "syncs", "int8/int4 values off", "scale rel diff",
               "out err mean", "out err max")
     body = []
     for variant in sorted(layer_results, key=lambda v: VARIANT_ORDER.get(v, 9)):
@@ -96,7 +96,7 @@ def print_summary(rows, summary, checks, applied_names, report, report_path, lay
     print("", file=out)
     if layer_results:
         moe = any(r.get("type") == "experts" for rs in layer_results.values() for r in rs)
-        print(f"INT8 state and per-layer output error ({LAYER_ERROR_TOKENS} random tokens per layer, "
+        print(f"Quantized layers' state and per-layer output error ({LAYER_ERROR_TOKENS} random tokens per layer, "
               "vs the bf16 counterpart" + ("; experts: the MoE block on clearly-routed tokens vs an fp32 MoE"
                                            if moe else "") + "), all syncs:", file=out)
         print(format_layer_table(layer_results), file=out)

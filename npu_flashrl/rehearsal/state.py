@@ -282,7 +282,8 @@ class Int8StateCheck:
 
 def summarize_step(results: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One sync over all layers: the row's state column."""
-    failing = {c: [r for r in results if r["problems"][c]] for c in CATEGORIES}
+    cats = dict.fromkeys(c for r in results for c in r["problems"])  # a scheme's check may add categories
+    failing = {c: [r for r in results if r["problems"][c]] for c in cats}
     return {"layers": len(results),
             "ok": not any(failing.values()),
             "failing": {c: [r["layer"] for r in rs] for c, rs in failing.items() if rs},

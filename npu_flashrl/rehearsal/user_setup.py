@@ -53,6 +53,53 @@ def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, 
     return out
 
 
+W4A8_MAX_GROUP = 256  # vllm-ascend's default group_size (when the description has none)
+
+
+def w4a8_input_sizes(model_cfg) -> Dict[str, int]:
+    """The input sizes of the projections a W4A8 rollout quantizes, from config.json's keys."""
+    cfg = dict(model_cfg.get("text_config") or model_cfg) if isinstance(model_cfg.get("text_config"), dict) \
+        else model_cfg
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    return {"q/k/v_proj, gate/up_proj (hidden_size)": hidden, "o_proj (num_attention_heads x head_dim)":
+            heads * head_dim, "down_proj (intermediate_size)": int(cfg["intermediate_size"])}
+
+
+def w4a8_group_size(model_cfg, requested=None) -> int:
+    """--group-size, checked against every projection's input size; default the largest power of two
+    <= 256 (vllm-ascend's default) that divides them all."""
+    sizes = w4a8_input_sizes(model_cfg)
+    if requested is not None:
+        bad = {k: v for k, v in sizes.items() if v % requested}
+        if bad:
+            raise RehearsalError(f"--group-size {requested}: must divide every W4A8 projection's input size; "
+                                 + ", ".join(f"{k} {v}" for k, v in bad.items()) + " does not")
+        return requested
+    g = W4A8_MAX_GROUP
+    while g > 1 and any(v % g for v in sizes.values()):
+        g //= 2
+    return g
+
+
+def prepare_w4a8(bf16_dir: str, work: str, group_size: int) -> Dict[str, Any]:
+    """The W4A8 rollout model and its config, as a user sets them up: the bf16 checkpoint beside a
+    ModelSlim-format description typing every projection W4A8_DYNAMIC with `group_size` (the cold
+    load quantizes them: `W4A8DynamicLinear.checkpoint_items`), then `npu-flashrl setup --fn
+    w4a8_profile_free`. Returns the model dir, the config path and the fn."""
+    from npu_flashrl import commands
+    from npu_flashrl.rehearsal.precisions import FN_W4A8
+    from npu_flashrl.sim.checkpoints import write_w4a8_description
+
+    model_dir = os.path.join(work, "w4a8")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    write_w4a8_description(bf16_dir, model_dir, group_size)
+    config_path = os.path.join(work, "flashrl_config_w4a8.yaml")
+    _user_step(f"setup -m {model_dir} --fn {FN_W4A8} -o {config_path}", commands.setup, FN_W4A8, model_dir,
+               None, config_path, force=True)
+    return {"model": model_dir, "config": config_path, "fn": FN_W4A8, "group_size": group_size}
+
+
 def activate_entry(config_path: str, bf16_dir: str):
     """npu_flashrl.activate(config) + the engine adapter applying the entry to real EngineArgs."""
     from vllm.engine.arg_utils import EngineArgs
