@@ -166,8 +166,8 @@ class W4A8StateCheck:
             if b is not None:
                 y_nob = x.float() @ deq.t()
                 if float((y - y_nob).norm() / y_nob.norm().clamp_min(1e-30)) <= FORWARD_TOL:
-                    why = (" (it equals the forward WITHOUT the layer's bias: vllm-ascend's W4A8_DYNAMIC "
-                           "linear apply drops the bias; fixed by vllm-ascend PR #11371, open)")
+                    why = (" (it is the forward WITHOUT the layer's bias: vllm-ascend's W4A8 linear apply "
+                           "drops it; vllm-ascend PR #11371)")
             problems["forward"] = (f"the layer's output differs from x @ dequantized(W)^T + b by {fwd:.4f} "
                                    f"(limit {FORWARD_TOL}){why}")
         return res

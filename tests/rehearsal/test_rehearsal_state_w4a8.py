@@ -66,7 +66,7 @@ def test_a_sync_equals_a_fresh_w4a8_load_and_the_dropped_bias_is_named(w4a8_mode
     assert biased and all(p.endswith("qkv_proj") for p in biased)
     assert _failing(results, "forward") == biased
     bad = next(r for r in results if r["layer"] in biased)["problems"]["forward"]
-    assert "WITHOUT the layer's bias" in bad and "#11371" in bad
+    assert "WITHOUT the layer's bias" in bad and "PR #11371" in bad
     unbiased = [r for r in results if not r["bias"]]
     assert max(r["forward_rel_error"] for r in unbiased) < min(r["forward_rel_error"] for r in results if r["bias"])
 
@@ -115,3 +115,14 @@ def test_group_size_default_divides_every_projection_and_a_bad_one_is_refused():
     assert w4a8_group_size(TINY_QWEN2, g // 2) == g // 2
     with pytest.raises(RehearsalError, match=r"--group-size 48: must divide .*down_proj \(intermediate_size\)"):
         w4a8_group_size(TINY_QWEN2, 48)
+
+
+def test_the_w4a8_doc_states_the_check_bounds_the_code_applies():
+    from helpers import ROOT
+    from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS
+    from npu_flashrl.rehearsal.state_w4a8 import FORWARD_TOL
+
+    with open(os.path.join(ROOT, "docs", "w4a8.md")) as f:
+        doc = " ".join(f.read().split())
+    assert f"within {FORWARD_TOL}" in doc and f"on {LAYER_ERROR_TOKENS} random tokens" in doc
+    assert "npu-flashrl rehearse --w4a8" in doc and "PR #11371" in doc
