@@ -40,6 +40,8 @@ def run(args) -> int:
         raise RehearsalError(f"--mode profile with {_what(args)}: a mixture-of-experts model; FlashRL's "
                              "int8 profile covers dense layers only (npu_flashrl refuses it for MoE). Use "
                              "--mode profile-free (fresh per-channel scales per expert at every sync)")
+    from npu_flashrl.rehearsal.user_setup import check_w4a8
+
     check_w4a8(args, model_cfg)
     from npu_flashrl.sim import faults
 
@@ -202,26 +204,10 @@ def _setup(r: Run, model: Model):
     return setup, applied
 
 
-def check_w4a8(args, model_cfg) -> None:
-    """--w4a8 with a model the W4A8 rollout cannot serve: refused before anything starts."""
-    if getattr(args, "w4a8", False) and is_moe(model_cfg):
-        raise RehearsalError(f"--w4a8 with {_what(args)}: a mixture-of-experts model; vllm-ascend's W4A8_DYNAMIC "
-                             "fused-MoE layers are not reloaded (docs/w4a8.md, Fused MoE). Drop --w4a8")
-
-
-def check_w4a8_line() -> None:
-    """--w4a8 on a line whose vllm-ascend has no W4A8_DYNAMIC linear method (asked once the
-    torch_npu emulation is in place: the line's table imports vllm-ascend's quantization)."""
-    from npu_flashrl import lines
-
-    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
-        raise RehearsalError(f"--w4a8: vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
-
-
 def _setup_w4a8(r: Run, model: Model, setup: Dict[str, Any]) -> None:
     """3b. With --w4a8: the W4A8 rollout model (a bf16 checkpoint under a W4A8_DYNAMIC
     description) and its config (`setup --fn w4a8_profile_free`)."""
-    from npu_flashrl.rehearsal.user_setup import prepare_w4a8, w4a8_group_size
+    from npu_flashrl.rehearsal.user_setup import check_w4a8_line, prepare_w4a8, w4a8_group_size
 
     if not r.args.w4a8:
         return

@@ -53,6 +53,25 @@ def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, 
     return out
 
 
+def check_w4a8(args, model_cfg) -> None:
+    """--w4a8 with a model the W4A8 rollout cannot serve: refused before anything starts."""
+    from npu_flashrl.rehearsal.model import is_moe
+
+    if getattr(args, "w4a8", False) and is_moe(model_cfg):
+        what = f"--model {args.model}" if getattr(args, "model", None) is not None else f"--arch {args.arch}"
+        raise RehearsalError(f"--w4a8 with {what}: a mixture-of-experts model; vllm-ascend's W4A8_DYNAMIC "
+                             "fused-MoE layers are not reloaded (docs/w4a8.md, Fused MoE). Drop --w4a8")
+
+
+def check_w4a8_line() -> None:
+    """--w4a8 on a line whose vllm-ascend has no W4A8_DYNAMIC linear method (asked once the
+    torch_npu emulation is in place: the line's table imports vllm-ascend's quantization)."""
+    from npu_flashrl import lines
+
+    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
+        raise RehearsalError(f"--w4a8: vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
+
+
 W4A8_MAX_GROUP = 256  # vllm-ascend's default group_size (when the description has none)
 
 

@@ -126,3 +126,17 @@ def test_the_w4a8_doc_states_the_check_bounds_the_code_applies():
         doc = " ".join(f.read().split())
     assert f"within {FORWARD_TOL}" in doc and f"on {LAYER_ERROR_TOKENS} random tokens" in doc
     assert "npu-flashrl rehearse --w4a8" in doc and "PR #11371" in doc
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--w4a8", "--arch", "deepseek_v3"], "--w4a8 with --arch deepseek_v3: a mixture-of-experts model"),
+    (["--w4a8", "--grpo", "--arch", "deepseek_v3"], "--w4a8 with --arch deepseek_v3: a mixture-of-experts model"),
+    (["--group-size", "32"], "--group-size 32 is the W4A8 variant's: add --w4a8"),
+    (["--w4a8", "--grpo", "--max-w4a8-error", "1.2"], "--max-w4a8-error 1.2: not a --grpo option"),
+])
+def test_w4a8_options_are_refused_before_anything_starts(tmp_path, capsys, argv, message):
+    from npu_flashrl import cli
+
+    code = cli.main(["rehearse", *argv, "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    assert code in (1, 2) and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -50,8 +50,8 @@ def run(args) -> int:
                              "built-in tiny model was pre-trained on; run --grpo without --model")
     device, emulated = resolve_device(args.device)
     check_arguments(args)
-    from npu_flashrl.rehearsal.main import check_w4a8
     from npu_flashrl.rehearsal.model import tiny_model_config
+    from npu_flashrl.rehearsal.user_setup import check_w4a8
 
     check_w4a8(args, tiny_model_config(args))
     settings = resolve(args)
@@ -195,8 +195,7 @@ def _setup(r: Run, model: Model) -> Setup:
     builders = {"bf16": bf16_build, "int8": int8_build, "int8+fp32head": int8_build}
     fns: Dict[str, Optional[str]] = {"bf16": None, "int8": setup["fn"], "int8+fp32head": setup["fn"]}
     if r.settings.w4a8:  # the W4A8 rollout as the default rehearsal's --w4a8 sets it up
-        from npu_flashrl.rehearsal.main import check_w4a8_line
-        from npu_flashrl.rehearsal.user_setup import prepare_w4a8, w4a8_group_size
+        from npu_flashrl.rehearsal.user_setup import check_w4a8_line, prepare_w4a8, w4a8_group_size
 
         check_w4a8_line()
         with open(os.path.join(model.bf16_dir, "config.json")) as f:
