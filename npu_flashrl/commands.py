@@ -160,6 +160,18 @@ def _check_w8a8(model: str) -> None:
         raise CliError(f"--fn int8 -m {model}: " + "; ".join(problems))
 
 
+def _check_w4a8(entry) -> None:
+    """A W4A8 entry's checkpoint: its layers and group size (`w4a8_checkpoint`)."""
+    from npu_flashrl.w4a8_checkpoint import applies, w4a8_checkpoint_problems
+
+    if not applies(entry):
+        return
+    problems = w4a8_checkpoint_problems(entry.model, entry.group_size)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CliError(f"--fn {entry.fn} -m {entry.model}: {problems[0]}{more}")
+
+
 def build_entry(fn: Optional[str], model: Optional[str], profile: Optional[str], columns: Dict[str, Any],
                 check: bool = True, allow_unknown_keys: bool = False):
     """The config entry `setup` writes, validated (profile vs model when check). `fn` None: not
@@ -206,6 +218,7 @@ def build_entry(fn: Optional[str], model: Optional[str], profile: Optional[str],
     if check:
         if entry.model:
             _check_model_dir(entry.model)
+            _check_w4a8(entry)
         if needs_profile(entry):
             _check_w8a8(entry.model)
             path = entry.profile_path()

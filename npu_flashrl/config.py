@@ -19,7 +19,9 @@ instead of a path (FlashRL: bf16 and the fp8 family; here bf16 and int8_profile_
 refused); with several entries worker DP group `RANK // (tp * pp)` uses `configs[dp_rank % n]`.
 
 fn values: `int8` (FlashRL's profile-based online INT8), `int8_profile_free` (ours: per-channel
-weight scales recomputed at every weight sync, no profile), `bf16` (unquantized). FlashRL's
+weight scales recomputed at every weight sync, no profile), `w4a8_profile_free` (ours: vllm-ascend's
+W4A8_DYNAMIC layers, int4 weights in groups of `group_size` input channels, default 256; the only
+fn that takes `group_size`; docs/w4a8.md), `bf16` (unquantized). FlashRL's
 `int8_wo_prune` is `int8` in 1.0.3 (same default config, same quantize function); `int8_fast` is
 `int8` with a CUDA-specific reload shortcut (skips CompressedTensorsW8A8Int8 post-processing), so on
 Ascend it is `int8` too. `int8_prune` (zeroes layernorm channels whose columns are zero in every
@@ -102,6 +104,9 @@ SHORTCUTS = (FN_BF16, FN_INT8_PROFILE_FREE)
 
 _KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend",
                "wire")
+# Keys whose value is an integer, not a string: `group_size` (input channels per scale group of a
+# quantizer with groups: fn w4a8_profile_free; default its quantizer's, 256).
+_INT_KEYS = ("group_size",)
 # `wire`: what the trainer sends at a weight sync (npu_flashrl.quant.wire, the one home of these
 # names): "float" (default, the trainer's dtype) or "int8" (projections quantized on the trainer,
 # W8A8_DYNAMIC names).
@@ -115,7 +120,7 @@ def unknown_key_problems(entry: "RolloutConfig", where: str = "entry") -> List[s
     silently ignored at run time), with the closest known key."""
     import difflib
 
-    known = _KNOWN_KEYS + FLASHRL_EXTRA_KEYS
+    known = _KNOWN_KEYS + _INT_KEYS + FLASHRL_EXTRA_KEYS
     out = []
     for key in entry.extra:
         if key in FLASHRL_EXTRA_KEYS:
@@ -195,6 +200,7 @@ class RolloutConfig:
     quantization: Optional[str] = None
     distributed_executor_backend: Optional[str] = EXTERNAL_LAUNCHER
     wire: Optional[str] = None
+    group_size: Optional[int] = None  # None: the quantizer's default (or the checkpoint's own)
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -216,7 +222,9 @@ class RolloutConfig:
                 if value is not None and not isinstance(value, str):
                     raise ConfigError(f"{where}.{key}: expected a string; got {value!r}")
                 kwargs[key] = value
-        extra = {k: v for k, v in data.items() if k not in _KNOWN_KEYS}
+        if "group_size" in data and data["group_size"] is not None:
+            kwargs["group_size"] = _check_group_size(fn, data["group_size"], where)
+        extra = {k: v for k, v in data.items() if k not in _KNOWN_KEYS + _INT_KEYS}
         for k in extra:
             if not isinstance(k, str):
                 raise ConfigError(f"{where}: keys must be strings; got {k!r}")
@@ -226,7 +234,7 @@ class RolloutConfig:
     def to_dict(self) -> Dict[str, Any]:
         """FlashRL's YAML form of this entry (None fields left out, extra keys kept)."""
         out: Dict[str, Any] = {"fn": self.fn}
-        for key in _KNOWN_KEYS[1:]:
+        for key in _KNOWN_KEYS[1:] + _INT_KEYS:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
@@ -263,6 +271,34 @@ def _check_wire(fn: str, wire: Optional[str], where: str) -> None:
                else "a bf16 rollout takes full-precision weights")
         raise ConfigError(f"{where}.wire: int8 needs fn {FN_INT8_PROFILE_FREE}, not fn {fn!r}: {why}. "
                           "Drop `wire: int8` or use fn int8_profile_free")
+
+
+def _check_group_size(fn: str, value: Any, where: str) -> int:
+    """The entry's `group_size`: only for a quantizer with weight groups, a positive integer."""
+    from npu_flashrl.quant.registry import QUANTIZERS
+
+    cls = QUANTIZERS.get(fn)
+    if cls is None or cls.default_group_size is None:
+        grouped = [n for n, c in QUANTIZERS.items() if c.default_group_size is not None]
+        raise ConfigError(f"{where}.group_size: fn {fn!r} has no weight groups; the key applies to "
+                          f"fn {', '.join(grouped)} only (drop it, or use that fn)")
+    from npu_flashrl.quant.w4a8 import group_size_problem
+
+    problem = group_size_problem(value, f"{where}.group_size")
+    if problem:
+        raise ConfigError(problem)
+    return value
+
+
+def group_size_of(entry: "RolloutConfig") -> Optional[int]:
+    """The group size the entry's rollout layers are built with from a bf16 checkpoint (its key,
+    else its quantizer's default); None for an fn without weight groups."""
+    from npu_flashrl.quant.registry import QUANTIZERS
+
+    cls = QUANTIZERS.get(entry.fn)
+    if cls is None or cls.default_group_size is None:
+        return None
+    return entry.group_size if entry.group_size is not None else cls.default_group_size
 
 
 def wire_of(cfg: "FlashRLConfig") -> str:

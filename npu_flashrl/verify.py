@@ -317,6 +317,10 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
                 rows.append(_row(check, FAIL, f"profile {entry.profile}: no such file (and fn {entry.fn} "
                                  "uses no profile)", "remove `profile` from the entry"))
                 continue
+            w4a8 = w4a8_rows(check, entry)
+            if w4a8:
+                rows += w4a8
+                continue
             rows.append(_row(check, OK, f"model {entry.model or '(the rollout model)'}"))
             continue
         fmt = str(entry.load_format).lower() if entry.load_format else None
@@ -370,6 +374,22 @@ def config_rows(config_path: Optional[str]) -> List[Dict[str, str]]:
         else:
             rows.append(_row(check, OK, f"profile {path} ({len(prof)} entries) matches model {entry.model}"))
     return rows
+
+
+def w4a8_rows(check: str, entry) -> List[Dict[str, str]]:
+    """A W4A8 entry's checkpoint (its layers, its group size), as `setup` checks it; [] when the
+    entry is not W4A8 or its checkpoint is sound."""
+    from npu_flashrl.w4a8_checkpoint import applies, w4a8_checkpoint_problems
+
+    if not applies(entry) or not entry.model:
+        return []
+    problems = w4a8_checkpoint_problems(entry.model, entry.group_size)
+    if not problems:
+        return []
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return [_row(check, FAIL, f"model {entry.model}: {problems[0]}{more}",
+                 "a bf16 checkpoint with a group_size that divides every projection's input dim, or "
+                 "a ModelSlim W4A8_DYNAMIC checkpoint (original layout) exported with that group size")]
 
 
 def architecture_rows(entries, line=None) -> List[Dict[str, str]]:

@@ -29,6 +29,8 @@ class EngineChoice(NamedTuple):
     fn: Optional[str]  # the online INT8 function; None: a 16-bit entry (no INT8 path)
     profile: Optional[str] = None  # path of the fn-int8 profile, loaded where the model is built
     rank: int = 0  # the DP group / verl replica whose entry this is
+    # the entry's `group_size` (fn w4a8_profile_free); None: its default, or a W4A8 checkpoint's own
+    group_size: Optional[int] = None
 
     @property
     def quantized(self) -> bool:

@@ -75,7 +75,7 @@ def _record_choice(engine_args, entry, rank: int) -> None:
     choice = EngineChoice(fn=entry.fn if flashrl_config.is_quantized(entry) else None,
                           profile=entry.profile_path(engine_args.model)
                           if flashrl_config.needs_profile(entry) else None,
-                          rank=rank)
+                          rank=rank, group_size=entry.group_size)
     engine_args.additional_config = with_choice(getattr(engine_args, "additional_config", None), choice)
 
 

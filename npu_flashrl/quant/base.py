@@ -24,13 +24,27 @@ class OnlineQuantizer:
     # instead of raising (the caller reads a call's flags back together, before any write)
     defers_finite_check = False  # True: cannot quantize fused-MoE experts (refused at engine build)
 
+    # the quant type a bf16 checkpoint's in-memory description gives the projections this
+    # quantizer serves (`adapters/vllm_ascend/description.py`)
+    description_type = "W8A8_DYNAMIC"
+    # a `group_size` config key: None, the quantizer has no groups (the key is refused)
+    default_group_size: Optional[int] = None
+
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16):
         self.compute_dtype = compute_dtype
 
     @classmethod
-    def from_entry(cls, compute_dtype: torch.dtype, profile: Optional[dict] = None) -> "OnlineQuantizer":
-        """Build from a config entry's pieces (the profile is ignored unless the method uses one)."""
-        return cls(compute_dtype)
+    def from_entry(cls, compute_dtype: torch.dtype, profile: Optional[dict] = None,
+                   **options) -> "OnlineQuantizer":
+        """Build from a config entry's pieces (the profile is ignored unless the method uses one;
+        `options`: the entry's keys the quantizer takes, e.g. `group_size`)."""
+        return cls(compute_dtype, **options)
+
+    @classmethod
+    def description_keys(cls, group_size: Optional[int] = None) -> dict:
+        """The top-level keys of the in-memory quant description of a bf16 checkpoint (beside
+        the per-weight types), for the entry's `group_size` (None: the default)."""
+        return {}
 
     def quantize(self, name: str, weight: torch.Tensor, transposed: bool = False
                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

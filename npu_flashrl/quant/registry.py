@@ -27,10 +27,22 @@ def names() -> Tuple[str, ...]:
     return tuple(QUANTIZERS)
 
 
-def make_quantizer(fn: str, compute_dtype, profile: Optional[dict] = None):
-    """The quantizer for config entry `fn` (each class decides what its entry needs)."""
+def quantizer_class(fn: str) -> type:
+    """The quantizer class of config entry `fn`."""
     try:
-        cls = QUANTIZERS[fn]
+        return QUANTIZERS[fn]
     except KeyError:
         raise ValueError(f"unknown INT8 function {fn!r}; known: {sorted(QUANTIZERS)}") from None
-    return cls.from_entry(compute_dtype, profile)
+
+
+def make_quantizer(fn: str, compute_dtype, profile: Optional[dict] = None,
+                   group_size: Optional[int] = None):
+    """The quantizer for config entry `fn` (each class decides what its entry needs).
+    `group_size`: the entry's key, for a quantizer with groups (refused for one without)."""
+    cls = quantizer_class(fn)
+    if group_size is None:
+        return cls.from_entry(compute_dtype, profile)
+    if cls.default_group_size is None:
+        raise ValueError(f"fn {fn!r} has no weight groups; group_size = {group_size!r} applies to "
+                         f"{', '.join(n for n, c in QUANTIZERS.items() if c.default_group_size)} only")
+    return cls.from_entry(compute_dtype, profile, group_size=group_size)

@@ -111,7 +111,7 @@ class Checker:
         if fns:
             return any(fn != "bf16" for fn in fns)
         if self.recipe:
-            return self.environ.get("ROLLOUT_PRECISION", "int8") == "int8" and bool(self.flashrl_config())
+            return self.environ.get("ROLLOUT_PRECISION", "int8") != "bf16" and bool(self.flashrl_config())
         return bool(self.flashrl_config())
 
     def integer(self, key: str, default: Optional[int] = None) -> Optional[int]:
@@ -149,14 +149,27 @@ class Checker:
 
     def precision(self) -> None:
         """An INT8 recipe run whose FLASHRL_CONFIG quantizes nothing would launch an "int8" experiment
-        with a bf16 rollout."""
+        with a bf16 rollout; a W4A8 one whose config quantizes to INT8 (or the other way round) would
+        launch under the other precision's name."""
         fns = self.flashrl_fns()
-        if self.recipe and fns and self.environ.get("ROLLOUT_PRECISION") == "int8" and \
-                all(fn == "bf16" for fn in fns):
+        precision = self.environ.get("ROLLOUT_PRECISION")
+        if self.recipe and fns and precision == "int8" and all(fn == "bf16" for fn in fns):
             self.problems.append(
                 f"ROLLOUT_PRECISION=int8 but FLASHRL_CONFIG {self.flashrl_config()} has only fn: bf16 (no INT8 "
                 "rollout): run the bf16 recipe for a bf16 baseline, or write an INT8 config (npu-flashrl setup "
                 "--fn int8_profile_free, or set FLASHRL_CONFIG to another file)")
+            return
+        if not (self.recipe and fns and precision in ("int8", "w4a8")):
+            return
+        of = dict(V.PRECISION_OF_FN, **{alias: "int8" for alias in PROFILE_FNS})
+        other = [fn for fn in fns if fn != "bf16" and of.get(fn, precision) != precision]
+        if other or all(fn == "bf16" for fn in fns):
+            got = other[0] if other else "bf16"
+            fix = {"w4a8": "w4a8_profile_free", "int8": "int8_profile_free"}[precision]
+            self.problems.append(
+                f"ROLLOUT_PRECISION={precision} but FLASHRL_CONFIG {self.flashrl_config()} has fn: {got} (a "
+                f"{of.get(got, got)} rollout): run the recipe of that precision, or write a {precision} config "
+                f"(npu-flashrl setup --fn {fix}, or set FLASHRL_CONFIG to another file)")
 
     def grpo_group(self) -> None:
         """GRPO's baseline is the mean of a prompt's group of responses; verl's
@@ -422,6 +435,10 @@ def vars_phase(environ: Mapping[str, str], features: Sequence[str]) -> Tuple[Lis
     if "moe" in features and "entry" in features and environ.get("FLASHRL_FN") in PROFILE_FNS:
         problems.append("FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts and npu_flashrl "
                         "refuses it for a MoE model; use FLASHRL_FN=int8_profile_free (docs/moe.md)")
+    if "moe" in features and "entry" in features and environ.get("FLASHRL_FN") == "w4a8_profile_free":
+        problems.append("FLASHRL_FN=w4a8_profile_free: vllm-ascend's W4A8_DYNAMIC fused-MoE layers are not "
+                        "reloaded in place (no scheme claims them; docs/w4a8.md, Fused MoE), so a MoE "
+                        "model's engine build is refused; use FLASHRL_FN=int8_profile_free (docs/moe.md)")
     return problems, notes, values
 
 

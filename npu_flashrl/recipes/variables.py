@@ -79,8 +79,13 @@ CANN_EXEC = ("CANN's HCCL_EXEC_TIMEOUT on Atlas A2/A3: [0, 2147483647] s, 0 neve
 ENTRY = ("all", "entry")  # read by the config scripts and, before them, by the entry scripts
 
 
+# the rollout precision each FLASHRL_FN gives (the experiment name's word; the preflight holds
+# FLASHRL_CONFIG to it)
+PRECISION_OF_FN = {"int8": "int8", "int8_profile_free": "int8", "w4a8_profile_free": "w4a8", "bf16": "bf16"}
+
+
 def _precision(job: "Job") -> str:
-    return "bf16" if job.entry and job.get("FLASHRL_FN") == "bf16" else "int8"
+    return PRECISION_OF_FN[job.get("FLASHRL_FN")] if job.entry else "int8"
 
 
 def _flashrl_config(job: "Job") -> str:  # the entry writes one (npu-flashrl setup); a config script needs one given
@@ -103,9 +108,9 @@ def _experiment(job: "Job") -> str:
 VARIABLES: Tuple[Var, ...] = (
     # --- the launch scripts (configs/*.sh), every trainer
     _v("RECIPE_LINE", "enum", ENTRY, choices=("pinned", "current")),
-    _v("FLASHRL_FN", "enum", ("entry",), choices=("int8", "int8_profile_free", "bf16"), default="int8"),
+    _v("FLASHRL_FN", "enum", ("entry",), choices=tuple(PRECISION_OF_FN), default="int8"),
     _v("BASELINE_NPU_FLASHRL", "bool", ("entry",), default="True"),
-    _v("ROLLOUT_PRECISION", "enum", ENTRY, choices=("int8", "bf16"), default=_precision),
+    _v("ROLLOUT_PRECISION", "enum", ENTRY, choices=("int8", "w4a8", "bf16"), default=_precision),
     _v("MODEL_PATH", "str", ENTRY, default="{HOME}/models/Qwen2.5-7B-Instruct"),
     _v("DATASET", "enum", ENTRY, choices=("gsm8k", "dapo", "geo3k"), default="gsm8k"),
     _v("DATA_DIR", "str", ENTRY, default="{HOME}/data/{DATASET}"),

@@ -62,13 +62,15 @@ def test_every_script_variable_is_documented():
 
 
 def test_runtime_env_and_cli_reference():
+    from npu_flashrl.config import SUPPORTED_FNS  # every fn `setup --fn` takes
+
     conf = doc("configuration.md")
     for var in ["FLASHRL_CONFIG", "FLASHRL_LOGGING_LEVEL", "FLASHRL_LOGGING_FILE", "FLASHRL_LMHEAD_FP32",
                 "NPU_FLASHRL_PINS"]:
         assert f"`{var}`" in conf, var
     for cmd, flags in {
         "npu-flashrl profile": ["-m BF16_DIR", "-q W8A8_DIR", "-o OUT.pt", "--fn int8"],
-        "npu-flashrl setup": ["-m MODEL", "-p PROFILE", "--fn {int8,int8_profile_free,bf16}", "-o CONFIG.yaml", "`-a`",
+        "npu-flashrl setup": ["-m MODEL", "-p PROFILE", "--fn {" + ",".join(SUPPORTED_FNS) + "}", "-o CONFIG.yaml", "`-a`",
                               "key=value"],
         "npu-flashrl cleanup": [],
         "npu-flashrl verify": ["--config F", "--json"],

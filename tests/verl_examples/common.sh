@@ -228,7 +228,8 @@ flashrl_entry() {
     recipe_log "profile present: $PROFILE_PATH"
   fi
 
-  # 3. config (-m: the W8A8 checkpoint for int8, the bf16 checkpoint for int8_profile_free / bf16)
+  # 3. config (-m: the W8A8 checkpoint for int8, the bf16 checkpoint for int8_profile_free /
+  #    w4a8_profile_free / bf16)
   if [[ "$need_config" == 1 ]]; then
     recipe_log "config missing: $FLASHRL_CONFIG"
     local setup=("$NPU_FLASHRL_CLI" setup)
@@ -271,7 +272,7 @@ grpo_inputs() {
   require_file MODEL_PATH/config.json "$MODEL_PATH/config.json"
   require_file TRAIN_FILE "$TRAIN_FILE"
   require_file VAL_FILE "$VAL_FILE"
-  if [[ "$ROLLOUT_PRECISION" == int8 || -n "$FLASHRL_CONFIG" ]]; then
+  if [[ "$ROLLOUT_PRECISION" != bf16 || -n "$FLASHRL_CONFIG" ]]; then
     if [[ "$DRY_RUN" == 1 && -n "$FLASHRL_CONFIG" && "${NPU_FLASHRL_PENDING_CONFIG:-}" == "$FLASHRL_CONFIG" ]]; then
       recipe_log "dry run: FLASHRL_CONFIG $FLASHRL_CONFIG would be created by npu-flashrl setup"
     else

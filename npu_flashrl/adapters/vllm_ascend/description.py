@@ -2,7 +2,9 @@
 
 vllm-ascend's "ascend" method needs a `quant_model_description.json`. For a bf16 checkpoint
 (profile-free INT8) or a compressed-tensors w8a8 checkpoint (RedHatAI style) we build that
-description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC layers: a rule,
+description in memory, so the model lands on vllm-ascend's own W8A8_DYNAMIC layers (a bf16
+checkpoint under `fn: w4a8_profile_free`: W4A8_DYNAMIC, with the entry's `group_size` at the top
+level; the type and keys are the entry's quantizer's `description_type` / `description_keys`): a rule,
 with every weight of the checkpoint also listed explicitly (the scheme-registry layout,
 `lines/v0_23_0.py`, skips its json lookup only for a non-empty description, and its
 `apply_vllm_mapper` copies it into a plain dict, dropping the rule). ModelSlim checkpoints with their own json are left alone.
@@ -118,9 +120,14 @@ def matches_ignore(module: str, ignore: Sequence[str]) -> bool:
     return False
 
 
-def profile_free_description() -> QuantDescription:
-    """Quantize the seven projections of every decoder layer; embeddings, norms, lm_head FLOAT."""
-    return QuantDescription(W8A8_DYNAMIC, ignore=("lm_head",), source="npu_flashrl:profile-free")
+def profile_free_description(quant_type: str = W8A8_DYNAMIC,
+                             top_level: Optional[dict] = None) -> QuantDescription:
+    """Quantize the seven projections of every decoder layer as `quant_type` (the quant type the
+    entry's quantizer serves: W8A8_DYNAMIC, W4A8_DYNAMIC); embeddings, norms, lm_head FLOAT.
+    `top_level`: the description's keys beside the per-weight types, as a ModelSlim description
+    of that type carries them (W4A8_DYNAMIC: `group_size`, read by the layers when built)."""
+    return QuantDescription(quant_type, ignore=("lm_head",), explicit=dict(top_level or {}),
+                            source="npu_flashrl:profile-free")
 
 
 def compressed_tensors_description(qcfg: dict, where: str = "quantization_config") -> QuantDescription:
@@ -283,14 +290,17 @@ def config_weight_names(cfg: dict, where: str = "config.json") -> List[str]:
     return names + ["lm_head.weight"]
 
 
-def describe_checkpoint(model_dir: str) -> Optional[QuantDescription]:
+def describe_checkpoint(model_dir: str, quant_type: str = W8A8_DYNAMIC,
+                        top_level: Optional[dict] = None) -> Optional[QuantDescription]:
     """The description vllm-ascend should use for `model_dir`, or None to keep upstream's
-    (a ModelSlim checkpoint with its own quant_model_description.json)."""
+    (a ModelSlim checkpoint with its own quant_model_description.json). A bare bf16 checkpoint's
+    projections are typed `quant_type` with the `top_level` keys (`profile_free_description`)."""
     if os.path.exists(os.path.join(model_dir, DESCRIPTION_FILE)):
         return None
     qcfg = read_hf_quant_config(model_dir)
     if qcfg is None:
-        return profile_free_description().fill(checkpoint_weight_names(model_dir), where=model_dir)
+        return profile_free_description(quant_type, top_level).fill(
+            checkpoint_weight_names(model_dir), where=model_dir)
     method = qcfg.get("quant_method")
     if method == "compressed-tensors" or "config_groups" in qcfg:
         where = f"{os.path.join(model_dir, 'config.json')}: quantization_config"

@@ -26,6 +26,7 @@ from npu_flashrl.adapters.vllm_ascend.reload import attach
 from npu_flashrl.errors import UnquantizedRolloutError
 from npu_flashrl.lines.base import POLICY_ATTR  # set on every module of the policy rollout's model
 from npu_flashrl.quant import make_quantizer
+from npu_flashrl.quant.registry import quantizer_class
 
 logger = get_logger(__name__)
 
@@ -34,13 +35,22 @@ logger = get_logger(__name__)
 def redirect(original, quant_config_class: Callable[[], type]):
     def get_quant_config(model_config, load_config):
         if model_config.quantization == "ascend" and engine_choice.policy_in_build():
-            desc = describe_checkpoint(model_config.model)
+            desc = describe_checkpoint(model_config.model, **description_kind(
+                engine_choice.choice_in_build()))
             if desc is not None:
                 logger.info("npu_flashrl: %s -> vllm-ascend %s layers (%s description)",
                             model_config.model, desc.rule_quantized, desc.source)
                 return quant_config_class()(desc)
         return original(model_config, load_config)
     return get_quant_config
+
+
+def description_kind(choice) -> dict:
+    """What a bare bf16 checkpoint's in-memory description says for the engine's choice: the
+    quant type its quantizer serves, with that quantizer's top-level keys (W4A8: `group_size`)."""
+    cls = quantizer_class(choice.fn)
+    return {"quant_type": cls.description_type,
+            "top_level": cls.description_keys(getattr(choice, "group_size", None))}
 
 
 def override(original):
@@ -76,6 +86,13 @@ def online_choice(vllm_config) -> Tuple[Optional[str], Optional[dict]]:
     return choice.fn, profile
 
 
+def choice_options(vllm_config) -> dict:
+    """The entry's quantizer options the engine's choice carries (`group_size`), those set only."""
+    choice = engine_choice.engine_choice(vllm_config)
+    size = getattr(choice, "group_size", None)
+    return {} if size is None else {"group_size": size}
+
+
 def _mark_policy(model) -> None:
     for module in model.modules():
         setattr(module, POLICY_ATTR, True)
@@ -102,7 +119,7 @@ def attach_on_init(original):
         dtype = getattr(model_config, "dtype", torch.bfloat16)
         model_dir = getattr(model_config, "model", None)
         prequantized = bool(model_dir) and os.path.isdir(model_dir) and checkpoint_is_quantized(model_dir)
-        loader = attach(model, make_quantizer(fn, dtype, profile), prequantized)
+        loader = attach(model, make_quantizer(fn, dtype, profile, **choice_options(vllm_config)), prequantized)
         if not loader.targets:
             raise UnquantizedRolloutError(
                 f"npu_flashrl: FLASHRL_CONFIG asks for INT8 ({fn}) but {type(model).__name__} "

@@ -88,6 +88,7 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
                 f"{quantizer.name!r} quantizes for {'/'.join(serves)} layers only; use "
                 f"a checkpoint of {'/'.join(serves)} layers, or the fn of "
                 f"{layer.scheme.quant_type} layers")
+        layer.scheme.check_target(layer, quantizer)
     linear = targets.linear()
     bad = []
     for name in linear:

@@ -139,6 +139,10 @@ class Scheme(abc.ABC):
                 ) -> Dict[str, object]:
         """HF weight name -> target, for `layers` ((path, module) running this scheme)."""
 
+    def check_target(self, target, quantizer) -> None:
+        """Refuse, when the sync is attached (engine build, before any load), a layer of this
+        scheme that `quantizer` cannot serve as built (default: every layer it claims is fine)."""
+
     # ------------------------------------------------------------------ tensor contract
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
         """What one float tensor becomes: the payload its staging takes (`transposed`: int8 in

@@ -62,7 +62,35 @@ def _full_shapes(layer, shards) -> Tuple[Tuple[int, int], ...]:
         return tuple((o, in_full) for o in layer.output_sizes)
     return ((layer.output_size, in_full),)
 
-class LinearStaging(LayerStaging):
+class LinearShardStaging(LayerStaging):
+    """What every staging of a (fused) linear layer shares: one HF shard goes through the layer's
+    own `weight_loader` (TP narrowing, the fused q/k/v and gate/up offsets are upstream's) into
+    the staged parameters, and the layer is complete once every shard arrived."""
+
+    def load_shard(self, name: str, *pairs) -> None:
+        """Load shard `name`'s tensors, `pairs` of (staged parameter, tensor as the checkpoint
+        holds it), with the layer's weight_loader under the shard's id; a tensor that does not
+        fit is refused naming it."""
+        t = self.target
+        shard = t.shard_of(name)
+        sid = t.shard_ids[t.shards.index(shard)]
+        args = () if sid is None else (sid,)
+        loader = t.layer.weight_loader
+        try:
+            for param, tensor in pairs:
+                loader(param, tensor, *args)
+        except AssertionError as exc:
+            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
+        self.received.add(shard)
+
+    def complete(self) -> bool:
+        return len(self.received) == len(self.target.shards)
+
+    def missing(self) -> List[str]:
+        return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
+
+
+class LinearStaging(LinearShardStaging):
     """A (fused) linear layer: q/k/v or gate/up shards, or a single projection. `received` holds
     the shard names (q_proj ...).
 
@@ -99,24 +127,10 @@ class LinearStaging(LayerStaging):
 
     def stage(self, name, payload) -> None:
         q, scale = payload.q, payload.scale
-        t = self.target
-        shard = t.shard_of(name)
-        sid = t.shard_ids[t.shards.index(shard)]
-        args = () if sid is None else (sid,)
-        loader = t.layer.weight_loader
-        try:
-            loader(self.weight, q, *args)
-            if scale is not None:
-                loader(self.scale, scale.unsqueeze(1), *args)
-        except AssertionError as exc:
-            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
-        self.received.add(shard)
-
-    def complete(self) -> bool:
-        return len(self.received) == len(self.target.shards)
-
-    def missing(self) -> List[str]:
-        return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
+        pairs = [(self.weight, q)]
+        if scale is not None:
+            pairs.append((self.scale, scale.unsqueeze(1)))
+        self.load_shard(name, *pairs)
 
     def buffers(self):
         weight = () if self.in_place else (self.weight.data,)  # in place: the live weight

@@ -26,12 +26,12 @@ complete). Not sent over the INT8 wire (`wire` None): an int8 [out, in] pair is 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
-from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, LayerStaging, WireFormat, stage_param
-from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme, LinearTarget
+from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, WireFormat, stage_param
+from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme, LinearShardStaging, LinearTarget
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
 from npu_flashrl.kernels import int4
 from npu_flashrl.quant import WeightSyncError
@@ -81,7 +81,7 @@ def _params_dtype(layer) -> torch.dtype:
     return layer.weight_offset.dtype
 
 
-class W4A8Staging(LayerStaging):
+class W4A8Staging(LinearShardStaging):
     """A (fused) W4A8 linear layer's shards of one sync, in the checkpoint layout the layer's
     `weight_loader` fills: int4 values int8 [out, in_part], `weight_scale` [out, 1] and
     `weight_scale_second` [out, in_part / group] in the model dtype."""
@@ -108,23 +108,8 @@ class W4A8Staging(LayerStaging):
                                   "float weights quantized by its scheme (the INT8 wire's per-channel "
                                   "int8 is not its format)")
         w = payload.quantized(group_size_of(t.layer))
-        shard = t.shard_of(name)
-        sid = t.shard_ids[t.shards.index(shard)]
-        args = () if sid is None else (sid,)
-        loader = t.layer.weight_loader
-        try:
-            loader(self.q, w.q, *args)
-            loader(self.scale, w.scale.unsqueeze(1), *args)
-            loader(self.scale_second, w.scale_second, *args)
-        except AssertionError as exc:
-            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
-        self.received.add(shard)
-
-    def complete(self) -> bool:
-        return len(self.received) == len(self.target.shards)
-
-    def missing(self) -> List[str]:
-        return [self.target.hf_name(s) for s in self.target.shards if s not in self.received]
+        self.load_shard(name, (self.q, w.q), (self.scale, w.scale.unsqueeze(1)),
+                        (self.scale_second, w.scale_second))
 
     def buffers(self):
         return self.q.data, self.scale.data, self.scale_second.data
@@ -159,6 +144,26 @@ class W4A8DynamicLinear(LinearScheme):
         # precomputed scale_bias) runs the same class with another processed layout: not this
         # scheme's (refused at engine build as a scheme npu_flashrl cannot reload)
         return super().claims(inner, line) and not getattr(inner, "new_quant_version", False)
+
+    def check_target(self, target, quantizer) -> None:
+        """The layer's group size (its description's) must be the entry's `group_size` when the
+        entry sets one, and must divide the layer's input dim on this rank (vllm-ascend built
+        `weight_scale_second` with in // group_size columns: a remainder has no scale)."""
+        layer, size = target.layer, group_size_of(target.layer)
+        wanted = getattr(quantizer, "group_size", None)
+        if wanted is not None and wanted != size:
+            raise WeightSyncError(
+                f"{target.path}: a vllm-ascend W4A8_DYNAMIC layer built with group_size {size} (the "
+                f"checkpoint's quant description), and the FlashRL config entry says group_size "
+                f"{wanted}; a sync cannot change a layer's groups: drop the key, or set it to {size}")
+        in_full = int(layer.input_size)
+        in_part = int(getattr(layer, "input_size_per_partition", in_full))
+        if in_part % size or in_full % size:
+            part = f" ({in_part} on this tensor-parallel rank)" if in_part != in_full else ""
+            raise WeightSyncError(
+                f"{target.path}: input dim {in_full}{part} is not a multiple of group_size {size}: "
+                "vllm-ascend's W4A8_DYNAMIC layer has in // group_size scale groups, so its last "
+                "input channels would have no scale; pick a group_size that divides it")
 
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
         if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):

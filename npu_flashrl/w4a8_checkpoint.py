@@ -1,0 +1,133 @@
+"""The checkpoint checks of a W4A8 entry (`fn: w4a8_profile_free`), for `setup` and `verify`:
+headers only, no tensor data read.
+
+- a ModelSlim W4A8_DYNAMIC checkpoint (its `quant_model_description.json`): every projection the
+  description types W4A8_DYNAMIC has the five tensors vllm-ascend's linear method loads, of the
+  shapes its `group_size` implies (int8 `weight` [out, in], `weight_scale` / `weight_offset`
+  [out, 1], `weight_scale_second` / `weight_offset_second` [out, in / group_size]); the
+  description's group size is the entry's when the entry sets one; ModelSlim's newer packed
+  layout (`version` "1.0.0") and W8A8 layers are refused (the W4A8 reload claims neither);
+- a bare bf16 checkpoint: the entry's group size (default 256) divides every projection's input
+  dim (the in-memory description builds the layers with it);
+- a checkpoint with an HF `quantization_config` (compressed-tensors w8a8) is refused: it builds
+  W8A8 layers, which fn w4a8_profile_free does not serve.
+Each problem names the layer (or the file and key) and what was expected.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+from npu_flashrl.kernels.int4 import DEFAULT_GROUP_SIZE
+from npu_flashrl.quant import projections
+from npu_flashrl.quant.w4a8 import W4A8_DYNAMIC, group_size_problem, in_dim_problems
+
+DESCRIPTION_FILE = "quant_model_description.json"  # ModelSlim's (vllm-ascend reads the same name)
+NEW_LAYOUT = "1.0.0"  # ModelSlim's packed W4A8 layout (`version`), not reloaded in place
+_SECOND = ("weight_scale_second", "weight_offset_second")
+
+
+def applies(entry) -> bool:
+    """The entry's quantizer builds W4A8_DYNAMIC layers."""
+    from npu_flashrl.quant.registry import QUANTIZERS
+
+    cls = QUANTIZERS.get(getattr(entry, "fn", None))
+    return cls is not None and cls.description_type == W4A8_DYNAMIC
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object (tensor name -> quant type)")
+    return data
+
+
+def modelslim_problems(model_dir: str, description: dict, group_size: Optional[int]) -> List[str]:
+    """Where a ModelSlim checkpoint's tensors or group size do not match its description (or the
+    entry's `group_size`), one line per layer."""
+    from npu_flashrl.checkpoint import SafetensorsCheckpoint
+
+    where = os.path.join(model_dir, DESCRIPTION_FILE)
+    if str(description.get("version", "0")) == NEW_LAYOUT:
+        return [f"{where}: version {NEW_LAYOUT!r} is ModelSlim's packed W4A8 layout (int4 pairs in "
+                "int8, a precomputed scale_bias); fn w4a8_profile_free reloads the original layout "
+                "only (export without the packed layout)"]
+    size = description.get("group_size", DEFAULT_GROUP_SIZE)
+    problem = group_size_problem(size, f"{where}: group_size")
+    if problem:
+        return [problem]
+    if group_size is not None and group_size != size:
+        return [f"{where}: group_size {size}, and the FlashRL config entry says group_size "
+                f"{group_size}: the layers are built with the checkpoint's; drop the entry's key or "
+                f"set it to {size}"]
+    typed = {k[: -len(".weight")]: v for k, v in description.items()
+             if isinstance(k, str) and k.endswith(".weight") and projections.is_projection(k)}
+    other = sorted(m for m, t in typed.items() if t not in (W4A8_DYNAMIC, "FLOAT"))
+    if other:
+        return [f"{where}: {other[0]} is typed {typed[other[0]]} ({len(other)} such projection(s)); "
+                "fn w4a8_profile_free serves W4A8_DYNAMIC layers only (use the fn of that type)"]
+    modules = sorted(m for m, t in typed.items() if t == W4A8_DYNAMIC)
+    if not modules:
+        return [f"{where}: no projection is typed {W4A8_DYNAMIC}: not a W4A8 checkpoint"]
+    out: List[str] = []
+    with SafetensorsCheckpoint(model_dir) as ckpt:
+        for m in modules:
+            missing = [f"{m}.{s}" for s in ("weight", "weight_scale", "weight_offset") + _SECOND
+                       if f"{m}.{s}" not in ckpt]
+            if missing:
+                out.append(f"{m}: typed {W4A8_DYNAMIC} in {DESCRIPTION_FILE}, but the checkpoint has "
+                           f"no {missing[0]} ({len(missing)} of its 5 tensors missing)")
+                continue
+            shape = ckpt.shape(f"{m}.weight")
+            dtype = ckpt.dtype(f"{m}.weight")
+            if len(shape) != 2 or dtype != "I8":
+                out.append(f"{m}.weight: {dtype} {list(shape)}; a {W4A8_DYNAMIC} weight is int8 [out, in] "
+                           "(one int4 value per element, ModelSlim's original layout)")
+                continue
+            n, k = shape
+            if k % size:
+                out.append(f"{m}: input dim {k} is not a multiple of the description's group_size {size}")
+                continue
+            want: Dict[str, tuple] = {"weight_scale": (n, 1), "weight_offset": (n, 1),
+                                      "weight_scale_second": (n, k // size),
+                                      "weight_offset_second": (n, k // size)}
+            for suffix, expected in want.items():
+                got = ckpt.shape(f"{m}.{suffix}")
+                if tuple(got) != expected:
+                    out.append(f"{m}.{suffix}: shape {list(got)}, expected {list(expected)} for weight "
+                               f"{list(shape)} and group_size {size} ({DESCRIPTION_FILE})")
+                    break
+    return out
+
+
+def bf16_problems(model_dir: str, group_size: int) -> List[str]:
+    """A bare bf16 checkpoint's projections whose input dim `group_size` does not divide."""
+    from npu_flashrl.checkpoint import SafetensorsCheckpoint
+
+    with SafetensorsCheckpoint(model_dir) as ckpt:
+        shapes = {n: ckpt.shape(n) for n in ckpt.names() if projections.is_projection(n)}
+    return in_dim_problems(shapes, group_size)
+
+
+def w4a8_checkpoint_problems(model_dir: str, group_size: Optional[int] = None) -> List[str]:
+    """Why `model_dir` cannot be a W4A8 rollout's checkpoint for an entry whose `group_size` is
+    `group_size` (None: not set); [] when it can."""
+    description = os.path.join(model_dir, DESCRIPTION_FILE)
+    try:
+        if os.path.exists(description):
+            return modelslim_problems(model_dir, _read_json(description), group_size)
+        config = os.path.join(model_dir, "config.json")
+        cfg = _read_json(config) if os.path.exists(config) else {}
+    except ValueError as exc:
+        return [str(exc)]
+    qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
+    if qcfg:
+        return [f"{config}: quantization_config (quant_method {qcfg.get('quant_method')!r}): a quantized "
+                "HF checkpoint builds W8A8 layers, which fn w4a8_profile_free does not serve; use the "
+                "bf16 checkpoint or a ModelSlim W4A8_DYNAMIC one"]
+    return bf16_problems(model_dir, DEFAULT_GROUP_SIZE if group_size is None else group_size)
