@@ -102,21 +102,18 @@ def w4a8_group_size(model_cfg, requested=None) -> int:
 
 
 def prepare_w4a8(bf16_dir: str, work: str, group_size: int) -> Dict[str, Any]:
-    """The W4A8 rollout model and its config, as a user sets them up: the bf16 checkpoint beside a
-    ModelSlim-format description typing every projection W4A8_DYNAMIC with `group_size` (the cold
-    load quantizes them: `W4A8DynamicLinear.checkpoint_items`), then `npu-flashrl setup --fn
-    w4a8_profile_free`. Returns the model dir, the config path and the fn."""
+    """The W4A8 rollout's config, as a user sets it up: `npu-flashrl setup --fn w4a8_profile_free
+    -m <the bf16 checkpoint> group_size=N`. The engine then gets an in-memory ModelSlim-format
+    description typing the projections W4A8_DYNAMIC with that group size, and the cold load
+    quantizes them (`W4A8DynamicLinear.checkpoint_items`). Returns the model dir, the config path,
+    the fn and the group size."""
     from npu_flashrl import commands
     from npu_flashrl.rehearsal.precisions import FN_W4A8
-    from npu_flashrl.sim.checkpoints import write_w4a8_description
 
-    model_dir = os.path.join(work, "w4a8")
-    shutil.rmtree(model_dir, ignore_errors=True)
-    write_w4a8_description(bf16_dir, model_dir, group_size)
     config_path = os.path.join(work, "flashrl_config_w4a8.yaml")
-    _user_step(f"setup -m {model_dir} --fn {FN_W4A8} -o {config_path}", commands.setup, FN_W4A8, model_dir,
-               None, config_path, force=True)
-    return {"model": model_dir, "config": config_path, "fn": FN_W4A8, "group_size": group_size}
+    _user_step(f"setup -m {bf16_dir} --fn {FN_W4A8} -o {config_path} group_size={group_size}", commands.setup,
+               FN_W4A8, bf16_dir, None, config_path, force=True, columns=[f"group_size={group_size}"])
+    return {"model": bf16_dir, "config": config_path, "fn": FN_W4A8, "group_size": group_size}
 
 
 def activate_entry(config_path: str, bf16_dir: str):

@@ -33,10 +33,8 @@ def _line():
         return None
 
 
-# the tiny Llama under a ModelSlim W4A8 description builds on the current line only (on the older
-# lines vLLM's Llama embedding has no prefix and vllm-ascend's description lookup raises KeyError:
-# tests/rehearsal/test_rehearsal_w4a8.py)
-needs_line = pytest.mark.skipif(_line() != "0.23.0", reason="rehearse --grpo --w4a8 --arch llama: current line only")
+needs_line = pytest.mark.skipif(_line() not in ("0.23.0", "0.11.0"),
+                                reason="rehearse --grpo is verified on the current and 0.11 lines only")
 ARGV = ["rehearse", "--grpo", "--quick", "--seeds", "1", "--steps", "2", "--no-controls", "--positive-control",
         "--w4a8", "--arch", "llama", "--train-iters", "120", "--no-progress", "--no-plot"]
 W4A8 = ("w4a8", "w4a8+tis")

@@ -5,10 +5,8 @@ every sync, each check able to fail.
 Runs (one subprocess: the rehearsal is process-global): the tiny Llama (no linear bias) healthy,
 and with the fault `w4a8_packed_flip` (npu_flashrl.sim.faults: one packed int32 word of the W4A8
 model's first layer bit-flipped after each sync); the session's tiny Qwen2, whose q/k/v bias
-vllm-ascend's W4A8 linear apply drops (its forward check fails, by layer). The Llama runs on the
-current line only: on the older lines vLLM's Llama builds its embedding without a prefix and
-vllm-ascend looks up '.weight' in a ModelSlim description file (KeyError), which the W4A8 rollout's
-description file is until the engine builds the W4A8 description in memory (issue 39, open). Small sizes: 2 syncs,
+vllm-ascend's W4A8 linear apply drops (its forward check fails, by layer). The W4A8 rollout is set
+up as a user does: `npu-flashrl setup --fn w4a8_profile_free -m <bf16 checkpoint> group_size=N`. Small sizes: 2 syncs,
 4 evaluation sequences, no fp32-head variant. The state check's categories one by one, in process:
 tests/rehearsal/test_rehearsal_state_w4a8.py.
 
@@ -19,28 +17,15 @@ steps on the synthetic task).
 """
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from helpers import ROOT, rehearsal_env
 
-from npu_flashrl import lines
-
 pytestmark = pytest.mark.every_line
-
-
-def _current_line() -> bool:
-    try:
-        return lines.current().name == "0.23.0"
-    except lines.UnsupportedVersion:
-        return False
-
-
-llama_line = pytest.mark.skipif(not _current_line(), reason="a ModelSlim-described tiny Llama builds on the "
-                                "current line only (module docstring)")
 
 PACKED = "w4a8 state: packed int4 weight equals a fresh W4A8 load"
 FORWARD = "w4a8 each layer computes the W4A8 forward of its weights (bias included)"
@@ -49,10 +34,9 @@ W4A8_STATE = {PACKED, "w4a8 state: weight_scale and weight_scale_second equal a 
               "w4a8 state: written in place (data pointers unchanged since the cold load)",
               "w4a8 per-layer output error <= --max-w4a8-layer-error", FORWARD}
 SMALL = ["--no-progress", "--no-fp32-head", "--no-plot", "--steps", "2", "--buckets", "2", "--num-seqs", "4", "--w4a8"]
-RUNS = {"qwen2": []}
-if _current_line():
-    RUNS.update(llama=["--arch", "llama", "--train-iters", "120"],
-                llama_packed_flip=["--arch", "llama", "--train-iters", "120"])
+RUNS = {"llama": ["--arch", "llama", "--train-iters", "120"],
+        "llama_packed_flip": ["--arch", "llama", "--train-iters", "120"],
+        "qwen2": []}
 
 _DRIVER = r"""
 import json, os, sys
@@ -89,7 +73,6 @@ def _failed(report):
     return [c["check"] for c in report["checks"] if not c["ok"]]
 
 
-@llama_line
 def test_w4a8_mismatch_is_reported_beside_int8s_and_every_check_passes(runs):
     r = runs["reports"]["llama"]
     assert runs["codes"]["llama"] == 0 and r["ok"] is True, _failed(r)
@@ -105,8 +88,8 @@ def test_w4a8_mismatch_is_reported_beside_int8s_and_every_check_passes(runs):
     assert W4A8_STATE <= names and "w4a8 above int8 (coarser int4 values)" in names
     assert r["variants"]["w4a8"]["fn"] == "w4a8_profile_free"
     assert r["variants"]["w4a8"]["quant_types"] == ["W4A8_DYNAMIC"]
-    with open(os.path.join(r["setup"]["w4a8"]["model"], "quant_model_description.json")) as f:
-        assert json.load(f)["group_size"] == r["setup"]["w4a8"]["group_size"]  # what the layers were built with
+    with open(r["setup"]["w4a8"]["config"]) as f:  # the entry `npu-flashrl setup` wrote: the layers' group size
+        assert yaml.safe_load(f)["configs"][0]["group_size"] == r["setup"]["w4a8"]["group_size"]
     assert r["w4a8_state_rules"]["forward"]
     w4a8_rows = [x for x in r["steps"] if x["variant"] == "w4a8"]
     assert [x["step"] for x in w4a8_rows] == [1, 2] and all(x["int8_state"]["ok"] for x in w4a8_rows)
@@ -114,7 +97,6 @@ def test_w4a8_mismatch_is_reported_beside_int8s_and_every_check_passes(runs):
     assert "  w4a8  " in out and "w4a8: token_mult_prob_error mean" in out
 
 
-@llama_line
 def test_a_corrupted_packed_weight_fails_the_w4a8_state_check(runs):
     r = runs["reports"]["llama_packed_flip"]
     assert runs["codes"]["llama_packed_flip"] == 1 and r["fault_injected"] == "w4a8_packed_flip"
