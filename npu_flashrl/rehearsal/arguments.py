@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 
-from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, DEFAULT_MAX_LAYER_ERROR, DEFAULT_OUTPUT_DIR,
-                                          MOE_BASELINE_TOL, TINY_TRAIN, RehearsalError)
+from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, DEFAULT_MAX_LAYER_ERROR, DEFAULT_MAX_W4A8_ERROR,
+                                          DEFAULT_MAX_W4A8_LAYER_ERROR, DEFAULT_OUTPUT_DIR, MOE_BASELINE_TOL,
+                                          TINY_TRAIN, RehearsalError)
 
 HELP = ("rehearse the INT8 rollout end to end (default: a tiny Qwen2 trained for a few seconds; "
         "CPU with emulated torch_npu, or --device npu [not verified on hardware]) and report the "
@@ -89,6 +90,23 @@ def add_arguments(p) -> None:
                    help=f"pre-training iterations of the tiny model; default {TINY_TRAIN['iters']}")
     p.add_argument("--no-fp32-head", action="store_true",
                    help="skip the INT8 + FP32 lm-head variant")
+    p.add_argument("--w4a8", action="store_true",
+                   help="also rehearse a W4A8 rollout (fn w4a8_profile_free: vllm-ascend W4A8_DYNAMIC linear "
+                        "layers, int4 weights in groups) beside INT8: its mismatch, its state after every sync "
+                        "(equal to a fresh W4A8 load) and each layer's output error; with --grpo the variants "
+                        "w4a8 and w4a8+tis (and with --positive-control its W4A8 setting). Dense models only. A "
+                        "model with linear biases (Qwen2's q/k/v, the default tiny model) fails the W4A8 forward "
+                        "check: vllm-ascend's W4A8 linear apply drops the bias (docs/w4a8.md); --arch llama has "
+                        "none")
+    p.add_argument("--group-size", type=_number(int, 1), default=None,
+                   help="the W4A8 variant's group size (input channels per int4 scale); default the largest "
+                        "power of two <= 256 (vllm-ascend's default) dividing every projection's input size")
+    p.add_argument("--max-w4a8-error", type=_number(float, 1.0), default=None,
+                   help=f"fail when the W4A8 token_mult_prob_error exceeds this; default {DEFAULT_MAX_W4A8_ERROR}")
+    p.add_argument("--max-w4a8-layer-error", type=_number(float, 0.0, lo_ok=False),
+                   default=DEFAULT_MAX_W4A8_LAYER_ERROR,
+                   help="--max-layer-error for the W4A8 variant's layers; default "
+                        f"{DEFAULT_MAX_W4A8_LAYER_ERROR} (int4 in groups is coarser than INT8's per-channel int8)")
     p.add_argument("--max-error", type=_number(float, 1.0), default=None,
                    help="fail when an INT8 token_mult_prob_error exceeds this; default 1.05")
     p.add_argument("--max-layer-error", type=_number(float, 0.0, lo_ok=False), default=DEFAULT_MAX_LAYER_ERROR,
@@ -143,6 +161,7 @@ WEIGHT_PATH_ONLY = {
     "num_seqs": ("--num-seqs", 16, "the evaluation sequences of the weight-path checks"),
     "seq_len": ("--seq-len", 48, "the evaluation sequences' length"),
     "inner_iters": ("--inner-iters", 2, "the AdamW iterations per simulated step"),
+    "max_w4a8_error": ("--max-w4a8-error", DEFAULT_MAX_W4A8_ERROR, "the W4A8 token_mult_prob_error limit"),
 }
 GRPO_CHECKS = ("--grpo checks its own results (bf16 learns, int8+tis trains like it paired over seeds, each "
                "negative control fails its check; sizes from --quick / "
@@ -187,6 +206,8 @@ def check_arguments(args) -> None:
         problem = where and output_path_problem(os.path.join(os.path.expanduser(where), "probe"))
         if problem:  # found now, not after pre-training
             raise RehearsalError(f"{flag} {where}: cannot be used as a directory ({problem})")
+    if not getattr(args, "w4a8", False) and getattr(args, "group_size", None) is not None:
+        raise RehearsalError(f"--group-size {args.group_size} is the W4A8 variant's: add --w4a8, or drop it")
     if not (args.max_layer_error > 0 and args.max_layer_error < float("inf")):
         raise RehearsalError(f"--max-layer-error must be a finite number > 0, got {args.max_layer_error}")
 

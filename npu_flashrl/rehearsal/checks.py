@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from npu_flashrl.kernels.conformance import INT8_ABS_TOL
-from npu_flashrl.rehearsal.common import VARIANT_BF16, VARIANT_INT8, VARIANT_INT8_FP32HEAD, VARIANT_ORDER, finite
+from npu_flashrl.rehearsal.common import VARIANT_BF16, VARIANT_INT8_FP32HEAD, VARIANT_ORDER, finite
+from npu_flashrl.rehearsal.precisions import of_info
 from npu_flashrl.rehearsal.state import NPU_MAX_TIE_FRACTION, by_type
 
 STATE_CHECKS = {  # category (state.CATEGORIES) -> check name after the variant
@@ -31,6 +32,16 @@ STATE_CHECKS = {  # category (state.CATEGORIES) -> check name after the variant
     "derived": "state: derived copies consistent (weight_scale_fp32, weight_offset, static deq_scale/quant_bias)",
     "in_place": "state: written in place (data pointers unchanged since the cold load)",
     "output": "per-layer output error <= --max-layer-error",
+}
+
+
+W4A8_STATE_CHECKS = {  # the same categories for a W4A8_DYNAMIC variant (state_w4a8.py)
+    "int8": "state: packed int4 weight equals a fresh W4A8 load",
+    "scale": "state: weight_scale and weight_scale_second equal a fresh W4A8 load",
+    "derived": "state: derived tensors consistent (weight_scale_bias, zero offsets)",
+    "in_place": "state: written in place (data pointers unchanged since the cold load)",
+    "output": "per-layer output error <= --max-layer-error",
+    "forward": "each layer computes the W4A8 forward of its weights (bias included)",
 }
 
 
@@ -53,14 +64,14 @@ def _first(failures: List[str], limit: int = 3) -> str:
     return "; ".join(failures[:limit]) + more
 
 
-def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_layer_error: float
-                 ) -> List[Dict[str, Any]]:
-    """The five INT8 state checks of one variant over all its syncs."""
+def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_layer_error: float,
+                 titles: Dict[str, str] = STATE_CHECKS, values: str = "int8") -> List[Dict[str, Any]]:
+    """The five state checks of one variant over all its syncs (`titles`, `values`: its precision's)."""
     out = []
     layers = len({r["layer"] for r in results})
     syncs = len({r["step"] for r in results})
     scope = f"{layers} layers x {syncs} syncs"
-    for cat, title in STATE_CHECKS.items():
+    for cat, title in titles.items():
         if cat == "output":
             bad = [r for r in results if not r["output_rel_error"] <= max_layer_error]
             for r in bad:
@@ -73,6 +84,9 @@ def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_l
         fails = [f"step {r['step']} {r['layer']}: {r['problems'][cat]}" for r in bad]
         if bad:
             detail = _first(fails)
+        elif cat == "int8" and values != "int8":
+            n = sum(r["int8_elements"] for r in results)
+            detail = f"{scope}: 0/{n} {values} values differ from a fresh load (none allowed)"
         elif cat == "int8":
             n = sum(r["int8_elements"] for r in results)
             m = sum(r["int8_mismatches"] for r in results)
@@ -83,6 +97,8 @@ def state_checks(variant: str, results: List[Dict[str, Any]], device: str, max_l
                     f"NPU: |difference| <= {INT8_ABS_TOL} (Huawei's int8 op-test tolerance), "
                     f"<= {NPU_MAX_TIE_FRACTION:g} of a layer")
             detail = f"{scope}: {m}/{n} int8 values differ ({rule})"
+        elif cat == "forward":
+            detail = f"{scope}: max {max(r['forward_rel_error'] for r in results):.4f} from x @ dequantized(W)^T + b"
         elif cat == "scale":
             detail = f"{scope}: max relative difference {max(r['scale_max_rel_diff'] for r in results):.3g}"
         elif cat == "output":
@@ -111,30 +127,41 @@ def evaluate_checks(rows, infos, args, layer_results=None, device: str = "cpu") 
         limit = 1.0 + args.baseline_tol
         add("bf16 baseline ~ 1.0", base["token_mult_prob_error_max"] <= limit,
             f"max token_mult_prob_error {base['token_mult_prob_error_max']:.5f} (limit {limit:.4f})")
-    for variant in (VARIANT_INT8, VARIANT_INT8_FP32HEAD):
-        s = summ.get(variant)
-        if s is None:
+    for variant in sorted(infos, key=lambda v: VARIANT_ORDER.get(v, 9)):
+        p, s, info = of_info(infos[variant]), summ.get(variant), infos[variant]
+        if p is None or s is None:
             continue
-        add(f"{variant} error <= --max-error", s["token_mult_prob_error_max"] <= args.max_error,
-            f"max token_mult_prob_error {s['token_mult_prob_error_max']:.5f} (limit {args.max_error})")
+        flag, limit = "--" + p.max_error.replace("_", "-"), getattr(args, p.max_error)
+        add(f"{variant} error <= {flag}", s["token_mult_prob_error_max"] <= limit,
+            f"max token_mult_prob_error {s['token_mult_prob_error_max']:.5f} (limit {limit})")
         if base is not None:
             add(f"{variant} above baseline (quantization in the path)",
                 s["token_mult_prob_error_mean"] > base["token_mult_prob_error_mean"],
                 f"mean {s['token_mult_prob_error_mean']:.5f} vs bf16 {base['token_mult_prob_error_mean']:.5f}")
-        info = infos.get(variant, {})
+        finer = summ.get(p.above) if p.above else None
+        if finer is not None:
+            add(f"{variant} above {p.above} (coarser {p.values} values)",
+                s["token_mult_prob_error_mean"] > finer["token_mult_prob_error_mean"],
+                f"mean {s['token_mult_prob_error_mean']:.5f} vs {p.above} {finer['token_mult_prob_error_mean']:.5f}")
         moe_ok = not info.get("moe") or (info.get("expert_layers", 0) > 0
                                           and info.get("layer0_w13_weight_dtype") == "torch.int8")
-        add(f"{variant} rollout model is INT8", info.get("quantized_layers", 0) > 0
-            and info.get("layer0_qkv_weight_dtype") == "torch.int8" and moe_ok,
-            f"{info.get('quantized_layers', 0)} vllm-ascend W8A8 layers, qkv weight "
+        kinds = "/".join(info.get("quant_types") or p.quant_types)
+        add(f"{variant} rollout model is {p.name.upper()}", info.get("quantized_layers", 0) > 0
+            and info.get("layer0_qkv_weight_dtype") == p.weight_dtype and moe_ok
+            and set(info.get("quant_types") or ()) <= set(p.quant_types),
+            f"{info.get('quantized_layers', 0)} vllm-ascend {kinds} layers, qkv weight "
             f"{info.get('layer0_qkv_weight_dtype')}, online quantizer {info.get('online_quantizer')}"
             + (f"; {info.get('expert_layers', 0)} W8A8_DYNAMIC fused-MoE layers, w13 "
                f"{info.get('layer0_w13_weight_dtype')}" if info.get("moe") else ""))
         results = layer_results.get(variant) or []
         if not results:
-            add(f"{variant} INT8 state checked after every sync", False, "no quantized layer was checked")
+            add(f"{variant} {p.name.upper()} state checked after every sync", False, "no quantized layer was checked")
         else:
-            checks.extend(state_checks(variant, results, device, args.max_layer_error))
+            titles = STATE_CHECKS if p.values == "int8" else W4A8_STATE_CHECKS
+            layer_flag = "--" + p.max_layer_error.replace("_", "-")
+            titles = {c: t.replace("--max-layer-error", layer_flag) for c, t in titles.items()}
+            checks.extend(state_checks(variant, results, device, getattr(args, p.max_layer_error), titles,
+                                       p.values))
     for variant, info in infos.items():  # MLA models (state_mla.py), every variant
         if "mla" in info:
             steps = info["mla"]

@@ -14,7 +14,8 @@ DEFAULT_OUTPUT_DIR = "rehearsal_out"
 VARIANT_BF16 = "bf16"
 VARIANT_INT8 = "int8"
 VARIANT_INT8_FP32HEAD = "int8+fp32head"
-VARIANT_ORDER = {VARIANT_BF16: 0, VARIANT_INT8: 1, VARIANT_INT8_FP32HEAD: 2}
+VARIANT_W4A8 = "w4a8"
+VARIANT_ORDER = {VARIANT_BF16: 0, VARIANT_INT8: 1, VARIANT_W4A8: 2, VARIANT_INT8_FP32HEAD: 3}
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 # --model only: mixture-of-experts decoders whose fused-MoE experts npu_flashrl reloads in INT8
 # (vllm-ascend W8A8_DYNAMIC fused MoE) and whose router / experts the state check knows.
@@ -25,6 +26,10 @@ MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # is ~4x the INT8 error measured on the tiny model (1.0-1.3%); broken layers are 10-100%.
 LAYER_ERROR_TOKENS = 32
 DEFAULT_MAX_LAYER_ERROR = 0.05
+# The W4A8 variant's limits (int4 in groups, `state_w4a8.py`): its state check is exact, so these
+# bound only what the state check cannot see.
+DEFAULT_MAX_W4A8_LAYER_ERROR = 0.25
+DEFAULT_MAX_W4A8_ERROR = 1.5
 
 # --baseline-tol: bf16 vLLM vs bf16 transformers. A MoE's floor is higher: a token whose router
 # logits nearly tie can take another expert in one of them (bf16 rounding of the router logits in

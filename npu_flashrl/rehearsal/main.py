@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal.arguments import check_arguments, check_seq_len
 from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, MOE_BASELINE_TOL, MOE_CONFIG_KEYS, VARIANT_BF16,
-                                          VARIANT_INT8, VARIANT_INT8_FP32HEAD, RehearsalError, default_cache_root,
+                                          VARIANT_INT8, VARIANT_INT8_FP32HEAD, VARIANT_W4A8, RehearsalError, default_cache_root,
                                           json_safe, process_seconds, progress_bar, versions)
 from npu_flashrl.rehearsal.device import prepare_environment, quiet_logs, resolve_device
 from npu_flashrl.rehearsal.model import check_model_dir, is_moe
@@ -40,6 +40,9 @@ def run(args) -> int:
         raise RehearsalError(f"--mode profile with {_what(args)}: a mixture-of-experts model; FlashRL's "
                              "int8 profile covers dense layers only (npu_flashrl refuses it for MoE). Use "
                              "--mode profile-free (fresh per-channel scales per expert at every sync)")
+    from npu_flashrl.rehearsal.user_setup import check_w4a8
+
+    check_w4a8(args, model_cfg)
     from npu_flashrl.sim import faults
 
     try:
@@ -112,6 +115,7 @@ def _run(r: Run) -> int:
     eval_ids = task.sample(r.args.num_seqs, r.args.seq_len, torch.Generator().manual_seed(r.args.seed + 999))
     trained = _trainer(r, model, task, eval_ids)
     setup, applied = _setup(r, model)
+    _setup_w4a8(r, model, setup)
     rows, infos, layer_results, entry_info = _rollouts(r, model, trained, eval_ids, setup)
     report, checks, summary = _report(r, task, model, trained, eval_ids, setup, applied, rows, infos,
                                       layer_results, entry_info)
@@ -200,8 +204,21 @@ def _setup(r: Run, model: Model):
     return setup, applied
 
 
+def _setup_w4a8(r: Run, model: Model, setup: Dict[str, Any]) -> None:
+    """3b. With --w4a8: the W4A8 rollout model (a bf16 checkpoint under a W4A8_DYNAMIC
+    description) and its config (`setup --fn w4a8_profile_free`)."""
+    from npu_flashrl.rehearsal.user_setup import check_w4a8_line, prepare_w4a8, w4a8_group_size
+
+    if not r.args.w4a8:
+        return
+    check_w4a8_line()
+    with open(os.path.join(model.bf16_dir, "config.json")) as f:
+        cfg = json.load(f)
+    setup["w4a8"] = prepare_w4a8(model.bf16_dir, r.work, w4a8_group_size(cfg, r.args.group_size))
+
+
 def _rollouts(r: Run, model: Model, trained: Trained, eval_ids, setup: Dict[str, Any]):
-    """4. The rollout variants (bf16, int8, int8+fp32head), every sync through the run's transport.
+    """4. The rollout variants (bf16, int8, w4a8, int8+fp32head), every sync through the run's transport.
     Returns (rows, infos, per-layer results, the engine args the INT8 entry produced)."""
     from npu_flashrl.rehearsal import transport as transport_mod
     from npu_flashrl.rehearsal.rollout import Rollouts, Variant, make_rollout, run_variant
@@ -220,12 +237,23 @@ def _rollouts(r: Run, model: Model, trained: Trained, eval_ids, setup: Dict[str,
 
     entry_info: Dict[str, Any] = {}
 
-    def int8_build():
-        engine_args, entry, _, _ = activate_entry(setup["config"], model.bf16_dir)
-        entry_info.update(fn=entry.fn, model=engine_args.model, quantization=engine_args.quantization,
-                          load_format=engine_args.load_format)
+    def build(config_path: str, model_dir: str, info: Dict[str, Any]):
+        """The engine of one FlashRL config (activated for this engine: the process's config is
+        the last one activated; each engine carries its own choice)."""
+        engine_args, entry, _, _ = activate_entry(config_path, model_dir)
+        info.update(fn=entry.fn, model=engine_args.model, quantization=engine_args.quantization,
+                    load_format=engine_args.load_format)
         return make_rollout(device, engine_args.model, engine_args.quantization, engine_args.load_format or "auto",
                             additional_config=getattr(engine_args, "additional_config", None))
+
+    def int8_build():
+        return build(setup["config"], model.bf16_dir, entry_info)
+
+    w4a8 = setup.get("w4a8") or {}
+    w4a8_entry: Dict[str, Any] = {}
+
+    def w4a8_build():
+        return build(w4a8["config"], w4a8["model"], w4a8_entry)
 
     rows: List[Dict[str, Any]] = []
     infos: Dict[str, Dict[str, Any]] = {}
@@ -235,11 +263,16 @@ def _rollouts(r: Run, model: Model, trained: Trained, eval_ids, setup: Dict[str,
     with transport_mod.make(r.transport, args.buckets, r.work, device) as sync:
         shared = Rollouts(trained.pushed, eval_ids, trained.train_logps, model.vocab_size, device, args.seed,
                           r.progress, sync, profile=profile, model_config=r.model_cfg)
-        variant_rows, infos[VARIANT_BF16], _ = run_variant(Variant(VARIANT_BF16, bf16_build, "bf16", False), shared)
+        variant_rows, infos[VARIANT_BF16], _ = run_variant(Variant(VARIANT_BF16, bf16_build, "bf16"), shared)
         rows += variant_rows
         variant_rows, infos[VARIANT_INT8], layer_results[VARIANT_INT8] = run_variant(
-            Variant(VARIANT_INT8, int8_build, "bf16", True), shared)
+            Variant(VARIANT_INT8, int8_build, "bf16", setup["fn"]), shared)
         rows += variant_rows
+        if "config" in w4a8:
+            variant_rows, infos[VARIANT_W4A8], layer_results[VARIANT_W4A8] = run_variant(
+                Variant(VARIANT_W4A8, w4a8_build, "bf16", w4a8["fn"]), shared)
+            rows += variant_rows
+            w4a8["entry"] = w4a8_entry
         if not args.no_fp32_head:
             # FLASHRL_LMHEAD_FP32 on the rollout side: the patches are process-global, so this variant
             # runs last (the models above were built and measured without them).
@@ -247,7 +280,7 @@ def _rollouts(r: Run, model: Model, trained: Trained, eval_ids, setup: Dict[str,
 
             vllm_fp32.enable_lm_head_fp32()
             variant_rows, infos[VARIANT_INT8_FP32HEAD], layer_results[VARIANT_INT8_FP32HEAD] = run_variant(
-                Variant(VARIANT_INT8_FP32HEAD, int8_build, "fp32head", True), shared)
+                Variant(VARIANT_INT8_FP32HEAD, int8_build, "fp32head", setup["fn"]), shared)
             rows += variant_rows
         r.transport.update(sync.info())
     r.timings["rollout_s"] = time.perf_counter() - t
@@ -261,6 +294,7 @@ def _report(r: Run, task, model: Model, trained: Trained, eval_ids, setup, appli
     from npu_flashrl.rehearsal.checks import evaluate_checks, summaries
     from npu_flashrl.rehearsal.output import write_plot
     from npu_flashrl.rehearsal.state import by_type, state_rules
+    from npu_flashrl.rehearsal.state_w4a8 import state_rules as w4a8_state_rules
 
     args, device, emulated = r.args, r.device, r.emulated
     checks = evaluate_checks(rows, infos, args, layer_results, device)
@@ -301,6 +335,7 @@ def _report(r: Run, task, model: Model, trained: Trained, eval_ids, setup, appli
         "int8_state": {v: {"by_type": by_type(rs), "per_sync": [x["int8_state"] for x in rows if x["variant"] == v],
                            "layers": rs} for v, rs in layer_results.items()},
         "int8_state_rules": state_rules(device, args.max_layer_error),
+        "w4a8_state_rules": w4a8_state_rules(args.max_w4a8_layer_error) if VARIANT_W4A8 in layer_results else None,
         "fault_injected": fault,
         "timings": r.timings,
         "patches": {"applied": [p["name"] for p in status if p["applied"]], "activation_result": applied,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
-from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS, VARIANT_BF16, VARIANT_ORDER
+from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS, VARIANT_BF16, VARIANT_ORDER, VARIANT_W4A8
 from npu_flashrl.rehearsal.plotting import pyplot, save_png
 from npu_flashrl.rehearsal.state import by_type
 from npu_flashrl.sim.faults import FAULT_ENV
@@ -33,9 +33,11 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 def format_layer_table(layer_results: Dict[str, List[Dict[str, Any]]]) -> str:
-    """Per INT8 variant and layer type, over all syncs: int8 values off the reference, the worst scale
+    """Per quantized variant and layer type, over all syncs: int8 / int4 values off the reference, the worst scale
     difference and the output error against the bf16 counterpart (mean / max)."""
-    header = ("variant", "layer type", "layers", "syncs", "int8 values off", "scale rel diff",
+    values = "int8/int4" if any(r.get("variant") == VARIANT_W4A8 for rs in layer_results.values() for r in rs) \
+        else "int8"
+    header = ("variant", "layer type", "layers", "syncs", f"{values} values off", "scale rel diff",
               "out err mean", "out err max")
     body = []
     for variant in sorted(layer_results, key=lambda v: VARIANT_ORDER.get(v, 9)):
@@ -96,7 +98,8 @@ def print_summary(rows, summary, checks, applied_names, report, report_path, lay
     print("", file=out)
     if layer_results:
         moe = any(r.get("type") == "experts" for rs in layer_results.values() for r in rs)
-        print(f"INT8 state and per-layer output error ({LAYER_ERROR_TOKENS} random tokens per layer, "
+        what = "INT8 / W4A8" if VARIANT_W4A8 in layer_results else "INT8"
+        print(f"{what} state and per-layer output error ({LAYER_ERROR_TOKENS} random tokens per layer, "
               "vs the bf16 counterpart" + ("; experts: the MoE block on clearly-routed tokens vs an fp32 MoE"
                                            if moe else "") + "), all syncs:", file=out)
         print(format_layer_table(layer_results), file=out)

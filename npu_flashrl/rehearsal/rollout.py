@@ -136,11 +136,13 @@ def rollout_logp(model, eval_ids, vocab_size: int, device: str, forward_context=
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One rollout model to measure: `build()` returns its context manager (`make_rollout`);
-    `logp_key`: which trainer log-probs it is compared with ("bf16" or "fp32head")."""
+    `logp_key`: which trainer log-probs it is compared with ("bf16" or "fp32head"); `fn`: the
+    config fn its engine is set up with (None: vLLM's own bf16 model), which names its precision
+    (`precisions.of_fn`: its state check)."""
     name: str
     build: Callable[[], Any]
     logp_key: str
-    int8: bool
+    fn: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -164,19 +166,23 @@ class Rollouts:
 def run_variant(variant: Variant, run: Rollouts
                 ) -> Tuple[List[Dict[str, Any]], Dict[str, Any], List[Dict[str, Any]]]:
     """Build one rollout model, push every step's weights into it through `run.sync`, measure; for
-    INT8, check the INT8 state and every quantized layer's output error after each sync
-    (`state.py`, fused-MoE layers `state_moe.py`). Returns (rows, info, per-layer state results)."""
+    a quantized variant, check its state and every quantized layer's output error after each sync
+    (its precision's state check: INT8 `state.py`, fused-MoE layers `state_moe.py`, W4A8
+    `state_w4a8.py`). Returns (rows, info, per-layer state results)."""
     import torch
 
     from npu_flashrl.metrics import mismatch_metrics
     from npu_flashrl.rehearsal.model import is_moe
-    from npu_flashrl.rehearsal.state import Int8StateCheck, summarize_step
+    from npu_flashrl.rehearsal.precisions import of_fn
+    from npu_flashrl.rehearsal.state import summarize_step
     from npu_flashrl.sim import faults
 
-    name, int8, device, sync, model_config = variant.name, variant.int8, run.device, run.sync, run.model_config
+    name, device, sync, model_config = variant.name, run.device, run.sync, run.model_config
+    precision = of_fn(variant.fn)
+    int8 = precision is not None  # quantized: npu_flashrl's loader ends each sync
     rows: List[Dict[str, Any]] = []
     layer_results: List[Dict[str, Any]] = []
-    info: Dict[str, Any] = {"name": name}
+    info: Dict[str, Any] = {"name": name, "fn": variant.fn, "precision": precision.name if precision else None}
     with progress_bar(len(run.snapshots) + 1, f"rollout {name}", run.progress) as bar:
         t0 = time.perf_counter()
         ctx = variant.build()
@@ -211,13 +217,17 @@ def run_variant(variant: Variant, run: Rollouts
             emb = getattr(getattr(model, "model", None), "embed_tokens", None)
             info["lm_head_tied"] = head is not None and getattr(emb, "weight", None) is head.weight
             if int8 and (loader is None or not loader.targets):
-                raise RehearsalError(f"rollout {name}: the vLLM model has no npu_flashrl INT8 loader / no "
-                                     "vllm-ascend W8A8 layers: npu_flashrl was not active when it was built")
+                raise RehearsalError(f"rollout {name}: the vLLM model has no npu_flashrl loader / no "
+                                     f"vllm-ascend {'/'.join(precision.quant_types)} layers: npu_flashrl was not "
+                                     "active when it was built")
+            if int8:
+                info["quant_types"] = sorted({t.scheme.key[0] for t in loader.targets.values()})
             checker = fault = None
             if int8:
                 # right after the cold load: pointers, formats and cold scales are the reference
-                checker = Int8StateCheck(model, loader.targets, device, profile=run.profile, seed=run.seed,
-                                         experts=experts, moe_config=model_config, forward_context=fwd)
+                checker = precision.state_check()(model, loader.targets, device, profile=run.profile,
+                                                  seed=run.seed, experts=experts, moe_config=model_config,
+                                                  forward_context=fwd)
                 try:
                     fault = faults.install(model, loader)
                 except faults.FaultError as exc:

@@ -60,6 +60,36 @@ class _Layer:
     static: bool
 
 
+def linear_layers(model, targets: Dict[str, Any]) -> List[_Layer]:
+    """The loader's linear targets grouped by layer, each with its HF shard names in fused order."""
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    groups: Dict[str, List[str]] = {}
+    layers: Dict[str, torch.nn.Module] = {}
+    for hf_name, t in targets.items():
+        groups.setdefault(t.path, []).append(hf_name)
+        layers[t.path] = t.layer
+    out: List[_Layer] = []
+    for path, names in groups.items():
+        prefix, short = path.rsplit(".", 1)
+        fused = [f"{prefix}.{s}.weight" for s in packed.get(short, [short])]
+        shards = fused if sorted(fused) == sorted(names) else sorted(names)
+        layer = layers[path]
+        static = hasattr(layer, "deq_scale") and hasattr(layer, "input_scale")
+        out.append(_Layer(path, short, layer, shards, static))
+    return out
+
+
+def pushed_bias(l: _Layer, weights, out_total: int) -> Optional[torch.Tensor]:
+    """The layer's bias in fp32 [out]: the pushed one, else the layer's own; None without one."""
+    names = [n[: -len("weight")] + "bias" for n in l.shards]
+    if all(n in weights for n in names):
+        return torch.cat([weights[n].float().cpu() for n in names])
+    b = getattr(l.layer, "bias", None)
+    if isinstance(b, torch.Tensor) and b.numel() == out_total:
+        return _host(b).float()
+    return None
+
+
 def _tensors(layer) -> Dict[str, torch.Tensor]:
     out = {}
     for name in _DERIVED:
@@ -91,20 +121,7 @@ class Int8StateCheck:
         self.device = device
         self.tie_tolerant = device == "npu"
         self.profile = profile
-        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-        groups: Dict[str, List[str]] = {}
-        layers: Dict[str, torch.nn.Module] = {}
-        for hf_name, t in targets.items():
-            groups.setdefault(t.path, []).append(hf_name)
-            layers[t.path] = t.layer
-        self.layers: List[_Layer] = []
-        for path, names in groups.items():
-            prefix, short = path.rsplit(".", 1)
-            fused = [f"{prefix}.{s}.weight" for s in packed.get(short, [short])]
-            shards = fused if sorted(fused) == sorted(names) else sorted(names)
-            layer = layers[path]
-            static = hasattr(layer, "deq_scale") and hasattr(layer, "input_scale")
-            self.layers.append(_Layer(path, short, layer, shards, static))
+        self.layers: List[_Layer] = linear_layers(model, targets)
         self.cold_ptr = {l.path: {n: t.data_ptr() for n, t in _tensors(l.layer).items()} for l in self.layers}
         # Keep the cold-load tensors alive: a loader that re-allocates cannot have its new tensor land
         # on the freed address (the caching allocator reuses blocks) and so pass the pointer check.
@@ -228,13 +245,7 @@ class Int8StateCheck:
         return res
 
     def _bias(self, l: _Layer, weights, out_total: int) -> Optional[torch.Tensor]:
-        names = [n[: -len("weight")] + "bias" for n in l.shards]
-        if all(n in weights for n in names):
-            return torch.cat([weights[n].float().cpu() for n in names])
-        b = getattr(l.layer, "bias", None)
-        if isinstance(b, torch.Tensor) and b.numel() == out_total:
-            return _host(b).float()
-        return None
+        return pushed_bias(l, weights, out_total)
 
     def _derived(self, layer, l: _Layer, live: torch.Tensor, scale_live: torch.Tensor) -> Optional[str]:
         from npu_flashrl.kernels import reference
@@ -271,7 +282,8 @@ class Int8StateCheck:
 
 def summarize_step(results: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One sync over all layers: the row's state column."""
-    failing = {c: [r for r in results if r["problems"][c]] for c in CATEGORIES}
+    cats = dict.fromkeys(c for r in results for c in r["problems"])  # a scheme's check may add categories
+    failing = {c: [r for r in results if r["problems"][c]] for c in cats}
     return {"layers": len(results),
             "ok": not any(failing.values()),
             "failing": {c: [r["layer"] for r in rs] for c, rs in failing.items() if rs},

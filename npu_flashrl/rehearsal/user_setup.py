@@ -53,6 +53,69 @@ def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, 
     return out
 
 
+def check_w4a8(args, model_cfg) -> None:
+    """--w4a8 with a model the W4A8 rollout cannot serve: refused before anything starts."""
+    from npu_flashrl.rehearsal.model import is_moe
+
+    if getattr(args, "w4a8", False) and is_moe(model_cfg):
+        what = f"--model {args.model}" if getattr(args, "model", None) is not None else f"--arch {args.arch}"
+        raise RehearsalError(f"--w4a8 with {what}: a mixture-of-experts model; vllm-ascend's W4A8_DYNAMIC "
+                             "fused-MoE layers are not reloaded (docs/w4a8.md, Fused MoE). Drop --w4a8")
+
+
+def check_w4a8_line() -> None:
+    """--w4a8 on a line whose vllm-ascend has no W4A8_DYNAMIC linear method (asked once the
+    torch_npu emulation is in place: the line's table imports vllm-ascend's quantization)."""
+    from npu_flashrl import lines
+
+    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
+        raise RehearsalError(f"--w4a8: vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
+
+
+W4A8_MAX_GROUP = 256  # vllm-ascend's default group_size (when the description has none)
+
+
+def w4a8_input_sizes(model_cfg) -> Dict[str, int]:
+    """The input sizes of the projections a W4A8 rollout quantizes, from config.json's keys."""
+    cfg = dict(model_cfg.get("text_config") or model_cfg) if isinstance(model_cfg.get("text_config"), dict) \
+        else model_cfg
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    return {"q/k/v_proj, gate/up_proj (hidden_size)": hidden, "o_proj (num_attention_heads x head_dim)":
+            heads * head_dim, "down_proj (intermediate_size)": int(cfg["intermediate_size"])}
+
+
+def w4a8_group_size(model_cfg, requested=None) -> int:
+    """--group-size, checked against every projection's input size; default the largest power of two
+    <= 256 (vllm-ascend's default) that divides them all."""
+    sizes = w4a8_input_sizes(model_cfg)
+    if requested is not None:
+        bad = {k: v for k, v in sizes.items() if v % requested}
+        if bad:
+            raise RehearsalError(f"--group-size {requested}: must divide every W4A8 projection's input size; "
+                                 + ", ".join(f"{k} {v}" for k, v in bad.items()) + " does not")
+        return requested
+    g = W4A8_MAX_GROUP
+    while g > 1 and any(v % g for v in sizes.values()):
+        g //= 2
+    return g
+
+
+def prepare_w4a8(bf16_dir: str, work: str, group_size: int) -> Dict[str, Any]:
+    """The W4A8 rollout's config, as a user sets it up: `npu-flashrl setup --fn w4a8_profile_free
+    -m <the bf16 checkpoint> group_size=N`. The engine then gets an in-memory ModelSlim-format
+    description typing the projections W4A8_DYNAMIC with that group size, and the cold load
+    quantizes them (`W4A8DynamicLinear.checkpoint_items`). Returns the model dir, the config path,
+    the fn and the group size."""
+    from npu_flashrl import commands
+    from npu_flashrl.rehearsal.precisions import FN_W4A8
+
+    config_path = os.path.join(work, "flashrl_config_w4a8.yaml")
+    _user_step(f"setup -m {bf16_dir} --fn {FN_W4A8} -o {config_path} group_size={group_size}", commands.setup,
+               FN_W4A8, bf16_dir, None, config_path, force=True, columns=[f"group_size={group_size}"])
+    return {"model": bf16_dir, "config": config_path, "fn": FN_W4A8, "group_size": group_size}
+
+
 def activate_entry(config_path: str, bf16_dir: str):
     """npu_flashrl.activate(config) + the engine adapter applying the entry to real EngineArgs."""
     from vllm.engine.arg_utils import EngineArgs

@@ -294,3 +294,23 @@ def tiny_moe_checkpoint_pair(root: str, seed: int = 0, smooth: bool = True,
                              config_overrides: Optional[dict] = None):
     """`tiny_checkpoint_pair` of a tiny Qwen3-MoE."""
     return tiny_checkpoint_pair(root, seed, smooth, config_overrides, moe=True)
+
+
+def write_w4a8_description(bf16_dir: str, out_dir: str, group_size: int) -> str:
+    """`out_dir`: the files of the bf16 checkpoint `bf16_dir` (symlinked) beside a ModelSlim-format
+    `quant_model_description.json` that types every dense projection weight W4A8_DYNAMIC with
+    `group_size` and everything else FLOAT: vllm-ascend then builds W4A8_DYNAMIC linear layers,
+    and the cold load quantizes the float projections into what a ModelSlim W4A8 checkpoint carries."""
+    from npu_flashrl.quant.projections import is_dense_projection
+
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(bf16_dir):
+        src = os.path.join(bf16_dir, f)
+        if os.path.isfile(src) and f != "quant_model_description.json":
+            os.symlink(os.path.abspath(src), os.path.join(out_dir, f))
+    desc = {"model_quant_type": "W4A8_DYNAMIC", "group_size": int(group_size)}
+    for name in _tensor_index(bf16_dir):
+        desc[name] = "W4A8_DYNAMIC" if is_dense_projection(name) else "FLOAT"
+    with open(os.path.join(out_dir, "quant_model_description.json"), "w") as f:
+        json.dump(desc, f, indent=1)
+    return out_dir

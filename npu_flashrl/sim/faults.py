@@ -21,10 +21,15 @@ moved_weight       one layer's weight re-allocated after the sync (not in place)
 stale_fp32_scale   one layer's weight_scale_fp32 left at its cold-load value             1
 expert_scale_x0.5  MoE: one expert's down_proj scales at half (layer 0, expert 3)         1
 stale_expert       MoE: one expert (layer 0, expert 5) keeps the tensors of the first sync 2
+w4a8_packed_flip   W4A8: one packed int32 word of the first layer bit-flipped              1
+w4a8_scale_x2      W4A8: the first o_proj's antiquant weight_scale_second doubled          1
+w4a8_moved_weight  W4A8: the first layer's packed weight re-allocated (not in place)       1
 =================  ==================================================================  ==========
 
 The MoE faults need a MoE `--model` (refused on a dense model); the global quantizer faults
-(scale_x0.5, scale_x1.1, round_trunc) hit the experts too.
+(scale_x0.5, scale_x1.1, round_trunc) hit the experts too. The W4A8 faults (`rehearse --w4a8`)
+hit the W4A8 variant only and the others its INT8 variants only (`install`: by the quant types
+of the loader's layers).
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
 EXPERT_FAULTS = ("expert_scale_x0.5", "stale_expert")
 QUANTIZER_FAULTS = ("scale_x0.5", "scale_x1.1", "int8_transposed", "stale_shard", "round_trunc") + EXPERT_FAULTS
 AFTER_SYNC_FAULTS = ("moved_weight", "stale_fp32_scale")
-FAULTS = QUANTIZER_FAULTS + AFTER_SYNC_FAULTS
+W4A8_FAULTS = ("w4a8_packed_flip", "w4a8_scale_x2", "w4a8_moved_weight")
+FAULTS = QUANTIZER_FAULTS + AFTER_SYNC_FAULTS + W4A8_FAULTS
 SCALED_EXPERT = "layers.0.mlp.experts.3.down_proj.weight"
 STALE_EXPERT = "layers.0.mlp.experts.5."
 
@@ -104,6 +110,12 @@ class Fault:
             square = next((n for n, t in targets.items() if n.endswith("o_proj.weight")
                            and t.layer.weight.shape[0] == t.layer.weight.shape[1]), None)
             vllm_ascend.attach(model, _FaultyQuantizer(loader.quantizer, name, square))
+        elif name == "w4a8_scale_x2":
+            t = next(t for n, t in targets.items() if n.endswith("o_proj.weight"))
+            self._layer, self.layer_path = t.layer, t.path
+        elif name in W4A8_FAULTS:
+            t = next(iter(targets.values()))
+            self._layer, self.layer_path = t.layer, t.path
         else:
             t = next(iter(targets.values()))
             self._layer = t.layer
@@ -116,10 +128,20 @@ class Fault:
             self._layer.weight.data = self._layer.weight.data.clone()
         elif self.name == "stale_fp32_scale":
             self._layer.weight_scale_fp32.copy_(self._cold_fp32)
+        elif self.name == "w4a8_packed_flip":
+            self._layer.weight.data.view(-1)[7] ^= 0x00F0  # one int4 value of word 7 changed
+        elif self.name == "w4a8_scale_x2":
+            self._layer.weight_scale_second.mul_(2)
+        elif self.name == "w4a8_moved_weight":
+            self._layer.weight.data = self._layer.weight.data.clone()
 
 
 def install(model, loader) -> Optional[Fault]:
-    """Called by the rollout loop right after the INT8 model's cold load (`loader`: the model's INT8
-    loader, as `vllm_ascend.attach` returns it); None without a fault."""
+    """Called by the rollout loop right after a quantized model's cold load (`loader`: the model's
+    loader, as `vllm_ascend.attach` returns it); None without a fault, or when the fault is for
+    the other scheme (a W4A8 fault on an INT8 model, an INT8 fault on a W4A8 model)."""
     name = active()
-    return None if name is None else Fault(name, model, loader)
+    if name is None:
+        return None
+    w4a8 = any(t.scheme.key[0] == "W4A8_DYNAMIC" for t in loader.targets.values())
+    return Fault(name, model, loader) if (name in W4A8_FAULTS) == w4a8 else None

@@ -46,9 +46,16 @@ def _fmt_cmp(label: str, p: Dict[str, Any]) -> str:
             f"{p.get('power_se_source', 'own')})")
 
 
+def _limit(max_layer_error, precision) -> float:
+    """The per-layer output error limit of `precision`: a number (every precision's, as before) or a
+    dict by precision name ("int8", "w4a8")."""
+    return max_layer_error[precision.name] if isinstance(max_layer_error, dict) else max_layer_error
+
+
 def _variant_checks(name: str, res: Dict[str, Any], summary, info, layer_results, device: str,
-                    max_layer_error: float, variant=None) -> List[Dict[str, Any]]:
-    from npu_flashrl.rehearsal.checks import state_checks
+                    max_layer_error, variant=None) -> List[Dict[str, Any]]:
+    from npu_flashrl.rehearsal.checks import STATE_CHECKS, W4A8_STATE_CHECKS, state_checks
+    from npu_flashrl.rehearsal.precisions import INT8, of_info
 
     v = variant if variant is not None else ALL[name]
     out: List[Dict[str, Any]] = []
@@ -101,20 +108,29 @@ def _variant_checks(name: str, res: Dict[str, Any], summary, info, layer_results
 
     if not v.int8 or not info:  # info: the rollout model's (constructed results in tests have none)
         return out
-    add("rollout model is INT8", info.get("quantized_layers", 0) > 0
-        and info.get("layer0_qkv_weight_dtype") == "torch.int8",
-        f"{info.get('quantized_layers', 0)} vllm-ascend W8A8 layers, qkv weight "
+    p = of_info(info) if info.get("fn") else INT8  # a rollout's precision, from its config fn
+    kinds = "/".join(info.get("quant_types") or p.quant_types)
+    add(f"rollout model is {p.name.upper()}", info.get("quantized_layers", 0) > 0
+        and info.get("layer0_qkv_weight_dtype") == p.weight_dtype,
+        f"{info.get('quantized_layers', 0)} vllm-ascend {kinds} layers, qkv weight "
         f"{info.get('layer0_qkv_weight_dtype')}, online quantizer {info.get('online_quantizer')}")
     var, base = summary["variants"].get(name), summary["variants"].get(VARIANT_BF16)
     if base is not None and var is not None:
         add("mismatch above bf16 (quantization in the path)", var["mismatch_mean"] > base["mismatch_mean"],
             f"token_mult_prob_error mean {var['mismatch_mean']:.5f} vs bf16 {base['mismatch_mean']:.5f}")
+    finer = summary["variants"].get(p.above) if p.above else None
+    if finer is not None and var is not None and not v.control:
+        add(f"mismatch above {p.above}'s (coarser {p.values} values)", var["mismatch_mean"] > finer["mismatch_mean"],
+            f"token_mult_prob_error mean {var['mismatch_mean']:.5f} vs {p.above} {finer['mismatch_mean']:.5f}")
     expected = res["seeds"] * (res["steps"] + 1)
     syncs = len({r["step"] for r in layer_results})
-    add("INT8 state checked after every sync", syncs == expected,
+    add(f"{p.name.upper()} state checked after every sync", syncs == expected,
         f"{syncs} syncs checked, {expected} expected ({res['seeds']} runs x ({res['steps']} steps + the initial push))")
     if layer_results:
-        for c in state_checks(name, layer_results, device, max_layer_error):
+        limit = _limit(max_layer_error, p)
+        titles = STATE_CHECKS if p.values == "int8" else {
+            c: t.replace("--max-layer-error", "--max-w4a8-layer-error") for c, t in W4A8_STATE_CHECKS.items()}
+        for c in state_checks(name, layer_results, device, limit, titles, p.values):
             out.append(dict(c, subject=name))
     if v.fp32_head:
         add("lm_head is fp32", info.get("lm_head_dtype") == "torch.float32",
@@ -167,7 +183,7 @@ def _power_checks(summary) -> List[Dict[str, Any]]:
     return out
 
 
-def positive_checks(results, infos, layer_results, device: str, max_layer_error: float) -> List[Dict[str, Any]]:
+def positive_checks(results, infos, layer_results, device: str, max_layer_error) -> List[Dict[str, Any]]:
     """The positive control's runs get the same per-variant checks (own log-probs, TIS in the loss, the
     INT8 state after every sync); what they measure is reported, not checked (`positive.finding`)."""
     out: List[Dict[str, Any]] = []
@@ -179,9 +195,10 @@ def positive_checks(results, infos, layer_results, device: str, max_layer_error:
 
 
 def evaluate(results, summary, infos, layer_results, s: GrpoSettings, device: str,
-             max_layer_error: float) -> Tuple[List[Dict[str, Any]], Dict[str, Dict[str, Any]]]:
+             max_layer_error) -> Tuple[List[Dict[str, Any]], Dict[str, Dict[str, Any]]]:
     """(the run's checks, each control's outcome). The run's checks are the real variants' checks plus
-    one per control: "it failed the check it must fail"."""
+    one per control: "it failed the check it must fail". `max_layer_error`: one limit, or one per
+    precision name ({"int8": ..., "w4a8": ...})."""
     checks = _learning_checks(summary, s) + _power_checks(summary)
     controls: Dict[str, Dict[str, Any]] = {}
     for name, res in results.items():

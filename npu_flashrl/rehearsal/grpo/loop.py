@@ -49,26 +49,32 @@ def sample_generator(base_seed: int, seed: int, step: int) -> torch.Generator:
 
 
 class RolloutHandle:
-    """A built rollout model with what the loop needs from it (INT8: state checker and fault)."""
+    """A built rollout model with what the loop needs from it (quantized: its precision's state
+    checker and the fault). `fn`: the config fn its engine was set up with (None: vLLM's own bf16
+    model); its precision (`rehearsal.precisions.of_fn`) picks the state check."""
 
-    def __init__(self, v, int8: bool, device: str, seed: int, profile, faults_mod):
-        from npu_flashrl.rehearsal.state import Int8StateCheck
+    def __init__(self, v, fn: Optional[str], device: str, seed: int, profile, faults_mod):
+        from npu_flashrl.rehearsal.precisions import of_fn
 
-        self.v, self.model, self.int8 = v, v.model, int8
+        precision = of_fn(fn)
+        self.v, self.model, self.int8 = v, v.model, precision is not None
         loader = getattr(self.model, lines.SYNC_ATTR, None)
         self.info: Dict[str, Any] = {
             "model_dir": getattr(v, "model_dir", None), "quantization": getattr(v, "quantization", None),
+            "fn": fn, "precision": precision.name if precision else None,
             "int8_loader": loader is not None,
             "quantized_layers": len({t.path for t in loader.targets.values()}) if loader else 0,
+            "quant_types": sorted({t.scheme.key[0] for t in loader.targets.values()}) if loader else [],
             "online_quantizer": getattr(getattr(loader, "quantizer", None), "name", None),
             "layer0_qkv_weight_dtype": str(self.model.model.layers[0].self_attn.qkv_proj.weight.dtype),
             "lm_head_dtype": str(getattr(getattr(self.model, "lm_head", None), "weight", torch.empty(0)).dtype)}
         self.checker = self.fault = None
-        if int8:
+        if precision is not None:
             if loader is None or not loader.targets:
-                raise RehearsalError("GRPO rollout: the vLLM model has no npu_flashrl INT8 loader / no vllm-ascend "
-                                     "W8A8 layers: npu_flashrl was not active when it was built")
-            self.checker = Int8StateCheck(self.model, loader.targets, device, profile=profile, seed=seed)
+                raise RehearsalError(f"GRPO rollout: the vLLM model has no npu_flashrl loader / no vllm-ascend "
+                                     f"{'/'.join(precision.quant_types)} layers: npu_flashrl was not active when "
+                                     "it was built")
+            self.checker = precision.state_check()(self.model, loader.targets, device, profile=profile, seed=seed)
             self.fault = faults_mod.install(self.model, loader)
         self.info["fault_injected"] = self.fault.name if self.fault else None
 

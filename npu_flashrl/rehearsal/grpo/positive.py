@@ -3,13 +3,13 @@ mismatch is large enough that `int8` without TIS measurably trains worse than bf
 run, so that what the rehearsal says about TIS is what this run measured.
 
 A setting (`SETTINGS`, one entry each) names the rollout model its quantized variants sample from
-(a kind of `run._setup`'s builders: "int8" today; a W4A8 rollout is one more entry,
-`Setting("w4a8_rollout", ..., rollout="w4a8")`, with a "w4a8" builder there; `loop.RolloutHandle`
-treats every kind but "bf16" as INT8 and checks its INT8 state after each sync, which a W4A8 rollout
-would need its own check for; an entry whose kind has no builder is refused before any run), how
+(a kind of `run._setup`'s builders: "int8", or "w4a8" with `--w4a8`: `W4A8_SETTINGS`, added by
+`table_for`; `loop.RolloutHandle` checks each kind's state with its precision's check, from the
+kind's config fn; an entry whose kind has no builder is refused before any run), how
 its sampling departs from the trainer (`logit_scale`: the rollout samples from its logits x the scale,
 `sampling.py`), the answer length, its seeds and steps, and the hypothesis it was put in the table
-for. Each setting runs `int8` (no TIS) and `int8+tis` on that rollout, and where TIS is expected to
+for. Each setting runs `<rollout>` (no TIS) and `<rollout>+tis` on that rollout ("int8" below; "w4a8"
+for the W4A8 setting, its comparisons named so), and where TIS is expected to
 help also `int8+tis` with the inverted ratio (`CONTROL_EFFECTS["tis_inverted"]`), so that correct TIS
 is told from inverted TIS where it matters. `bf16` (on-policy: the bf16 rollout at temperature 1) runs
 once per task size (answer length, steps) with the largest seed count of its settings; a setting
@@ -59,7 +59,18 @@ SETTINGS = (
             "3-token answers (at 6 a flatter rollout almost never samples the whole answer: no reward, no "
             "gradient)", "tis_hurts", logit_scale=0.5, response_len=3, seeds=5),
 )
+# `--w4a8 --positive-control`: the W4A8 rollout as it is (temperature 1): int4 in groups departs from
+# the trainer more than INT8 does, the place where TIS has something to correct (issue 39)
+W4A8_SETTINGS = (
+    Setting("w4a8_rollout", "the W4A8 rollout (int4 weights in groups) samples at temperature 1 like the "
+            "trainer, 6-token answers", "tis_helps", rollout="w4a8", seeds=10),
+)
 QUICK_SIZE = (2, 2)  # (seeds, steps) under --quick: the machinery only, nothing resolved
+
+
+def table_for(s: GrpoSettings) -> Tuple[Setting, ...]:
+    """The settings a run's positive control runs: `SETTINGS`, and with --w4a8 `W4A8_SETTINGS`."""
+    return SETTINGS + (W4A8_SETTINGS if s.w4a8 else ())
 
 
 def size(setting: Setting, s: GrpoSettings) -> Tuple[int, int]:
@@ -95,9 +106,10 @@ def jobs(s: GrpoSettings, table=SETTINGS) -> List[Job]:
         key = (st.response_len, steps)
         sized = dataclasses.replace(s, seeds=seeds, steps=steps, response_len=st.response_len,
                                     window=max(1, steps // 2))
-        names = [("int8", False, None), ("int8+tis", True, None)]
+        q = st.rollout
+        names = [(q, False, None), (f"{q}+tis", True, None)]
         if st.inverted:
-            names.append(("int8+tis inverted", True, "tis_inverted"))
+            names.append((f"{q}+tis inverted", True, "tis_inverted"))
         for label, tis, control in names:
             out.append(Job(Variant(f"pc:{st.name}/{label}", st.rollout, tis=tis, control=control,
                                    logit_scale=st.logit_scale), st.name, key, sized))
@@ -128,29 +140,30 @@ def summarize(results: Dict[str, Any], s: GrpoSettings, pretrained: Dict[Tuple[i
         seeds, steps = size(st, s)
         key = (st.response_len, steps)
         ref = bf16_name(key)
-        names = {lbl: f"pc:{st.name}/{lbl}" for lbl in ("int8", "int8+tis", "int8+tis inverted")}
-        if not all(n in results for n in (ref, names["int8"], names["int8+tis"])):
+        r, rt, ri = st.rollout, f"{st.rollout}+tis", f"{st.rollout}+tis inverted"  # "int8", "int8+tis", ...
+        names = {lbl: f"pc:{st.name}/{lbl}" for lbl in (r, rt, ri)}
+        if not all(n in results for n in (ref, names[r], names[rt])):
             continue
-        b, q, t = _heldout(results, ref, seeds), _heldout(results, names["int8"]), _heldout(results, names["int8+tis"])
-        cmp = {"int8 - bf16": stats.paired(q, b, LEVEL), "int8+tis - int8": stats.paired(t, q, LEVEL),
-               "int8+tis - bf16": stats.paired(t, b, LEVEL)}
-        inv = names["int8+tis inverted"] if st.inverted else None
+        b, q, t = _heldout(results, ref, seeds), _heldout(results, names[r]), _heldout(results, names[rt])
+        cmp = {f"{r} - bf16": stats.paired(q, b, LEVEL), f"{rt} - {r}": stats.paired(t, q, LEVEL),
+               f"{rt} - bf16": stats.paired(t, b, LEVEL)}
+        inv = names[ri] if st.inverted else None
         if inv in results:
             iv = _heldout(results, inv)
-            cmp["int8+tis inverted - int8"] = stats.paired(iv, q, LEVEL)
-            cmp["int8+tis - int8+tis inverted"] = stats.paired(t, iv, LEVEL)
+            cmp[f"{ri} - {r}"] = stats.paired(iv, q, LEVEL)
+            cmp[f"{rt} - {ri}"] = stats.paired(t, iv, LEVEL)
         recovered = stats.fieller([a - c for a, c in zip(t, q)], [a - c for a, c in zip(b, q)], LEVEL)
-        cb, cq, ct = _curve(results, ref, seeds), _curve(results, names["int8"]), _curve(results, names["int8+tis"])
-        curve = {"int8 - bf16": stats.paired(cq, cb, LEVEL), "int8+tis - int8": stats.paired(ct, cq, LEVEL)}
+        cb, cq, ct = _curve(results, ref, seeds), _curve(results, names[r]), _curve(results, names[rt])
+        curve = {f"{r} - bf16": stats.paired(cq, cb, LEVEL), f"{rt} - {r}": stats.paired(ct, cq, LEVEL)}
         mism = {lbl: _mismatch(results, n) for lbl, n in names.items() if n in results}
         mism["bf16"] = _mismatch(results, ref)
-        heldout = {"bf16": b, "int8": q, "int8+tis": t}
+        heldout = {"bf16": b, r: q, rt: t}
         if inv in results:
-            heldout["int8+tis inverted"] = _heldout(results, inv)
+            heldout[ri] = _heldout(results, inv)
         out[st.name] = {"setting": st.to_dict(), "seeds": seeds, "steps": steps, "level": LEVEL,
                         "pretrained_heldout": pretrained.get(key), "heldout_per_seed": heldout,
                         "heldout": cmp, "recovered_fraction": recovered, "curve": curve,
-                        "token_mult_prob_error": mism, "finding": finding(cmp, recovered),
+                        "token_mult_prob_error": mism, "finding": finding(cmp, recovered, r),
                         "hypothesis": HYPOTHESES[st.hypothesis]}
     return out
 
@@ -161,13 +174,15 @@ def _sign(p: Dict[str, Any]) -> int:
     return 1 if lo > 0 else (-1 if hi < 0 else 0)
 
 
-def finding(cmp: Dict[str, Any], recovered: Dict[str, Any]) -> Dict[str, Any]:
-    """What the intervals show, in words and as flags."""
-    degrades, tis = _sign(cmp["int8 - bf16"]), _sign(cmp["int8+tis - int8"])
-    told = cmp.get("int8+tis - int8+tis inverted")
+def finding(cmp: Dict[str, Any], recovered: Dict[str, Any], rollout: str = "int8") -> Dict[str, Any]:
+    """What the intervals show, in words and as flags (`rollout`: the quantized rollout's name;
+    the flag keeps its name `int8_degrades` whatever the rollout)."""
+    r = rollout
+    degrades, tis = _sign(cmp[f"{r} - bf16"]), _sign(cmp[f"{r}+tis - {r}"])
+    told = cmp.get(f"{r}+tis - {r}+tis inverted")
     apart = None if told is None else _sign(told)
-    words = [{-1: "int8 without TIS trains worse than bf16", 1: "int8 without TIS scores above bf16",
-              0: "int8 without TIS not resolved from bf16"}[degrades],
+    words = [{-1: f"{r} without TIS trains worse than bf16", 1: f"{r} without TIS scores above bf16",
+              0: f"{r} without TIS not resolved from bf16"}[degrades],
              {1: "TIS helps", -1: "TIS hurts", 0: "TIS's effect not resolved"}[tis]]
     if degrades == -1 and tis == 1 and recovered.get("bounded"):
         lo, hi = recovered["ci"]
@@ -203,8 +218,8 @@ def lines(pc: Dict[str, Any]) -> List[str]:
               "interval unbounded (the gap bf16 - int8 not resolved)")
         out.append(f"    {'recovered fraction':>28}: {rf['ratio']:+.2f} {ci}")
         c = r["curve"]
-        out.append(f"    {'(whole curve, secondary)':>28}: int8 - bf16 {c['int8 - bf16']['diff']:+.4f}, "
-                   f"int8+tis - int8 {c['int8+tis - int8']['diff']:+.4f} (the rollout's own samples)")
+        out.append(f"    {'(whole curve, secondary)':>28}: "
+                   + ", ".join(f"{k} {p['diff']:+.4f}" for k, p in c.items()) + " (the rollout's own samples)")
         out.append(f"    shown: {r['finding']['text']} (put in the table for: {r['hypothesis']})")
     return out
 

@@ -7,7 +7,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from npu_flashrl.rehearsal.grpo import positive, stats
-from npu_flashrl.rehearsal.grpo.settings import ALL, EFFECT_LEARNERS, TRACKED_REAL, VARIANT_BF16, GrpoSettings
+from npu_flashrl.rehearsal.grpo.settings import (ALL, EFFECT_LEARNERS, TIS_PAIRS, TRACKED_REAL, VARIANT_BF16,
+                                                 GrpoSettings)
 from npu_flashrl.rehearsal.output import print_fault_and_checks
 from npu_flashrl.rehearsal.plotting import pyplot, save_png
 
@@ -97,7 +98,24 @@ def summarize(results: Dict[str, Dict[str, Any]], s: GrpoSettings,
         if base is not None and base["heldout_per_seed"]:
             pre = [heldout["pretrained"]] * len(base["heldout_per_seed"])
             held["bf16_vs_pretrained"] = stats.paired(base["heldout_per_seed"], pre, paired_level(s, results))
-    return {"variants": variants, "bounds": bounds, "paired": paired, "heldout": held}
+    return {"variants": variants, "bounds": bounds, "paired": paired, "heldout": held,
+            "tis_effect": _tis_effect(variants)}
+
+
+def _tis_effect(variants) -> Dict[str, Any]:
+    """Each quantized rollout with TIS against itself without (`settings.TIS_PAIRS`: int8+tis - int8,
+    w4a8+tis - w4a8), paired by seed, 95% t intervals; reported beside each other, not a verdict."""
+    out: Dict[str, Any] = {}
+    for with_tis, without in TIS_PAIRS:
+        a, b = variants.get(with_tis), variants.get(without)
+        if a is None or b is None or (a["seeds"], a["steps"]) != (b["seeds"], b["steps"]):
+            continue
+        entry = {"mismatch_mean": {without: b["mismatch_mean"], with_tis: a["mismatch_mean"]}}
+        for k, col in (("heldout", "heldout_per_seed"), ("curve", "curve_per_seed")):
+            if a[col] and b[col]:
+                entry[k] = stats.paired(a[col], b[col], BAND_LEVEL)
+        out[f"{with_tis} - {without}"] = entry
+    return out
 
 
 def paired_level(s: GrpoSettings, results) -> float:
@@ -260,6 +278,14 @@ def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, repor
               f"found with {stats.POWER:.0%} power):", file=out)
         for name, p in summary["paired"].items():
             print(_verdict_line(name, p), file=out)
+        print("", file=out)
+    if summary.get("tis_effect"):
+        print(f"TIS effect (paired by seed, {BAND_LEVEL:.0%} t intervals; reported, not a verdict):", file=out)
+        for label, e in summary["tis_effect"].items():
+            parts = [f"{k} {e[k]['diff']:+.4f} [{e[k]['ci'][0]:+.4f}, {e[k]['ci'][1]:+.4f}]"
+                     for k in ("heldout", "curve") if k in e]
+            mm = ", ".join(f"{n} {m:.5f}" for n, m in e["mismatch_mean"].items())
+            print(f"{label:>22}: " + "; ".join(parts) + f" (token_mult_prob_error {mm})", file=out)
         print("", file=out)
     if g["controls"]:
         print("negative controls (each must fail its check):", file=out)

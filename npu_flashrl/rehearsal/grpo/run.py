@@ -50,6 +50,10 @@ def run(args) -> int:
                              "built-in tiny model was pre-trained on; run --grpo without --model")
     device, emulated = resolve_device(args.device)
     check_arguments(args)
+    from npu_flashrl.rehearsal.model import tiny_model_config
+    from npu_flashrl.rehearsal.user_setup import check_w4a8
+
+    check_w4a8(args, tiny_model_config(args))
     settings = resolve(args)
     if settings.steps < 2:
         raise RehearsalError(f"--grpo needs --steps >= 2 (first and final rewards), got {settings.steps}")
@@ -101,6 +105,8 @@ class Setup:
     applied: Any
     builders: Dict[str, Callable[[], Any]]
     profile: Any = None
+    fns: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)  # rollout kind -> its config fn
+    w4a8: Optional[Dict[str, Any]] = None  # --w4a8: the W4A8 rollout's model dir, config, group size
 
 
 @dataclasses.dataclass
@@ -178,13 +184,29 @@ def _setup(r: Run, model: Model) -> Setup:
     def bf16_build():  # an engine without npu_flashrl's choice: vLLM's own bf16 model
         return make_rollout(r.device, model.bf16_dir, None)
 
-    def int8_build():
-        engine_args, _, _, _ = activate_entry(setup["config"], model.bf16_dir)
+    def build(config_path: str, model_dir: str):
+        engine_args, _, _, _ = activate_entry(config_path, model_dir)
         return make_rollout(r.device, engine_args.model, engine_args.quantization, engine_args.load_format or "auto",
                             additional_config=getattr(engine_args, "additional_config", None))
 
+    def int8_build():
+        return build(setup["config"], model.bf16_dir)
+
     builders = {"bf16": bf16_build, "int8": int8_build, "int8+fp32head": int8_build}
-    return Setup(setup["fn"], applied, builders, profile)
+    fns: Dict[str, Optional[str]] = {"bf16": None, "int8": setup["fn"], "int8+fp32head": setup["fn"]}
+    if r.settings.w4a8:  # the W4A8 rollout as the default rehearsal's --w4a8 sets it up
+        from npu_flashrl.rehearsal.user_setup import check_w4a8_line, prepare_w4a8, w4a8_group_size
+
+        check_w4a8_line()
+        with open(os.path.join(model.bf16_dir, "config.json")) as f:
+            w4a8 = prepare_w4a8(model.bf16_dir, r.work, w4a8_group_size(json.load(f), r.args.group_size))
+
+        def w4a8_build():
+            return build(w4a8["config"], w4a8["model"])
+
+        builders["w4a8"], fns["w4a8"] = w4a8_build, w4a8["fn"]
+        setup["w4a8"] = w4a8
+    return Setup(setup["fn"], applied, builders, profile, fns, setup.get("w4a8"))
 
 
 def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
@@ -216,7 +238,7 @@ def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
     pc_pretrained: Dict[Any, float] = {}
     if s.positive_control:
         pc_tasks: Dict[Any, Any] = {}
-        for job in positive.jobs(s):
+        for job in positive.jobs(s, positive.table_for(s)):
             if job.task_key not in pc_tasks:  # the bf16 job of a task size comes first, with its most seeds
                 tk = GreedyChainTask(task.markov, s.prompt_len, job.task_key[0])
                 ps, _ = heldout_mod.heldout_prompts(tk, job.settings, r.args.seed)
@@ -248,7 +270,7 @@ def _runs(r: Run, task, model: Model, setup: Setup) -> Runs:
                 vllm_fp32.enable_lm_head_fp32()
             t0 = time.perf_counter()
             with setup.builders[kind]() as v:
-                handle = RolloutHandle(v, kind != "bf16", r.device, r.args.seed, setup.profile, _faults())
+                handle = RolloutHandle(v, setup.fns.get(kind), r.device, r.args.seed, setup.profile, _faults())
                 handle.info["build_s"] = time.perf_counter() - t0
                 sync.attach(v)
                 for variant, vs, vtask, vscore, where in on_it:
@@ -302,16 +324,19 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
     from npu_flashrl.rehearsal.grpo import report as grpo_report
     from npu_flashrl.rehearsal.grpo.settings import ALL
     from npu_flashrl.rehearsal.state import by_type, state_rules
+    from npu_flashrl.rehearsal.state_w4a8 import state_rules as w4a8_state_rules
 
     args, s = r.args, r.settings
     summary = grpo_report.summarize(runs.results, s, runs.heldout)
+    layer_limits = {"int8": args.max_layer_error, "w4a8": args.max_w4a8_layer_error}
     checks, controls = grpo_checks.evaluate(runs.results, summary, runs.infos, runs.layer_results, s, r.device,
-                                            args.max_layer_error)
+                                            layer_limits)
     if s.positive_control:
-        pc = {"run": True, "table": positive.describe_table(), "quick": s.quick,
-              "settings": positive.summarize(runs.positive, s, runs.positive_pretrained)}
+        table = positive.table_for(s)
+        pc = {"run": True, "table": positive.describe_table(table), "quick": s.quick,
+              "settings": positive.summarize(runs.positive, s, runs.positive_pretrained, table)}
         checks.extend(grpo_checks.positive_checks(runs.positive, runs.infos, runs.layer_results, r.device,
-                                                  args.max_layer_error))
+                                                  layer_limits))
     else:
         pc = positive.not_run("run `npu-flashrl rehearse --grpo --positive-control` to measure it")
     ok = all(c["ok"] for c in checks)
@@ -330,6 +355,7 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
         "grpo": {"settings": s.to_dict(), "task": task.to_dict(), "variants": summary["variants"],
                  "variant_specs": {n: ALL[n].to_dict() for n in runs.results},
                  "bounds": summary["bounds"], "paired": summary["paired"], "heldout": summary["heldout"],
+                 "tis_effect": summary["tis_effect"],
                  "controls": controls, "positive_control": pc,
                  "algorithm": {v: res["algo"] for v, res in runs.results.items()},
                  "rows": [row for res in runs.results.values() for row in res["rows"]],
@@ -341,6 +367,8 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
         "int8_state": {v: {"by_type": by_type(rs), "syncs": len({x["step"] for x in rs})}
                        for v, rs in runs.layer_results.items()},
         "int8_state_rules": state_rules(r.device, args.max_layer_error),
+        "w4a8_state_rules": w4a8_state_rules(args.max_w4a8_layer_error) if s.w4a8 else None,
+        "w4a8_setup": setup.w4a8,
         "fault_injected": fault, "timings": r.timings,
         "patches": {"applied": [p["name"] for p in patches.status() if p["applied"]],
                     "activation_result": setup.applied},

@@ -22,6 +22,8 @@ VARIANT_BF16 = "bf16"
 VARIANT_INT8 = "int8"
 VARIANT_INT8_TIS = "int8+tis"
 VARIANT_INT8_TIS_FP32HEAD = "int8+tis+fp32head"
+VARIANT_W4A8 = "w4a8"
+VARIANT_W4A8_TIS = "w4a8+tis"
 
 # the check names a control is meant to fail (checks.py builds them with these phrases)
 CHECK_TIS_RATIO = "TIS weights are the truncated trainer/rollout ratio"
@@ -35,7 +37,7 @@ CHECK_POWER = "power: the detectable difference printed covers a 0.75x-lr learne
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    rollout: str                    # the rollout model: "bf16", "int8" or "int8+fp32head"
+    rollout: str                    # the rollout model: "bf16", "int8", "int8+fp32head" or "w4a8" (--w4a8)
     tis: bool                       # verl's TIS weights in the loss
     fp32_head: bool = False         # the fp32 lm head on both sides
     control: Optional[str] = None   # negative control: what is deliberately wrong (see CONTROL_EFFECTS)
@@ -46,6 +48,7 @@ class Variant:
 
     @property
     def int8(self) -> bool:
+        """A quantized rollout (INT8 or W4A8: its precision follows from its rollout's fn, `run._setup`)."""
         return self.rollout != "bf16"
 
     def to_dict(self) -> Dict[str, Any]:
@@ -73,6 +76,14 @@ REAL = (
     Variant(VARIANT_INT8_TIS, "int8", tis=True),
     Variant(VARIANT_INT8_TIS_FP32HEAD, "int8+fp32head", tis=True, fp32_head=True),
 )
+# `--w4a8`: the W4A8 rollout (fn w4a8_profile_free), without and with TIS; reported beside the INT8
+# ones (paired with bf16 and TIS against no TIS), not tracked: no verdict rests on them
+W4A8_REAL = (
+    Variant(VARIANT_W4A8, "w4a8", tis=False),
+    Variant(VARIANT_W4A8_TIS, "w4a8", tis=True),
+)
+# the TIS effects reported beside each other: (with TIS, without)
+TIS_PAIRS = ((VARIANT_INT8_TIS, VARIANT_INT8), (VARIANT_W4A8_TIS, VARIANT_W4A8))
 CONTROLS = (
     Variant("ctl:tis_inverted", "int8", tis=True, control="tis_inverted", fails=CHECK_TIS_RATIO, full_size=False),
     Variant("ctl:tis_ones", "int8", tis=True, control="tis_ones", fails=CHECK_TIS_IN_LOSS, full_size=False),
@@ -85,7 +96,7 @@ CONTROLS = (
 PROBES = (Variant("probe:lr_x0.75", "int8", tis=True, lr_scale=0.75),)
 # the comparisons that carry a real effect: their paired SE is the SE under an effect (the power's)
 EFFECT_LEARNERS = ("ctl:slow_learner", "probe:lr_x0.75")
-ALL = {v.name: v for v in REAL + CONTROLS + PROBES}
+ALL = {v.name: v for v in REAL + W4A8_REAL + CONTROLS + PROBES}
 VARIANTS = tuple(v.name for v in REAL)
 # the variants whose tracking of bf16 is a verdict (int8 without TIS is shown, compared, not required)
 TRACKED = (VARIANT_INT8_TIS, VARIANT_INT8_TIS_FP32HEAD, "ctl:slow_learner")
@@ -110,6 +121,7 @@ class GrpoSettings:
     confidence: float = 0.95    # of the family of tracking comparisons (split over them, Bonferroni)
     controls: bool = True       # the negative controls and the power probe
     positive_control: bool = False  # `--positive-control`: the settings of `positive.SETTINGS` too
+    w4a8: bool = False          # `--w4a8`: the W4A8 variants (`W4A8_REAL`) and the positive control's W4A8 setting
     quick: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
@@ -120,7 +132,7 @@ class GrpoSettings:
         return (self.seeds, self.steps) if v.full_size else CONTROL_SIZE
 
     def variants(self) -> Tuple[Variant, ...]:
-        return REAL + (CONTROLS + PROBES if self.controls else ())
+        return REAL + (W4A8_REAL if self.w4a8 else ()) + (CONTROLS + PROBES if self.controls else ())
 
 
 CONTROL_SIZE = (1, 2)  # (seeds, steps) of the controls whose check is structural
@@ -149,6 +161,8 @@ def resolve(args) -> GrpoSettings:
         changes["positive_control"] = True
     if getattr(args, "quick", False):
         changes["quick"] = True
+    if getattr(args, "w4a8", False):
+        changes["w4a8"] = True
     s = dataclasses.replace(s, **changes)
     if s.window * 2 > s.steps:
         s = dataclasses.replace(s, window=max(1, s.steps // 2))
