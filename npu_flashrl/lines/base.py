@@ -274,6 +274,11 @@ class StackLine:
     # ------------------------------------------------------------------ patches
     # what the run-once patch adds on this line to a scheme's own reason (`verify` shows it)
     ONCE_NOTE = ""
+    # AscendW4A8DynamicLinearMethod.apply calls npu_weight_quant_batchmatmul without the bias
+    # vLLM's linear layer hands it (0.23.0 quantization/methods/w4a8.py, 0.11.0 and v0.10.1rc1
+    # quantization/w4a8_dynamic.py; vllm-ascend PR #11371, open): a line whose apply adds the bias
+    # itself sets False, and the W4A8 bias patch is then not declared there
+    W4A8_LINEAR_DROPS_BIAS = True
 
     def _prepare_schemes(self) -> None:
         """What to import before a scheme's method is replaced."""
@@ -284,7 +289,16 @@ class StackLine:
         """The run-once patch (`process_once`) of the class this line's table has for (quant
         type, layer type): one per registered scheme, named by it. Declared without importing
         vllm-ascend (its target names the table entry); applied to the class the table holds."""
-        target = f"{self.quant_method_map}[{quant_type!r}, {layer_type!r}].{PWAL}"
+        return self.scheme_method_patch(name, quant_type, layer_type, PWAL,
+                                        lambda orig: self.process_once(orig, after=after),
+                                        why + self.ONCE_NOTE)
+
+    def scheme_method_patch(self, name: str, quant_type: str, layer_type: str, attr: str,
+                            wrap: Callable, why: str) -> patches.Patch:
+        """A patch replacing method `attr` of the class this line's table has for (quant type,
+        layer type) by `wrap(original)`. Declared without importing vllm-ascend (its target names
+        the table entry); applied to the class the table holds."""
+        target = f"{self.quant_method_map}[{quant_type!r}, {layer_type!r}].{attr}"
 
         def apply() -> None:
             self._prepare_schemes()
@@ -293,10 +307,9 @@ class StackLine:
                 raise patches.PatchNotApplicable(
                     f"vllm-ascend {self.vllm_ascend} has no ({quant_type}, {layer_type}) scheme "
                     f"in {self.quant_method_map}")
-            patches.replace(f"{cls.__module__}:{cls.__qualname__}.{PWAL}",
-                            lambda orig: self.process_once(orig, after=after))
-        return patches.Patch(name, target, f"vllm-ascend {self.vllm_ascend}", apply,
-                             why + self.ONCE_NOTE, lines=(self.name,))
+            patches.replace(f"{cls.__module__}:{cls.__qualname__}.{attr}", wrap)
+        return patches.Patch(name, target, f"vllm-ascend {self.vllm_ascend}", apply, why,
+                             lines=(self.name,))
 
     def patches(self, bodies: PatchBodies) -> Tuple[patches.Patch, ...]:
         """This line's patches (names: `PATCHES`), not yet registered: the patches with

@@ -9,8 +9,8 @@ OmegaConf resolves them), then verl's own checks called on it on the CPU:
 * the rollout config and its checkpoint engine's through ``omega_conf_to_dataclass`` (their
   ``__post_init__``, as verl's agent loop and trainer build them; the ref's section is renamed
   inside its worker before it is built, so it is checked through the actor's rules only);
-* the actor update's mini-batch split (``micro_batch_problems``): what verl 0.9.1 asserts only at
-  the first update, after the first rollout, on the server line's main entry point;
+* the actor update's mini-batch split (``micro_batch_problems``): what the server line's verl
+  asserts only at the first update, after the first rollout, on its main entry point;
 * the experimental entry points' own preparation (``rollout.nnodes`` / ``rollout.n_gpus_per_node``
   copied into ``actor_rollout_ref.rollout``, as their ``main`` does) and the fully-async trainer's
   ``async_training`` section.
@@ -168,7 +168,7 @@ def _data_parallel_size(actor: Any, n_gpus: int) -> Optional[int]:
 
 
 def micro_batch_problems(config: Any) -> List[str]:
-    """The actor's mini-batch against its micro-batch, as verl 0.9.1 splits them at every actor
+    """The actor's mini-batch against its micro-batch, as the server line's verl splits them at every actor
     update, which no config check of verl sees (`validate_config` / `ActorConfig.validate` compare
     them only for the deprecated global `ppo_micro_batch_size`): the trainer hands each update
     `ppo_mini_batch_size * rollout.n` samples (`_update_actor`), the engine worker splits them

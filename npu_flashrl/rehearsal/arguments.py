@@ -94,10 +94,10 @@ def add_arguments(p) -> None:
                    help="also rehearse a W4A8 rollout (fn w4a8_profile_free: vllm-ascend W4A8_DYNAMIC linear "
                         "layers, int4 weights in groups) beside INT8: its mismatch, its state after every sync "
                         "(equal to a fresh W4A8 load) and each layer's output error; with --grpo the variants "
-                        "w4a8 and w4a8+tis (and with --positive-control its W4A8 setting). Dense models only. A "
-                        "model with linear biases (Qwen2's q/k/v, the default tiny model) fails the W4A8 forward "
-                        "check: vllm-ascend's W4A8 linear apply drops the bias (docs/w4a8.md); --arch llama has "
-                        "none")
+                        "w4a8 and w4a8+tis (and with --positive-control its W4A8 setting). Dense models only; "
+                        "a model with linear biases (Qwen2's q/k/v) relies on npu_flashrl's patch "
+                        "ascend_w4a8_dynamic_linear_bias (vllm-ascend's W4A8 linear apply drops the bias; "
+                        "docs/w4a8.md), which the forward check verifies")
     p.add_argument("--group-size", type=_number(int, 1), default=None,
                    help="the W4A8 variant's group size (input channels per int4 scale); default the largest "
                         "power of two <= 256 (vllm-ascend's default) dividing every projection's input size")

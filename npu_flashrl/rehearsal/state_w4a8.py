@@ -23,8 +23,10 @@ called on the reference values). After each sync, per layer (the categories of `
 * **forward** (W4A8 only): the same forward against the W4A8 forward of the reference weights,
   x @ dequantized(W)^T + b in fp32, within `FORWARD_TOL`. It catches what the output error's
   looser bound lets through. vllm-ascend's `AscendW4A8DynamicLinearMethod.apply` does not pass
-  the layer's bias to `npu_weight_quant_batchmatmul` (0.23.0, 0.11.0 and v0.10.1rc1 alike; the fix
-  is vllm-ascend PR #11371, open), so a layer with a bias (Qwen2's q/k/v) fails here, by name.
+  the layer's bias to `npu_weight_quant_batchmatmul` (on every line npu_flashrl supports; the fix
+  is vllm-ascend PR #11371, open); npu_flashrl's patch `ascend_w4a8_dynamic_linear_bias` adds it
+  on the policy rollout, and a layer whose bias is still missing (the patch not applied) fails
+  here, by name.
 
 On the CPU the sync runs the same math, so everything is equal. With --device npu (NOT VERIFIED ON
 HARDWARE): the live weight is packed by the device's `npu_convert_weight_to_int4pack`, whose
@@ -167,7 +169,8 @@ class W4A8StateCheck:
                 y_nob = x.float() @ deq.t()
                 if float((y - y_nob).norm() / y_nob.norm().clamp_min(1e-30)) <= FORWARD_TOL:
                     why = (" (it is the forward WITHOUT the layer's bias: vllm-ascend's W4A8 linear apply "
-                           "drops it; vllm-ascend PR #11371)")
+                           "drops it, vllm-ascend PR #11371; is the patch "
+                           "ascend_w4a8_dynamic_linear_bias applied? npu-flashrl verify)")
             problems["forward"] = (f"the layer's output differs from x @ dequantized(W)^T + b by {fwd:.4f} "
                                    f"(limit {FORWARD_TOL}){why}")
         return res

@@ -41,6 +41,7 @@ def _declare_line_patches() -> None:
     except lines.UnsupportedVersion:
         return
     patches.declare(schemes.once_patches(line))  # one run-once patch per registered scheme
+    patches.declare(schemes.method_patches(line))  # a scheme's fixes of its method class
     patches.declare(line.patches(hooks))
 
 
@@ -55,5 +56,6 @@ def __getattr__(name: str):
         from npu_flashrl.adapters.vllm_ascend import schemes
 
         line = lines.current()
-        return tuple(p.name for p in schemes.once_patches(line)) + line.PATCHES
+        return (tuple(p.name for p in schemes.once_patches(line) + schemes.method_patches(line))
+                + line.PATCHES)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@
   checkpoint tensors, wire format), staging layout, derived tensors, run-once patch) and what
   every staging is (`LayerStaging`);
 - `registry`: `register_scheme`, `get_scheme`, `supported` (the registry is the supported list),
-  `once_patches`, `find_targets`;
+  `once_patches`, `method_patches`, `find_targets`;
 - `linear`: what the W8A8 linear schemes share (`LinearTarget`, `LinearStaging`);
 - `w8a8_dynamic` (linear), `w8a8_dynamic_moe` (fused MoE), `w8a8_static` (linear),
   `w4a8_dynamic` (linear: int4 in groups, two scale levels), `w4a8_dynamic_moe` (fused MoE, per group).
@@ -19,7 +19,7 @@ from npu_flashrl.adapters.vllm_ascend.schemes.base import (  # noqa: F401
     inner_method)
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearStaging, LinearTarget  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import (  # noqa: F401
-    find_targets, get_scheme, once_patches, register_scheme, registered, supported)
+    find_targets, get_scheme, method_patches, once_patches, register_scheme, registered, supported)
 from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic import W8A8_DYNAMIC  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_static import W8A8  # noqa: F401
 from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic_moe import (  # noqa: F401

@@ -192,6 +192,10 @@ class Scheme(abc.ABC):
         """After a float bias of the layer was written: what it derives from it (default none)."""
 
     # ------------------------------------------------------------------ patch
+    def method_patches(self, line) -> list:
+        """Patches of its method class beyond the run-once one, on `line` (default none)."""
+        return []
+
     def once_patch(self, line):
         """Its run-once patch on `line` (`StackLine.once_patch`)."""
         name = self.patch_name or f"ascend_{self.quant_type.lower()}_{self.layer_type}_process_once"

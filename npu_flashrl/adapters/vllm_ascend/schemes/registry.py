@@ -53,6 +53,11 @@ def once_patches(line) -> list:
     return [s.once_patch(line) for s in registered()]
 
 
+def method_patches(line) -> list:
+    """Every registered scheme's other patches of its method class on `line` (`method_patches`)."""
+    return [p for s in registered() for p in s.method_patches(line)]
+
+
 def find_targets(model: torch.nn.Module, layer_type: str) -> Dict[str, object]:
     """HF weight name -> target of every `layer_type` layer of `model` that a registered scheme
     claims. A linear layer under vllm-ascend's wrapper that no scheme claims is refused (its

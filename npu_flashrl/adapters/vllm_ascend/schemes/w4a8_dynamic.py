@@ -34,6 +34,8 @@ from npu_flashrl.adapters.vllm_ascend.schemes.base import LINEAR, WireFormat, st
 from npu_flashrl.adapters.vllm_ascend.schemes.linear import LinearScheme, LinearShardStaging, LinearTarget
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
 from npu_flashrl.kernels import int4
+from npu_flashrl.lines.base import POLICY_ATTR
+from npu_flashrl.marks import marked
 from npu_flashrl.quant import WeightSyncError
 
 W4A8_DYNAMIC = "W4A8_DYNAMIC"  # vllm-ascend's quant type: its description's value for these layers
@@ -139,6 +141,14 @@ class W4A8DynamicLinear(LinearScheme):
     patch_name = "ascend_w4a8_dynamic_linear_process_once"
     process_once_why = "W4A8_DYNAMIC post-processing (transpose, int4 pack, scale folding) runs once per layer"
 
+    def method_patches(self, line) -> list:
+        if not line.W4A8_LINEAR_DROPS_BIAS:
+            return []
+        return [line.scheme_method_patch(
+            "ascend_w4a8_dynamic_linear_bias", W4A8_DYNAMIC, LINEAR, "apply", _with_bias,
+            "vllm-ascend's W4A8_DYNAMIC linear apply drops the bias vLLM hands it (vllm-ascend PR "
+            "#11371, open): a policy rollout's layer adds it (Qwen2 / Qwen2.5's q/k/v)")]
+
     def claims(self, inner, line) -> bool:
         # ModelSlim's newer layout (`new_quant_version`: int4 pairs packed in its int8, a
         # precomputed scale_bias) runs the same class with another processed layout: not this
@@ -190,3 +200,17 @@ class W4A8DynamicLinear(LinearScheme):
 
     def commit_derived(self, layer) -> None:
         """Nothing beyond the commit: it derives every processed tensor itself."""
+
+
+def _with_bias(original):
+    """`original` (AscendW4A8DynamicLinearMethod.apply, which calls npu_weight_quant_batchmatmul
+    without the bias) followed by the bias vLLM's layer handed it, on the policy rollout's layers
+    only (other models keep upstream's behaviour). vLLM passes the bias on the rank that owns it
+    (a row-parallel layer: rank 0), so adding it where given is the layer's own contract."""
+    def apply(scheme, layer, x, bias=None, tp_rank=None):
+        out = original(scheme, layer, x, bias, tp_rank)
+        if bias is None or not marked(layer, POLICY_ATTR):
+            return out
+        return out + bias.to(out.dtype)
+    return apply
+

@@ -22,8 +22,9 @@ staging). Not sent over the INT8 wire (`wire` None).
 Not claimed (refused by their shape at the first sync, as before this scheme): the per-channel
 form (`group_size` 0), ModelSlim's "1.0.0" packed layout and the compressed-tensors W4A8 MoE
 layout (each processes into other tensors); dynamic EPLB and redundant experts are refused at
-engine build as for W8A8 (`experts.refuse_unsupported`). Lines: 0.23 and 0.11; refused at engine
-build on v0.10.1rc1, whose post-processing keeps another processed layout.
+engine build as for W8A8 (`experts.refuse_unsupported`). Lines: those whose `w4a8_moe_cast` is set
+(`npu_flashrl/lines/`); refused at engine build on the others, whose post-processing keeps another
+processed layout.
 """
 from __future__ import annotations
 
@@ -145,8 +146,8 @@ class W4A8DynamicMoE(W8A8DynamicMoE):
             raise UnsupportedScheme(
                 f"{layers[0][0]}: vllm-ascend {line.vllm_ascend}'s W4A8_DYNAMIC fused-MoE "
                 "post-processing keeps another processed layout (its fused scales in "
-                "weight_scale_second), which npu_flashrl does not reload; use the current line "
-                "(vllm-ascend 0.23) or 0.11 for W4A8 MoE rollouts")
+                "weight_scale_second), which npu_flashrl does not reload; use a line whose "
+                "vllm-ascend it reloads for W4A8 MoE rollouts (docs/w4a8.md, Fused MoE)")
         return super().targets(model, layers)
 
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
