@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from npu_flashrl.kernels import op_rules
+from npu_flashrl.kernels import op_rules_int4
 from npu_flashrl.kernels.reference import all_finite, require_same_device
 
 INT4_MIN, INT4_MAX = -8, 7
@@ -130,8 +130,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
     """torch_npu.npu_convert_weight_to_int4pack: int32 [d0, d1] with values in [-8, 7] -> int32
     [d0, d1 / 8], ND (nibble order: module docstring). Constraints:
-    `op_rules.check_convert_weight_to_int4pack`."""
-    op_rules.check_convert_weight_to_int4pack(weight, inner_k_tiles)
+    `op_rules_int4.check_convert_weight_to_int4pack`."""
+    op_rules_int4.check_convert_weight_to_int4pack(weight, inner_k_tiles)
     return pack_int4(weight)
 
 
@@ -149,11 +149,11 @@ def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquan
     dequantized weight or of the accumulation: the emulation dequantizes and accumulates in fp32
     and rounds once, to x's dtype (the conformance row checks a device against that within two
     units in the last place). Not emulated: quant_scale /
-    quant_offset (the int8 output). Constraints: `op_rules.check_weight_quant_batchmatmul`."""
+    quant_offset (the int8 output). Constraints: `op_rules_int4.check_weight_quant_batchmatmul`."""
     op = "npu_weight_quant_batchmatmul"
     require_same_device(op, x=x, weight=weight, antiquant_scale=antiquant_scale,
                         antiquant_offset=antiquant_offset, bias=bias)
-    op_rules.check_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, quant_scale,
+    op_rules_int4.check_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, quant_scale,
                                             quant_offset, bias, antiquant_group_size)
     if quant_scale is not None or quant_offset is not None:
         raise NotImplementedError(f"{op}: quant_scale / quant_offset (int8 output) are not emulated")

@@ -28,7 +28,7 @@ layout; the semantics of the weights are `kernels.int4`'s staged quantization):
 
 Every other call goes to the W8A8 emulation (`reference.npu_quantize`,
 `moe_reference.npu_grouped_matmul`). Constraints: `op_rules.check_quantize`,
-`op_rules.check_grouped_matmul_a8w4`. Not verified on hardware: `npu-flashrl verify --kernels`
+`op_rules_int4.check_grouped_matmul_a8w4`. Not verified on hardware: `npu-flashrl verify --kernels`
 on an Atlas A2 / A3 node compares both against this module (docs/w4a8.md).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import List, Optional
 
 import torch
 
-from npu_flashrl.kernels import moe_reference, op_rules, reference
+from npu_flashrl.kernels import moe_reference, op_rules, op_rules_int4, reference
 from npu_flashrl.kernels.int4 import INT4_MAX, INT4_MIN, pack_int4, unpack_int4
 from npu_flashrl.kernels.reference import require_same_device
 
@@ -86,7 +86,7 @@ def grouped_matmul_a8w4(x: List[torch.Tensor], weight: List[torch.Tensor], *, bi
         for i, t in enumerate(lst or []):
             operands[f"{name}[{i}]"] = t
     require_same_device(op, **operands)
-    op_rules.check_grouped_matmul_a8w4(x, weight, bias, scale, offset, per_token_scale, group_list,
+    op_rules_int4.check_grouped_matmul_a8w4(x, weight, bias, scale, offset, per_token_scale, group_list,
                                        split_item, group_type, act_type, output_dtype)
     xs, w = x[0], unpack_int4(weight[0])  # [M, K], [E, K, N]
     s = decode_uint64_scale(scale[0], op)  # [E, G, N]

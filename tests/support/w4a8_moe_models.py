@@ -2,7 +2,7 @@
 experts a W4A8 load of them stands for.
 
 The A8W4 grouped matmul those layers run takes K in multiples of quantGroupSize 256 only
-(aclnnGroupedMatmulV4, `kernels/op_rules.check_grouped_matmul_a8w4`), so the experts' K axes
+(aclnnGroupedMatmulV4, `kernels/op_rules_int4.check_grouped_matmul_a8w4`), so the experts' K axes
 (hidden for gate/up, moe_intermediate for down) are 256 here and the group size is 256; the
 attention projections are W4A8_DYNAMIC linear layers of the same group size (ModelSlim
 quantizes every projection but the router).
