@@ -46,7 +46,7 @@ class SyncLoad:
         seen: dict = {}
         try:
             if checked:  # refuse a bad call before writing anything of it
-                weights = self._check_whole(weights, seen)
+                weights, self._held = check_list_call(st, validator, self.quantizer, weights, seen)
             else:  # streamed: value checks read back before the sync's first write and at the end
                 self._held = _Held(DeferredChecks(), holds=False,
                                    defers=getattr(self.quantizer, "defers_finite_check", False))
@@ -55,7 +55,7 @@ class SyncLoad:
                 st.items += 1
                 if not checked:
                     validator.once(name, i, seen)
-                self._once_per_sync(name, record=True)
+                once_per_sync(st, name, record=True)
                 wired = st.wire.weight_of(name, tensor)
                 if wired is not None:  # INT8 wire: pre-quantized on the trainer (wire.py)
                     if not checked:  # a scale's check keeps its extremes, not the tensor
@@ -99,54 +99,6 @@ class SyncLoad:
             self._held = None
             st.calls += 1
         return loaded
-
-    def _check_whole(self, weights, seen: dict) -> list:
-        """A list call, checked whole (every tensor, and every INT8-wire pair it completes); its
-        value checks are read back together, in one host synchronisation (`DeferredChecks`),
-        and a failing one re-runs to refuse by name, before anything of the call is written. A
-        call of float tensors only, with a quantizer that hands its NaN / Inf refusal back as a
-        device flag (`defers_finite_check`), has no separate value pass over its projections:
-        the quantizer's flags join the call's checks, read back (`_settle`) before any layer the
-        call completes is committed and before any float is written. A call bringing INT8-wire
-        pairs is read back here: its pairs are written in place as they complete."""
-        validator, wire = self.validator, self.state.wire
-        weights = [validator.item(i, w) for i, w in enumerate(weights)]
-        halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
-        deferred = DeferredChecks()
-        defers = getattr(self.quantizer, "defers_finite_check", False) and not any(
-            wire.weight_of(n, t) is not None for n, t in weights)
-        for i, (name, tensor) in enumerate(weights):
-            validator.once(name, i, seen)
-            self._once_per_sync(name)
-            wired = wire.weight_of(name, tensor)
-            if wired is None:
-                # a deferring quantizer refuses NaN / Inf of its projections itself
-                validator.check(name, tensor, self.quantizer, deferred=deferred,
-                                values=not (defers and validator.target(name) is not None))
-            else:
-                wire.validate(name, wired, tensor, deferred=deferred)
-                which = wire.half(name, wired)
-                if which is not None:
-                    halves.setdefault(wired, wire.held(wired))[which] = tensor
-        for wired, (q, scale) in halves.items():  # pairs this call completes
-            if q is not None and scale is not None:
-                wire.check_pair(wired, q, scale, deferred=deferred)
-        if defers:  # read back with the quantizer's flags, before any write (`_settle`)
-            self._held = _Held(deferred, holds=True, defers=True)
-        else:
-            deferred.raise_first()  # the call's one host synchronisation
-        return weights
-
-    def _once_per_sync(self, name: str, record: bool = False) -> None:
-        """Refuse a name an earlier call of this sync brought (two buckets with one tensor: the
-        last copy would otherwise win without a word)."""
-        first = self.state.names.get(name)
-        if first is not None and first != self.state.calls:
-            raise WeightSyncError(
-                f"{name}: arrived twice in one weight sync (load_weights calls {first + 1} and "
-                f"{self.state.calls + 1} of this sync, e.g. two buckets); a sync sends each tensor once")
-        if record:
-            self.state.names[name] = self.state.calls
 
     def _stage(self, target, name: str, tensor: torch.Tensor) -> bool:
         """Quantize and stage one shard (False: an expert this rank does not hold: checked, then
@@ -245,6 +197,56 @@ class SyncLoad:
 
     def _fail(self, exc: BaseException) -> None:
         fail_call(self.state, self.consistency, exc)
+
+
+def check_list_call(st, validator, quantizer, weights, seen: dict) -> Tuple[list, Optional[_Held]]:
+    """A list call, checked whole (every tensor, and every INT8-wire pair it completes); its
+    value checks are read back together, in one host synchronisation (`DeferredChecks`),
+    and a failing one re-runs to refuse by name, before anything of the call is written. A
+    call of float tensors only, with a quantizer that hands its NaN / Inf refusal back as a
+    device flag (`defers_finite_check`), has no separate value pass over its projections:
+    the quantizer's flags join the call's checks, read back (`SyncLoad._settle`) before any
+    layer the call completes is committed and before any float is written: returned as the
+    call's `_Held` (else None). A call bringing INT8-wire pairs is read back here: its pairs
+    are written in place as they complete."""
+    wire = st.wire
+    weights = [validator.item(i, w) for i, w in enumerate(weights)]
+    halves: dict = {}  # wire weight -> [int8, scale] once this call brings a half
+    deferred = DeferredChecks()
+    defers = getattr(quantizer, "defers_finite_check", False) and not any(
+        wire.weight_of(n, t) is not None for n, t in weights)
+    for i, (name, tensor) in enumerate(weights):
+        validator.once(name, i, seen)
+        once_per_sync(st, name)
+        wired = wire.weight_of(name, tensor)
+        if wired is None:
+            # a deferring quantizer refuses NaN / Inf of its projections itself
+            validator.check(name, tensor, quantizer, deferred=deferred,
+                            values=not (defers and validator.target(name) is not None))
+        else:
+            wire.validate(name, wired, tensor, deferred=deferred)
+            which = wire.half(name, wired)
+            if which is not None:
+                halves.setdefault(wired, wire.held(wired))[which] = tensor
+    for wired, (q, scale) in halves.items():  # pairs this call completes
+        if q is not None and scale is not None:
+            wire.check_pair(wired, q, scale, deferred=deferred)
+    if defers:  # read back with the quantizer's flags, before any write (`SyncLoad._settle`)
+        return weights, _Held(deferred, holds=True, defers=True)
+    deferred.raise_first()  # the call's one host synchronisation
+    return weights, None
+
+
+def once_per_sync(st, name: str, record: bool = False) -> None:
+    """Refuse a name an earlier call of the sync `st` brought (two buckets with one tensor: the
+    last copy would otherwise win without a word); `record`: note `name` as this call's."""
+    first = st.names.get(name)
+    if first is not None and first != st.calls:
+        raise WeightSyncError(
+            f"{name}: arrived twice in one weight sync (load_weights calls {first + 1} and "
+            f"{st.calls + 1} of this sync, e.g. two buckets); a sync sends each tensor once")
+    if record:
+        st.names[name] = st.calls
 
 
 def quantize(target, quantizer, name: str, tensor: torch.Tensor):

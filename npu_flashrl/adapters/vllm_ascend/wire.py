@@ -54,6 +54,50 @@ def _refuse_offset(name: str) -> None:
                           "(W8A8_DYNAMIC offsets are zero)")
 
 
+def _refuse_streamed_scale(fmt: WireFormat, name: str, weight_name: str, lo: torch.Tensor,
+                           hi: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> None:
+    """`WireReceiver.validate`'s and `check_pair`'s refusals of a streamed scale, from its
+    extremes (its pair's int8 is written before the read-back and not read again: the bound
+    128 x scale decides, as `check_pair` with `q` None). `fmt`: its layer's wire format."""
+    lo_, hi_ = float(lo), float(hi)
+    if not (math.isfinite(lo_) and math.isfinite(hi_)):
+        raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
+    if lo_ <= 0:
+        raise WeightSyncError(f"{name}: scales must be > 0, got min {lo_}; refusing the sync")
+    if not bool(torch.isfinite((hi.float() * 128).to(dtype))):
+        _refuse_bound(fmt, weight_name, int(row), hi_, dtype)
+
+
+def _refuse_bound(fmt: WireFormat, weight_name: str, row: int, scale: float, dtype: torch.dtype) -> None:
+    raise WeightSyncError(
+        f"{fmt.scale_name(weight_name)}: row {row}'s scale "
+        f"{scale:g} times 128 (the largest int8 magnitude; {weight_name} came in a streamed "
+        f"call and is not read again) is {scale * 128:g}, not finite in {_short(dtype)} (the "
+        "rollout's dtype): the rollout could compute Inf / NaN with it; refusing the sync")
+
+
+def _refuse_overflow(fmt: WireFormat, weight_name: str, q: Optional[torch.Tensor], s: torch.Tensor,
+                     bound: torch.Tensor, dtype: torch.dtype) -> None:
+    """`WireReceiver.check_pair`'s refusal once a row's bound (128 x its scale `s`, in the
+    rollout's dtype) is not finite: a streamed pair (`q` None) is refused on the bound; a pair
+    with its int8 `q` reads its rows for each row's exact magnitude and is refused only when a
+    dequantized value is not finite. `fmt`: its layer's wire format (the scale's name)."""
+    if q is None:
+        row = int((~torch.isfinite(bound)).nonzero()[0, 0])
+        _refuse_bound(fmt, weight_name, row, float(s[row]), dtype)
+    lo, hi = torch.aminmax(q, dim=1)
+    absmax = torch.maximum(hi.float(), -lo.float())
+    deq = absmax * s
+    bad = ~(torch.isfinite(deq.to(dtype)) & torch.isfinite(s.to(dtype)))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise WeightSyncError(
+            f"{fmt.scale_name(weight_name)}: row {row}'s scale {float(s[row]):g} times the "
+            f"largest int8 magnitude of {weight_name} in that row ({int(absmax[row])}) is "
+            f"{float(deq[row]):g}, not finite in {_short(dtype)} (the rollout's dtype): the "
+            "rollout would compute Inf / NaN with it; refusing the sync")
+
+
 class WirePair:
     """One projection's int8 weight and scale of this sync, until both have arrived."""
 
@@ -180,8 +224,8 @@ class WireReceiver:
             s = tensor.reshape(-1).float()
             hi, row = s.max(0)
             lo = s.min()
-            deferred.add_extremes(lo, hi, dtype, lambda: self._refuse_streamed_scale(
-                name, weight_name, lo, hi, row, dtype), exact=name)
+            deferred.add_extremes(lo, hi, dtype, lambda: _refuse_streamed_scale(
+                self._format(layer), name, weight_name, lo, hi, row, dtype), exact=name)
         elif tensor.numel() and deferred is not None:
             deferred.add_scales(tensor, dtype, lambda: self.validate(name, weight_name, tensor))
         elif tensor.numel():
@@ -190,26 +234,6 @@ class WireReceiver:
                 raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
             if float(lo) <= 0:
                 raise WeightSyncError(f"{name}: scales must be > 0, got min {float(lo)}; refusing the sync")
-
-    def _refuse_streamed_scale(self, name: str, weight_name: str, lo: torch.Tensor, hi: torch.Tensor,
-                               row: torch.Tensor, dtype: torch.dtype) -> None:
-        """`validate`'s and `check_pair`'s refusals of a streamed scale, from its extremes (its
-        pair's int8 is written before the read-back and not read again: the bound 128 x scale
-        decides, as `check_pair` with `q` None)."""
-        lo_, hi_ = float(lo), float(hi)
-        if not (math.isfinite(lo_) and math.isfinite(hi_)):
-            raise WeightSyncError(f"{name}: contains NaN or Inf; refusing the sync")
-        if lo_ <= 0:
-            raise WeightSyncError(f"{name}: scales must be > 0, got min {lo_}; refusing the sync")
-        if not bool(torch.isfinite((hi.float() * 128).to(dtype))):
-            self._refuse_bound(weight_name, int(row), hi_, dtype)
-
-    def _refuse_bound(self, weight_name: str, row: int, scale: float, dtype: torch.dtype) -> None:
-        raise WeightSyncError(
-            f"{self._format(self._layer(weight_name)).scale_name(weight_name)}: row {row}'s scale "
-            f"{scale:g} times 128 (the largest int8 magnitude; {weight_name} came in a streamed "
-            f"call and is not read again) is {scale * 128:g}, not finite in {_short(dtype)} (the "
-            "rollout's dtype): the rollout could compute Inf / NaN with it; refusing the sync")
 
     def check_pair(self, weight_name: str, q: Optional[torch.Tensor], scale: torch.Tensor,
                    deferred=None) -> None:
@@ -232,22 +256,8 @@ class WireReceiver:
             deferred.add_scales(s, dtype, lambda: self.check_pair(weight_name, q, scale))
             return
         bound = (s * 128).to(dtype)
-        if bool(torch.isfinite(bound).all()):
-            return
-        if q is None:
-            row = int((~torch.isfinite(bound)).nonzero()[0, 0])
-            self._refuse_bound(weight_name, row, float(s[row]), dtype)
-        lo, hi = torch.aminmax(q, dim=1)
-        absmax = torch.maximum(hi.float(), -lo.float())
-        deq = absmax * s
-        bad = ~(torch.isfinite(deq.to(dtype)) & torch.isfinite(s.to(dtype)))
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0, 0])
-            raise WeightSyncError(
-                f"{self._format(self._layer(weight_name)).scale_name(weight_name)}: row {row}'s scale {float(s[row]):g} times the "
-                f"largest int8 magnitude of {weight_name} in that row ({int(absmax[row])}) is "
-                f"{float(deq[row]):g}, not finite in {_short(dtype)} (the rollout's dtype): the "
-                "rollout would compute Inf / NaN with it; refusing the sync")
+        if not bool(torch.isfinite(bound).all()):
+            _refuse_overflow(self._format(self._layer(weight_name)), weight_name, q, s, bound, dtype)
 
     def take(self, name: str, weight_name: str, tensor: torch.Tensor, borrowed: bool,
              pair_checked: bool = False, deferred=None
