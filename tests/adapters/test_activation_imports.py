@@ -48,7 +48,8 @@ def test_activation_imports_no_upstream_and_each_patch_applies_when_its_module_i
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"configs": [{"fn": "int8_profile_free"}]}))
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
-               NPU_FLASHRL_NO_AUTOACTIVATE="1", FLASHRL_LOGGING_LEVEL="DEBUG")
+               NPU_FLASHRL_NO_AUTOACTIVATE="1", FLASHRL_LOGGING_LEVEL="DEBUG",
+               FLASHRL_LMHEAD_FP32="1")  # the lm-head patches too (trainer and rollout side)
     env.pop("FLASHRL_CONFIG", None)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD), str(cfg)], env=env,
                        capture_output=True, text=True, timeout=600)
