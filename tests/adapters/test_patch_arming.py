@@ -24,7 +24,8 @@ def pkg(tmp_path, monkeypatch):
             del sys.modules[name]
     for name in set(patches._REGISTRY) - before_patches:
         del patches._REGISTRY[name]
-    patches._CALLBACKS.clear()
+    for name in [n for n in patches._CALLBACKS if n.startswith("nfa_")]:
+        del patches._CALLBACKS[name]
 
 
 def _declare(name, target, apply_fn, when=None):
