@@ -15,14 +15,15 @@ from npu_flashrl import patches
 
 @pytest.fixture
 def pkg(tmp_path, monkeypatch):
-    """A fresh tmp_path on sys.path; modules and patches registered by the test are removed after."""
+    """A fresh tmp_path on sys.path; the test's modules and patches (named nfa_*) are removed
+    after (the adapters' own patches, which verify declares, stay)."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    before_mods, before_patches = set(sys.modules), set(patches._REGISTRY)
+    before_mods = set(sys.modules)
     yield tmp_path
     for name in set(sys.modules) - before_mods:
         if name.startswith("nfa_"):
             del sys.modules[name]
-    for name in set(patches._REGISTRY) - before_patches:
+    for name in [n for n in patches._REGISTRY if n.startswith("nfa_")]:
         del patches._REGISTRY[name]
     for name in [n for n in patches._CALLBACKS if n.startswith("nfa_")]:
         del patches._CALLBACKS[name]
