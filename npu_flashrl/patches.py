@@ -269,7 +269,10 @@ class _Loader(importlib.abc.Loader):
         if spec is not None and spec.loader is self:
             spec.loader = self._loader
         if getattr(module, "__loader__", None) is self:
-            module.__loader__ = self._loader
+            try:
+                module.__loader__ = self._loader
+            except (AttributeError, TypeError):  # a module class refusing new attributes (torch's
+                pass                             # config modules): it keeps this delegating loader
         _imported(module.__name__, module)
 
     def __getattr__(self, name):  # get_source, get_data, is_package, resource readers ...

@@ -65,22 +65,22 @@ def test_activation_imports_no_upstream_and_each_patch_applies_when_its_module_i
 
     # 2. each pending patch applied by the import of its modules, nothing imported from a hook
     status = out["status"]
-    checked = 0
+    checked = []
     for name, modules in pending.items():
         if any(m in out["unimportable"] for m in modules):
+            assert not status[name]["target"].startswith("vllm"), (name, out["unimportable"])
             continue
         st = status[name]
         assert st["applied"], (name, st, r.stderr[-3000:])
         assert st["refused"] == [], (name, st["refused"])
         assert f"npu_flashrl: patched {name} ->" in r.stderr
-        checked += 1
-    assert checked >= len(pending) - len(out["unimportable"]) and checked > 0
+        checked.append(name)
+    assert any(n.startswith("ascend_") for n in checked), checked  # the rollout's own patches
 
 
 def test_the_quant_description_patch_is_bound_by_vllms_loader(tmp_path):
-    """vLLM's default_loader copies get_quant_config as weight_utils' import returns: the hook
-    applies the patch before that, so the loader's own name is the wrapper (line-neutral: every
-    line's vLLM has the module)."""
+    """vLLM's loaders copy get_quant_config as weight_utils' import returns (0.23: default_loader):
+    the hook applies the patch before that, so every vLLM module's own name is the wrapper."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"configs": [{"fn": "int8_profile_free"}]}))
     code = """
@@ -91,9 +91,13 @@ def test_the_quant_description_patch_is_bound_by_vllms_loader(tmp_path):
         import npu_flashrl
         from npu_flashrl import patches
         npu_flashrl.activate(sys.argv[1])
-        assert "vllm.model_executor.model_loader.default_loader" not in sys.modules
-        from vllm.model_executor.model_loader import default_loader
-        print("BOUND", patches.original(default_loader.get_quant_config) is not default_loader.get_quant_config)
+        assert "vllm.model_executor.model_loader" not in sys.modules
+        import vllm.model_executor.model_loader  # noqa: F401  (its loaders, as a vLLM worker imports them)
+        from vllm.model_executor.model_loader import weight_utils
+        bound = {n: getattr(m, "get_quant_config") for n, m in list(sys.modules.items())
+                 if n.startswith("vllm.") and getattr(m, "get_quant_config", None) is not None}
+        assert bound, "no vLLM module holds get_quant_config"  # 0.23: weight_utils and default_loader
+        print("BOUND", sorted(n for n, f in bound.items() if patches.original(f) is f))
     """
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
                NPU_FLASHRL_NO_AUTOACTIVATE="1")
@@ -101,4 +105,4 @@ def test_the_quant_description_patch_is_bound_by_vllms_loader(tmp_path):
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(cfg)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "BOUND True" in r.stdout, r.stdout[-2000:]
+    assert "BOUND []" in r.stdout, r.stdout[-2000:]  # no vLLM module holds the original
