@@ -15,10 +15,15 @@ logger = get_logger(__name__)
 
 
 def activate(config_path: Optional[str] = None) -> Optional[dict]:
-    """Load the FlashRL config (argument or FLASHRL_CONFIG) and apply the patches it needs.
+    """Load the FlashRL config (argument or FLASHRL_CONFIG) and arm the patches it needs.
 
-    Returns {patch name: applied} or None when no config is set. A config that cannot be read
-    raises ConfigError naming the file: a rollout must never silently run unquantized.
+    Nothing upstream is imported here: a patch whose target module is imported already is
+    applied at once, the others when this process imports their module (`patches.arm_patch`), so
+    a process that never builds a rollout never imports vLLM, verl's device probe or transformers
+    for npu_flashrl's sake. Returns {patch name: True (applied) | False (cannot be, WARNING
+    logged) | patches.Pending (true: applied when its module is imported)}, or None when no
+    config is set. A config that cannot be read raises ConfigError naming the file: a rollout
+    must never silently run unquantized.
     """
     from npu_flashrl.config import load_config
 
@@ -32,7 +37,7 @@ def activate(config_path: Optional[str] = None) -> Optional[dict]:
         logger.warning("npu_flashrl: vllm_ascend is not installed; INT8 rollout patches skipped")
     names = registry.patch_names(proc)  # each adapter declares when it applies
     vllm_engine.set_config(cfg)  # what each engine then gets lives in that engine's config only
-    return patches.apply_patches(names)
+    return patches.arm_patches(names)
 
 
 def active_config():

@@ -2,11 +2,20 @@
 
 A patch has a name, the dotted target it replaces, the upstream versions it supports (for
 line-specific patches: the stack lines it belongs to, `lines`), why it exists and an `apply`
-function. A name is declared once: a second, different declaration is an error
+function, and the modules whose import applies it (`when`: by default the target's module).
+A name is declared once: a second, different declaration is an error
 (`DuplicatePatch`), never silently shadowed. The installed line's vllm-ascend patches are objects
 the line returns (`npu_flashrl.lines`), declared with `declare`; other modules use `register`. `apply_patch` is idempotent (a second call is a no-op), logs exactly one DEBUG
 line `npu_flashrl: patched <name> -> <target>` when it applies, and a WARNING with the reason when
 it cannot. `npu-flashrl verify` lists `status()`.
+
+Activation arms patches (`arm_patches`) instead of importing every target: a patch whose modules
+are imported is applied at once; the others are pending until the import of their last module
+completes, and are applied right then, inside that import, before the importer reads anything
+from the module. A patch applied from an import hook imports nothing itself: every import it
+tries of a module that is not imported yet is refused (`ImportError`), which leaves nothing
+half-imported (the importing module may itself be half-initialised), and the patch waits for
+that module too.
 """
 from __future__ import annotations
 
@@ -15,7 +24,8 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from npu_flashrl._logging import get_logger
 from npu_flashrl.errors import NpuFlashrlError
@@ -41,11 +51,20 @@ class Patch:
     applied: bool = False
     error: Optional[str] = None
     lines: Tuple[str, ...] = ()  # the stack lines (vllm-ascend releases) it belongs to; () = any
+    # the modules whose import applies it when armed (None: the target's module; (): at once)
+    when: Optional[Tuple[str, ...]] = None
+    pending: Tuple[str, ...] = ()  # armed, waiting for these modules' imports
+    refused: Tuple[str, ...] = ()  # imports refused while it was applied from an import hook
+
+    def triggers(self) -> Tuple[str, ...]:
+        if self.when is not None:
+            return tuple(self.when)
+        return (self.target.partition(":")[0].split(" ")[0],)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "target": self.target, "versions": self.versions,
                 "applied": self.applied, "error": self.error, "doc": self.doc,
-                "lines": list(self.lines)}
+                "lines": list(self.lines), "pending": list(self.pending), "refused": list(self.refused)}
 
     def _origin(self) -> Tuple[str, str, str, str]:
         fn = self.apply_fn
@@ -71,12 +90,13 @@ def declare(patches: Iterable[Patch]) -> None:
 
 
 def register(name: str, target: str, versions: str = "", doc: str = "", *,
-             lines: Iterable[str] = (), why: str = ""):
+             lines: Iterable[str] = (), why: str = "", when: Optional[Iterable[str]] = None):
     """Decorator declaring a patch (`declare`: a duplicate name is an error). `why` is the same
-    as `doc`; `lines`: the stack lines it belongs to (default: any)."""
+    as `doc`; `lines`: the stack lines it belongs to (default: any); `when`: the modules whose
+    import applies it once armed (default: the target's module; (): applied when armed)."""
     def deco(fn: Callable[[], None]) -> Callable[[], None]:
         declare([Patch(name, target, versions, fn, why or doc or (fn.__doc__ or "").strip(),
-                       lines=tuple(lines))])
+                       lines=tuple(lines), when=None if when is None else tuple(when))])
         return fn
     return deco
 
@@ -89,29 +109,85 @@ def get(name: str) -> Patch:
 
 
 def apply_patch(name: str) -> bool:
-    """Apply one patch once. Returns True when it is (now or already) applied."""
+    """Apply one patch once, now (importing its target). Returns True when it is (now or
+    already) applied."""
     patch = get(name)
     if patch.applied:
         return True
     try:
         patch.apply_fn()
     except PatchNotApplicable as exc:
-        patch.error = str(exc)
-        logger.warning("npu_flashrl: cannot patch %s -> %s: %s", patch.name, patch.target, exc)
-        return False
-    patch.applied = True
-    patch.error = None
+        return _not_applied(patch, str(exc))
+    return _applied(patch)
+
+
+def _applied(patch: Patch) -> bool:
+    patch.applied, patch.error, patch.pending = True, None, ()
     logger.debug("npu_flashrl: patched %s -> %s", patch.name, patch.target)
     return True
 
 
+def _not_applied(patch: Patch, why: str) -> bool:
+    patch.error, patch.pending = why, ()
+    logger.warning("npu_flashrl: cannot patch %s -> %s: %s", patch.name, patch.target, why)
+    return False
+
+
 def apply_patches(names: List[str]) -> Dict[str, bool]:
     result = {n: apply_patch(n) for n in names}
-    ok = [n for n, v in result.items() if v]
-    bad = [n for n, v in result.items() if not v]
-    logger.info("npu_flashrl: %d/%d patches applied%s", len(ok), len(result),
-                f" (not applied: {', '.join(bad)})" if bad else "")
+    _log_result(result)
     return result
+
+
+class Pending:
+    """What `arm_patch` answers for a patch that waits for an import: true (armed: it applies
+    when the modules are imported), and says which modules."""
+
+    def __init__(self, modules: Iterable[str]):
+        self.modules = tuple(modules)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"pending: applied when {' and '.join(self.modules)} is imported"
+
+    __str__ = __repr__
+
+
+def loaded(module: str) -> bool:
+    """`module` is imported and its import has completed (not half-initialised)."""
+    mod = sys.modules.get(module)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
+def arm_patch(name: str) -> Union[bool, Pending]:
+    """Apply a patch now if the modules it waits for (`Patch.triggers`) are imported, else right
+    after the import of the last of them: True (applied), False (cannot be, WARNING logged) or a
+    `Pending` (true) naming the modules it waits for."""
+    patch = get(name)
+    if patch.applied:
+        return True
+    waits = [m for m in patch.triggers() if not loaded(m)]
+    if not waits:
+        return apply_patch(name)
+    _wait(patch, waits)
+    return Pending(waits)
+
+
+def arm_patches(names: List[str]) -> Dict[str, Union[bool, Pending]]:
+    result = {n: arm_patch(n) for n in names}
+    _log_result(result)
+    return result
+
+
+def _log_result(result: Dict[str, Union[bool, Pending]]) -> None:
+    ok = [n for n, v in result.items() if v is True]
+    wait = [f"{n} ({v.modules[0]})" for n, v in result.items() if isinstance(v, Pending)]
+    bad = [n for n, v in result.items() if not v]
+    logger.info("npu_flashrl: %d/%d patches applied%s%s", len(ok), len(result),
+                f", pending until their module is imported: {', '.join(wait)}" if wait else "",
+                f" (not applied: {', '.join(bad)})" if bad else "")
 
 
 def status() -> List[dict]:
@@ -156,38 +232,165 @@ def original(obj):
     return getattr(obj, ORIGINAL_ATTR, obj)
 
 
-class _PostImport(importlib.abc.MetaPathFinder):
-    """Run ``callback(module)`` right after ``name`` is imported (wraps the real loader once)."""
+# ------------------------------------------------------------------ post-import hooks
+# module name -> callbacks to run right after its import (`when_imported`)
+_CALLBACKS: Dict[str, List[Callable[[object], None]]] = {}
+_LOCK = threading.RLock()
 
-    def __init__(self, name: str, callback):
-        self.name = name
-        self.callback = callback
-        self._busy = False
+
+def _waiting() -> List[Patch]:
+    return [p for p in _REGISTRY.values() if p.pending and not p.applied]
+
+
+def _wanted(fullname: str) -> bool:
+    """Whether the import of `fullname` must be followed by a look at what waits: a callback or
+    a pending patch waits for it, or a pending patch waits for a module that was half-initialised
+    when it was armed (its end has no hook of its own: the next import completing looks)."""
+    if fullname in _CALLBACKS:
+        return True
+    for patch in _waiting():
+        if fullname in patch.pending or any(m in sys.modules for m in patch.pending):
+            return True
+    return False
+
+
+class _Loader(importlib.abc.Loader):
+    """The real loader, then what waits for the module; the module keeps the real loader."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self._loader
+        if getattr(module, "__loader__", None) is self:
+            try:
+                module.__loader__ = self._loader
+            except (AttributeError, TypeError):  # a module class refusing new attributes (torch's
+                pass                             # config modules): it keeps this delegating loader
+        _imported(module.__name__, module)
+
+    def __getattr__(self, name):  # get_source, get_data, is_package, resource readers ...
+        return getattr(self._loader, name)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """One finder for every post-import hook: wraps the real loader of a module something waits
+    for (it runs the callbacks and applies the pending patches right after the module's code
+    ran, before the importer reads from it)."""
+
+    def __init__(self):
+        self._busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name or self._busy:
+        busy = getattr(self._busy, "names", None)
+        if busy is None:
+            busy = self._busy.names = set()
+        if fullname in busy or not _wanted(fullname):
             return None
-        self._busy = True
+        busy.add(fullname)
         try:
-            spec = importlib.util.find_spec(fullname)
+            spec = None
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         finally:
-            self._busy = False
+            busy.discard(fullname)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        loader, callback, me = spec.loader, self.callback, self
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec_):
-                return loader.create_module(spec_)
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                if me in sys.meta_path:
-                    sys.meta_path.remove(me)
-                callback(module)
-
-        spec.loader = _Loader()
+            return spec
+        spec.loader = _Loader(spec.loader)
         return spec
+
+
+_FINDER = _PostImport()
+
+
+def _install_finder() -> None:
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def _imported(name: str, module) -> None:
+    with _LOCK:
+        callbacks = _CALLBACKS.pop(name, [])
+    for callback in callbacks:
+        callback(module)
+    _settle(done=name)
+
+
+class _RefuseImports(importlib.abc.MetaPathFinder):
+    """On this thread, while a pending patch is applied from an import hook: any import of a module
+    that is not imported yet is refused (and remembered), never started."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.refused: List[str] = []
+
+    def find_spec(self, fullname, path=None, target=None):
+        if threading.get_ident() != self.thread:
+            return None
+        self.refused.append(fullname)
+        raise ImportError(f"npu_flashrl: a patch applied from an import hook imports nothing "
+                          f"({fullname} is not imported yet)", name=fullname)
+
+
+def _wait(patch: Patch, modules: Iterable[str]) -> None:
+    with _LOCK:
+        patch.pending = tuple(dict.fromkeys(list(patch.pending) + list(modules)))
+    _install_finder()
+    logger.debug("npu_flashrl: %s -> %s pending: applied when %s is imported", patch.name,
+                 patch.target, " and ".join(patch.pending))
+
+
+def _settle(done: Optional[str] = None) -> None:
+    """Apply every pending patch whose modules are all imported now (`done`: the module whose
+    code just ran; its import is not marked complete yet)."""
+    for patch in _waiting():
+        waits = tuple(m for m in patch.pending if m != done and not loaded(m))
+        if waits:
+            patch.pending = waits
+            continue
+        with _LOCK:
+            if patch.applied or not patch.pending:
+                continue
+            patch.pending = ()
+        _apply_in_hook(patch)
+
+
+def _apply_in_hook(patch: Patch) -> None:
+    refuse = _RefuseImports()
+    sys.meta_path.insert(0, refuse)
+    try:
+        patch.apply_fn()
+    except Exception as exc:  # noqa: BLE001 - a refused import shows as whatever the patch raised
+        if refuse.refused:
+            _refused(patch, refuse.refused)
+            return
+        if isinstance(exc, PatchNotApplicable):
+            _not_applied(patch, str(exc))
+            return
+        raise
+    finally:
+        sys.meta_path.remove(refuse)
+    if refuse.refused:  # the patch caught the refusal itself: wait for the module and try again
+        _refused(patch, refuse.refused)
+        return
+    _applied(patch)
+
+
+def _refused(patch: Patch, modules: List[str]) -> None:
+    patch.refused = tuple(dict.fromkeys(patch.refused + tuple(modules)))
+    logger.debug("npu_flashrl: %s needs %s, not imported yet: it waits for it too", patch.name,
+                 ", ".join(modules))
+    _wait(patch, modules)
 
 
 def when_imported(name: str, callback: Callable[[object], None]) -> None:
@@ -197,5 +400,8 @@ def when_imported(name: str, callback: Callable[[object], None]) -> None:
     if mod is not None:
         callback(mod)
         return
-    if not any(isinstance(f, _PostImport) and f.name == name and f.callback is callback for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImport(name, callback))
+    with _LOCK:
+        callbacks = _CALLBACKS.setdefault(name, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+    _install_finder()

@@ -525,6 +525,9 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
             rows.append(_row(check, FAIL, f"applying it failed: {error} ({detail})", fix))
         elif p["applied"]:
             rows.append(_row(check, OK, f"applied in this process: {detail}"))
+        elif p.get("pending"):
+            rows.append(_row(check, INFO, f"pending: applied when {' and '.join(p['pending'])} is "
+                             f"imported (this process has not imported it yet): {detail}"))
         elif p["error"]:
             rows.append(_row(check, WARN, f"not applied: {p['error']} ({detail})",
                              "install the pinned version of the target (npu_flashrl/pins.yaml)"))

@@ -290,7 +290,8 @@ last_result: Dict[str, str] = {}
 
 
 @patches.register(PATCH_NAME, "flash_rl:vllm_patch (vllm.LLM.__init__, process_weights_after_loading, "
-                  "BaseModelLoader.load_model, kv-cache, Sampler.forward, lm-head fp32)", FLASHRL_VERSIONS)
+                  "BaseModelLoader.load_model, kv-cache, Sampler.forward, lm-head fp32)", FLASHRL_VERSIONS,
+                  when=())  # at activation: FlashRL patches vLLM as it is imported, this must come first
 def _apply_yield() -> None:
     """Keep FlashRL 1.0.3's vLLM patches from fighting npu_flashrl's on Ascend (restore / pre-empt)."""
     if not should_yield():

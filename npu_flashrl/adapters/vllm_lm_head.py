@@ -262,11 +262,14 @@ def _apply_tied() -> None:
           doc="lm head weight created in fp32 (ParallelLMHead and vllm-ascend AscendParallelLMHead)")
 def _apply_init() -> None:
     patches.replace(f"{_VPE}:ParallelLMHead.__init__", _make_init)
-    try:
-        import importlib
+    # vllm-ascend's head where this process imports it (never imported here: the patch may be
+    # applied from the import hook of vLLM's module, which imports nothing)
+    patches.when_imported(_ASCEND_VPE, _patch_ascend_head)
 
-        importlib.import_module(_ASCEND_VPE)
-    except Exception as exc:  # noqa: BLE001 - vllm-ascend absent or not importable here
-        logger.debug("vllm-ascend lm head not patched (%s: %s)", type(exc).__name__, exc)
+
+def _patch_ascend_head(module) -> None:
+    if not hasattr(getattr(module, "AscendParallelLMHead", None), "__init__"):
+        logger.warning("npu_flashrl: %s has no AscendParallelLMHead: its lm head stays 16-bit",
+                       _ASCEND_VPE)
         return
     patches.replace(f"{_ASCEND_VPE}:AscendParallelLMHead.__init__", _make_init)

@@ -284,6 +284,11 @@ class StackLine:
         """What to import before a scheme's method is replaced."""
         self._method_table()
 
+    def scheme_modules(self) -> Tuple[str, ...]:
+        """The modules whose import fills the scheme table (`_prepare_schemes` imports them): a
+        run-once patch armed by activation is applied once they are all imported."""
+        return (self.quant_config.partition(":")[0], self.quant_method_map.partition(":")[0])
+
     def once_patch(self, name: str, quant_type: str, layer_type: str, why: str,
                    after: Optional[Callable] = None) -> patches.Patch:
         """The run-once patch (`process_once`) of the class this line's table has for (quant
@@ -309,7 +314,7 @@ class StackLine:
                     f"in {self.quant_method_map}")
             patches.replace(f"{cls.__module__}:{cls.__qualname__}.{attr}", wrap)
         return patches.Patch(name, target, f"vllm-ascend {self.vllm_ascend}", apply, why,
-                             lines=(self.name,))
+                             lines=(self.name,), when=self.scheme_modules())
 
     def patches(self, bodies: PatchBodies) -> Tuple[patches.Patch, ...]:
         """This line's patches (names: `PATCHES`), not yet registered: the patches with
@@ -320,7 +325,9 @@ class StackLine:
         mine = (self.name,)
 
         def apply_redirect() -> None:
-            self.import_quantization()
+            # no import of vllm-ascend here: applied right after vLLM's weight_utils is imported
+            # (before its importers bind get_quant_config), when vLLM's own model modules may be
+            # half-initialised; the wrapper imports the "ascend" config class when first called
             patches.replace(GET_QUANT_CONFIG_TARGET,
                             lambda orig: bodies.redirect(orig, self.quant_config_class))
 
@@ -338,7 +345,7 @@ class StackLine:
             patches.Patch(self.PATCH_OVERRIDE, self.override_target, ascend, apply_override,
                           "the policy engine's compressed-tensors w8a8 checkpoint goes to 'ascend' "
                           "on any platform that runs it (other engines: vllm-ascend's own method)",
-                          lines=mine),
+                          lines=mine, when=(self.quant_config.partition(":")[0],)),
             patches.Patch(self.PATCH_ATTACH, INITIALIZE_MODEL_TARGET, vllm, apply_attach,
                           "the policy rollout's INT8 model gets the online-quantizing load_weights",
                           lines=mine),

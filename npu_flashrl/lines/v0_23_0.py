@@ -121,6 +121,9 @@ class SchemeRegistryLine(StackLine):
             return once(scheme, layer)
         return process_weights_after_loading
 
+    def scheme_modules(self):
+        return super().scheme_modules() + (self.quant_method_map.partition(":")[0].rpartition(".")[0],)
+
     def _method_table(self):
         """`_SCHEME_REGISTRY`, filled: the `methods` package imports every scheme module."""
         self.import_quantization()

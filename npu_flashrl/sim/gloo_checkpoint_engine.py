@@ -197,13 +197,15 @@ class GlooCheckpointEngine(CheckpointEngine):
     # ----------------------------------------------------------------- for tests
     def report(self) -> dict:
         """What a test asks of the process this engine lives in (through verl's
-        `execute_checkpoint_engine`): transfer counters, npu_flashrl's applied patches."""
+        `execute_checkpoint_engine`): transfer counters, npu_flashrl's applied patches and those
+        armed, waiting for their module's import (`pending`)."""
         import os
 
         from npu_flashrl import patches
 
         return {"pid": os.getpid(), "stats": dict(self.stats),
-                "patches": sorted(p["name"] for p in patches.status() if p.get("applied"))}
+                "patches": sorted(p["name"] for p in patches.status() if p.get("applied")),
+                "pending": {p["name"]: p["pending"] for p in patches.status() if p.get("pending")}}
 
 
 # ----------------------------------------------------------------------------- a trainer process

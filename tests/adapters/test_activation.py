@@ -42,16 +42,26 @@ def test_plugin_entry_point_activates_in_a_fresh_process(tmp_path):
         load_general_plugins()          # vLLM may load plugins more than once per process
         import npu_flashrl.activation as a
         a.activate()                    # and users may import/activate on top: still once
-        from npu_flashrl import patches
+        from npu_flashrl import lines, patches
+        pending = sorted(p["name"] for p in patches.status() if p["pending"])
+        # what the vLLM process then imports as it builds the engine and the model
+        import importlib
+        line = lines.current()
+        for module in ("vllm.engine.arg_utils", "vllm.model_executor.model_loader") + line.scheme_modules():
+            importlib.import_module(module)
+        a.activate()
         st = {p["name"]: p["applied"] for p in patches.status()}
+        print("PENDING", pending)
         print("STATUS", sorted(k for k, v in st.items() if v))
     """
     r = _run(code, {"FLASHRL_CONFIG": cfg, "VLLM_PLUGINS": "npu_flashrl"})
     assert r.returncode == 0, r.stderr[-3000:]
+    pending = eval(r.stdout.split("PENDING", 1)[1].split("\n", 1)[0].strip())
     applied = eval(r.stdout.split("STATUS", 1)[1].strip())
     for name in ("ascend_quant_description", "model_loader_int8_load_weights",
                  "ascend_w8a8_dynamic_process_once", "vllm_engine_flashrl_config"):
         assert name in applied
+    assert "ascend_w8a8_dynamic_process_once" in pending  # armed by the plugin, applied by the import
     # exactly one DEBUG line per applied patch, whatever the number of activations
     lines = [l for l in r.stderr.splitlines() if "npu_flashrl: patched ascend_quant_description ->" in l]
     assert len(lines) == 1, r.stderr[-3000:]
@@ -146,11 +156,25 @@ def test_ray_worker_setup_hook_activates_trainer_side_patches(tmp_path):
         from npu_flashrl.activation import worker_process_setup
         worker_process_setup()
         from npu_flashrl import patches
+        armed = sorted(p["name"] for p in patches.status() if p["pending"] or p["applied"])
+        # what a trainer / rollout worker then imports: each armed patch applies with its module
+        import importlib
+        for p in patches.status():
+            for module in p["pending"]:
+                try:
+                    importlib.import_module(module)
+                except ImportError:  # a dependency this CPU stack lacks (e.g. `datasets`)
+                    pass
+        print("ARMED", armed)
         print("APPLIED", sorted(p["name"] for p in patches.status() if p["applied"]))
     """
     r = _run(code, {"FLASHRL_CONFIG": cfg, "FLASHRL_LMHEAD_FP32": "1", "VLLM_PLUGINS": "none"})
     assert r.returncode == 0, r.stderr[-3000:]
+    armed = r.stdout.split("ARMED", 1)[1].split("APPLIED", 1)[0]
     applied = r.stdout.split("APPLIED", 1)[1]
+    for name in ("transformers_lmhead_fp32", "vllm_lmhead_fp32_compute", "model_loader_int8_load_weights",
+                 "verl_rollout_corr_metrics"):
+        assert name in armed, name
     for name in ("transformers_lmhead_fp32", "vllm_lmhead_fp32_compute", "model_loader_int8_load_weights",
                  "verl_rollout_corr_metrics"):
         assert name in applied, name

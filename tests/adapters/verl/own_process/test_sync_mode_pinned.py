@@ -184,7 +184,7 @@ def test_patch_is_registered_idempotent_and_activated(synced, monkeypatch):
     rows = [r for r in verify.patch_rows() if r["check"] == f"patch {verl_adapter.PATCH_SYNC_END}"]
     assert rows and rows[0]["status"] == verify.OK and "vLLMRollout.update_weights" in rows[0]["detail"]
     seen = []
-    monkeypatch.setattr(activation.patches, "apply_patches", lambda names: seen.extend(names) or {})
+    monkeypatch.setattr(activation.patches, "arm_patches", lambda names: seen.extend(names) or {})
     import npu_flashrl.config as config_mod
 
     monkeypatch.setattr(config_mod, "load_config", lambda path=None: None)
