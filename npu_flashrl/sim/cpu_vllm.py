@@ -273,8 +273,10 @@ def forget_shared_layers() -> None:
     in this process (the CPU harness builds several; a vLLM worker builds one). Without this a
     model reuses the rotary embedding of an earlier model of the same shape, built under that
     model's config: after one built under verl's engine config (custom ops on) it calls vLLM's
-    compiled `_C.rotary_embedding`, which a CPU test stack does not have. Models already built
-    keep their own instances."""
+    compiled `_C.rotary_embedding`, which a CPU test stack does not have; after one loaded with
+    load_format="dummy" (vLLM's dummy loader randomizes its layers' tensors, that shared
+    cos_sin_cache included) its rotary embedding is noise. Models already built keep their own
+    instances."""
     import importlib
 
     for path in SHARED_LAYER_CACHES:
