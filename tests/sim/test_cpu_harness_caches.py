@@ -25,6 +25,7 @@ def test_a_model_after_one_built_with_custom_ops_on_runs_plain_torch_rope(tmp_pa
     `_C.rotary_embedding` forward (absent on a CPU test stack), nor its instance."""
     from npu_flashrl.sim import cpu_vllm
 
+    cpu_vllm.prepare_process()  # the CPU platform before a config is built outside CpuVllm
     hf = build_tiny_qwen2(str(tmp_path), dtype=torch.bfloat16, seed=0, tokenizer=False).eval()
     vc = cpu_vllm.make_vllm_config(str(tmp_path))
     vc.compilation_config.custom_ops = ["all"]
