@@ -36,10 +36,7 @@ shopt -s nullglob  # a test-file pattern that matches nothing is no file
 failed=()
 ran=()
 ready=()
-# tests/sim/test_cpu_harness.py compares the harness's vLLM logits with HF's: after the whole of
-# tests/adapters/vllm_ascend in one process they drift (0.52 relative), though after any one of
-# its files they match; until the leftover process state is found it gets a fresh process.
-OWN_PROCESS=(tests/adapters/verl/own_process/test_*.py tests/sim/test_cpu_harness.py)
+OWN_PROCESS=(tests/adapters/verl/own_process/test_*.py)
 # The primary line's first shard (JOBS=2), by folder: the tests that run whole rehearsals or
 # benchmarks (they share the session's pre-trained tiny model, so they stay in one process) and the
 # per-architecture model tests. Every other folder goes to the second shard.

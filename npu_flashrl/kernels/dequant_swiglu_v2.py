@@ -35,7 +35,8 @@ from typing import Optional, Tuple
 import torch
 
 from npu_flashrl.kernels import op_rules
-from npu_flashrl.kernels.reference import INT8_MAX, require_same_device
+from npu_flashrl.kernels.moe_reference import check_dequant_swiglu_args
+from npu_flashrl.kernels.reference import INT8_MAX
 
 OP = "_C_ascend.npu_dequant_swiglu_quant"
 
@@ -77,16 +78,12 @@ def npu_dequant_swiglu_quant(x: torch.Tensor, *, weight_scale: Optional[torch.Te
     """torch.ops._C_ascend.npu_dequant_swiglu_quant (see the module doc). Returns (int8 y
     [..., H], fp32 scale [...]); rows past the sum of group_index are zero (the page: left
     uncleared)."""
-    require_same_device(OP, x=x, weight_scale=weight_scale, activation_scale=activation_scale,
-                        bias=bias, quant_scale=quant_scale, quant_offset=quant_offset,
-                        group_index=group_index)
-    op_rules.check_dequant_swiglu_quant_v2(x, weight_scale, activation_scale, bias, quant_scale,
-                                           quant_offset, group_index, activate_left, quant_mode,
-                                           swiglu_mode, clamp_limit, glu_alpha, glu_bias)
-    if bias is not None or quant_scale is not None or quant_offset is not None:
-        raise _not_emulated("bias / quant_scale / quant_offset")
-    if quant_mode != 1:
-        raise _not_emulated(f"quant_mode={quant_mode} (1, dynamic, is)")
+    check_dequant_swiglu_args(
+        OP, _not_emulated, x, weight_scale, activation_scale, bias, quant_scale, quant_offset,
+        group_index, quant_mode,
+        documented=lambda: op_rules.check_dequant_swiglu_quant_v2(
+            x, weight_scale, activation_scale, bias, quant_scale, quant_offset, group_index,
+            activate_left, quant_mode, swiglu_mode, clamp_limit, glu_alpha, glu_bias))
     if x.dtype != torch.int32:
         raise _not_emulated(f"a {x.dtype} x (int32 is)")
     if group_index is not None and group_index.dim() != 1:

@@ -20,7 +20,7 @@ float64), rounding is round-half-to-even (`torch.round`), int8 results saturate.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -458,6 +458,28 @@ def grouped_matmul_swiglu_quant(x: torch.Tensor, weight: torch.Tensor, weight_sc
     return q, qs, torch.zeros(m, dtype=torch.float32, device=x.device)
 
 
+def check_dequant_swiglu_args(op: str, not_emulated: Callable[[str], Exception], x: torch.Tensor,
+                              weight_scale: Optional[torch.Tensor],
+                              activation_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                              quant_scale: Optional[torch.Tensor], quant_offset: Optional[torch.Tensor],
+                              group_index: Optional[torch.Tensor], quant_mode: int,
+                              documented: Callable[[], None]) -> None:
+    """The argument checks the two dequant-swiglu-quant ops share (torch_npu's, below, and
+    vllm-ascend's `_C_ascend` V2, `dequant_swiglu_v2.py`: the same arguments, their own defaults,
+    documented constraints and math), in order: every tensor on x's device; the op's documented
+    constraints (`documented`: its op_rules check); then what neither emulation covers, raised
+    as `not_emulated(what)`: bias, smooth / static quant_scale / quant_offset, a quant_mode
+    other than 1 (dynamic)."""
+    require_same_device(op, x=x, weight_scale=weight_scale, activation_scale=activation_scale,
+                        bias=bias, quant_scale=quant_scale, quant_offset=quant_offset,
+                        group_index=group_index)
+    documented()
+    if bias is not None or quant_scale is not None or quant_offset is not None:
+        raise not_emulated("bias / quant_scale / quant_offset")
+    if quant_mode != 1:
+        raise not_emulated(f"quant_mode={quant_mode} (1, dynamic, is)")
+
+
 def npu_dequant_swiglu_quant(x: torch.Tensor, *, weight_scale: Optional[torch.Tensor] = None,
                              activation_scale: Optional[torch.Tensor] = None,
                              bias: Optional[torch.Tensor] = None,
@@ -476,15 +498,12 @@ def npu_dequant_swiglu_quant(x: torch.Tensor, *, weight_scale: Optional[torch.Te
     fp32 scale [T]); tokens past the groups are zero. Not emulated: bias, smooth quant_scale /
     quant_offset, static quant (quant_mode 0), the variant swiglu modes 1/2."""
     op = "npu_dequant_swiglu_quant"
-    require_same_device(op, x=x, weight_scale=weight_scale, activation_scale=activation_scale,
-                        bias=bias, quant_scale=quant_scale, quant_offset=quant_offset,
-                        group_index=group_index)
-    op_rules.check_dequant_swiglu_quant(x, weight_scale, activation_scale, bias, quant_scale,
-                                        quant_offset, group_index, quant_mode)
-    if bias is not None or quant_scale is not None or quant_offset is not None:
-        raise _not_emulated(op, "bias / quant_scale / quant_offset")
-    if quant_mode != 1:
-        raise _not_emulated(op, f"quant_mode={quant_mode} (1, dynamic, is)")
+    check_dequant_swiglu_args(
+        op, lambda what: _not_emulated(op, what), x, weight_scale, activation_scale, bias,
+        quant_scale, quant_offset, group_index, quant_mode,
+        documented=lambda: op_rules.check_dequant_swiglu_quant(
+            x, weight_scale, activation_scale, bias, quant_scale, quant_offset, group_index,
+            quant_mode))
     if swiglu_mode != 0:
         raise _not_emulated(op, f"swiglu_mode={swiglu_mode} (0, standard swiglu, is)")
     _require(x.dim() == 2 and x.shape[1] % 2 == 0, op, f"x must be [T, 2H], got shape {tuple(x.shape)}")

@@ -272,6 +272,33 @@ def ensure_expert_parallel_group() -> None:
         _dist_state.get("backend", "gloo"), group_name="ep")
 
 
+# vLLM's layer instances kept per process and handed to every model that asks for the same key:
+# "module:dict attribute". `get_rope` keeps one RotaryEmbedding per rope key (head size, rotary dim,
+# max positions, base / scaling, dtype), and a CustomOp fixes its forward (plain torch or the
+# platform's kernel) when it is built, under the compilation config current then.
+SHARED_LAYER_CACHES = ("vllm.model_executor.layers.rotary_embedding:_ROPE_DICT",)
+
+
+def forget_shared_layers() -> None:
+    """Empty vLLM's per-process layer caches (`SHARED_LAYER_CACHES`) before another model is built
+    in this process (the CPU harness builds several; a vLLM worker builds one). Without this a
+    model reuses the rotary embedding of an earlier model of the same shape, built under that
+    model's config: after one built under verl's engine config (custom ops on) it calls vLLM's
+    compiled `_C.rotary_embedding`, which a CPU test stack does not have; after one loaded with
+    load_format="dummy" (vLLM's dummy loader randomizes its layers' tensors, that shared
+    cos_sin_cache included) its rotary embedding is noise. Models already built keep their own
+    instances."""
+    import importlib
+
+    for path in SHARED_LAYER_CACHES:
+        module, _, attr = path.partition(":")
+        cache = getattr(importlib.import_module(module), attr, None)
+        if cache is None:
+            raise RuntimeError(f"{path}: not found in the installed vLLM (SHARED_LAYER_CACHES "
+                               "names a cache this vLLM does not have)")
+        cache.clear()
+
+
 class CpuVllm:
     """A vLLM model built on the CPU from a local checkpoint, with its config kept current.
 
@@ -322,6 +349,7 @@ class CpuVllm:
             ensure_expert_parallel_group()
         ascend_harness.init_vllm_ascend_config(self.vllm_config)
         ascend_harness.forget_served_model()  # vllm-ascend caches "is MoE" per process: one model each
+        forget_shared_layers()
         # vllm-ascend's own groups (mc2, ...), as its NPU worker creates them after vLLM's and
         # its config: the fused-MoE schemes look them up when the model is built
         from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel

@@ -5,22 +5,17 @@ vllm-ascend 0.11.0's AscendParallelLMHead / AscendLogitsProcessor) on the CPU th
 npu_flashrl.sim.cpu_vllm, each scenario in a fresh subprocess: the patches are process-global
 (every lm head built afterwards is fp32) and must not leak into other tests.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from helpers import run_python_json
 from npu_flashrl import patches
 from npu_flashrl.adapters import transformers as tfa
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2, tiny_qwen2_config
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 # ------------------------------------------------------------------------------ trainer side (HF)
@@ -106,22 +101,13 @@ def test_hf_registered_patch_applies_to_new_models(tmp_path):
                           "wdtype": str(m.lm_head.weight.dtype),
                           "status": [p for p in patches.status() if p["name"] == tfa.PATCH_NAME]}))
     """ % (str(tmp_path / "m"), str(tmp_path / "m")))
-    res = _run(code)
+    res = run_python_json(code)
     assert res["fp32"] and res["dtype"] == "torch.float32" and res["wdtype"] == "torch.bfloat16"
     assert res["status"][0]["applied"]
 
 
 # ------------------------------------------------------------------------------ rollout side (vLLM)
 
-def _run(code, timeout=600):
-    # keep an inherited PYTHONPATH (e.g. a vllm-ascend source tree from NPU_FLASHRL_VLLM_ASCEND_SRC)
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 _PRELUDE = textwrap.dedent("""
@@ -199,7 +185,7 @@ def test_vllm_patched_build_fp32_logits_and_reload(tmp_path):
         R["status"] = {p["name"]: p["applied"] for p in patches.status()}
         print(json.dumps(R))
     """)
-    r = _run(code)
+    r = run_python_json(code)
     assert r["head_dtype"] == "torch.float32" and r["logits_dtype"] == "torch.float32"
     assert r["other_head_dtype"] == "torch.bfloat16" and not r["other_marked"]  # policy only
     assert r["emb_dtype"] == r["layer_dtype"], "input embedding must stay in the model dtype"
@@ -253,7 +239,7 @@ def test_vllm_upcast_after_load_untied_and_tied(tmp_path):
             R["tied" if tied else "untied"] = out
         print(json.dumps(R))
     """)
-    r = _run(code)
+    r = run_python_json(code)
     for case in ("untied", "tied"):
         o = r[case]
         assert o["is_tied_module"] == (case == "tied")
@@ -298,7 +284,7 @@ def test_vllm_ascend_lm_head_and_logits_processor(tmp_path):
             R["reload_exact"] = torch.equal(head.weight[:512], new)
         print(json.dumps(R))
     """)
-    r = _run(code)
+    r = run_python_json(code)
     assert r["head_type"] == "AscendParallelLMHead"
     # vLLM 0.10.1's LogitsProcessor is no CustomOp, so vllm-ascend's out-of-tree class is not
     # swapped in there; both call UnquantizedEmbeddingMethod.apply, which the patch covers

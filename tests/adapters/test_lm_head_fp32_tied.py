@@ -9,26 +9,13 @@ vLLM attention (plain causal SDPA), the trainer (its HF state dict, tied `lm_hea
 included, as FSDP sends it).
 """
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from helpers import run_python_json
+
 pytestmark = pytest.mark.every_line
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-def _run(code, timeout=600):
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 _CODE = textwrap.dedent("""
@@ -89,7 +76,7 @@ _CODE = textwrap.dedent("""
 @pytest.mark.parametrize("arch,fn", [("qwen2", None), ("qwen2", "int8_profile_free"),
                                      ("llama", "int8_profile_free")])
 def test_tied_head_is_fp32_for_both_uses_and_syncs_in_place(tmp_path, arch, fn):
-    r = _run(_CODE % (str(tmp_path), arch, fn))
+    r = run_python_json(_CODE % (str(tmp_path), arch, fn))
     assert r["applied"]
     assert r["shared"], "the tie must survive: one weight for the embedding and the head"
     assert r["head_dtype"] == "torch.float32" and r["cold_exact"], r

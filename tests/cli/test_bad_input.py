@@ -10,13 +10,12 @@ adapter's tests.
 Stand-ins, by name:
 * "unreadable" / "read-only" inputs: tests run as root here, and root ignores file modes, so those
   subprocesses drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from their capability bounding set
-  (`_no_dac`): the kernel then applies the file modes to them as to any user;
+  (`cli_env.drop_dac`): the kernel then applies the file modes to them as to any user;
 * "base vs Instruct": a second tiny Qwen2 of the same shape from another seed (`other`), and the
   pair's bf16 model with its layernorms moved 10% and its weights 0.5% (`finetuned`);
 * a broken torch_npu: a `torch_npu` package on PYTHONPATH whose import raises;
 * the recipes' `npu-flashrl` and `python` are scripts that only record that they were started.
 """
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -31,6 +30,7 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
+from cli_env import broken_torch_npu, can_drop_dac, cli_env, drop_dac
 
 from npu_flashrl import cli
 from npu_flashrl import config as C
@@ -69,34 +69,9 @@ def snapshot(*paths) -> Dict[str, tuple]:
     return out
 
 
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _no_dac():
-    """preexec_fn: drop CAP_DAC_OVERRIDE (1) and CAP_DAC_READ_SEARCH (2) so file modes apply to root."""
-    libc = _libc()
-    for cap in (1, 2):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-
-def _env(**extra) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL_"))}
-    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(PYTHONPATH=os.pathsep.join(paths), VLLM_PLUGINS="none", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
-    for k, v in extra.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = str(v)
-    return env
-
-
 def run(argv: List[str], env: Optional[dict] = None, no_dac: bool = False, cwd=None, timeout=180):
-    preexec = _no_dac if (no_dac and os.geteuid() == 0) else None
-    return subprocess.run(argv, env=env or _env(), capture_output=True, text=True, timeout=timeout,
+    preexec = drop_dac if (no_dac and os.geteuid() == 0) else None
+    return subprocess.run(argv, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=preexec, cwd=cwd)
 
 
@@ -234,17 +209,7 @@ def d(tmp_path):
     os.chmod(tmp_path / "ro", 0o755)
 
 
-def _can_drop_dac() -> bool:
-    if os.geteuid() != 0:
-        return True
-    try:
-        proc = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=_no_dac, capture_output=True)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return proc.returncode == 0
-
-
-NEEDS_DAC_DROP = pytest.mark.skipif(not _can_drop_dac(), reason="cannot drop CAP_DAC_OVERRIDE as root here "
+NEEDS_DAC_DROP = pytest.mark.skipif(not can_drop_dac(), reason="cannot drop CAP_DAC_OVERRIDE as root here "
                                     "(no CAP_SETPCAP): file modes cannot be tested")
 
 
@@ -453,7 +418,7 @@ def test_concurrent_appends_keep_every_entry(d):
     lock, entries were lost while every process exited 0) and the atomic replace leaves no temp file."""
     cfg = d / "flashrl.yaml"
     n = 6
-    env = _env()
+    env = cli_env()
     procs = [subprocess.Popen([sys.executable, "-m", "npu_flashrl.cli", "setup", "-a", "--fn", "bf16", "--no-check",
                                "-o", str(cfg), f"module_attribute_to_preserve=['w{i}']"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -507,22 +472,15 @@ def test_verify_fails(w, d, name, capsys):
     assert snapshot(d, w.truncated) == before
 
 
-def _broken_torch_npu(tmp_path) -> str:
-    pkg = tmp_path / "fake_site" / "torch_npu"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise ImportError('libascendcl.so: cannot open shared object file')\n")
-    return str(tmp_path / "fake_site")
-
-
 VERIFY_ENV_CASES = {
     # FLASHRL_CONFIG is fine but activation at import fails: verify must not say all is well
     "activation_failed_lmhead_value": lambda d: Case(
         ["verify"], 1, ["activation from FLASHRL_CONFIG failed", "FLASHRL_LMHEAD_FP32='maybe'"], [d],
-        env=_env(FLASHRL_CONFIG="bf16", FLASHRL_LMHEAD_FP32="maybe"), absent=["all required checks passed"]),
+        env=cli_env(FLASHRL_CONFIG="bf16", FLASHRL_LMHEAD_FP32="maybe"), absent=["all required checks passed"]),
     "apply_patches_with_broken_torch_npu": lambda d: Case(
         ["verify", "--apply-patches"], 1, ["`import torch_npu` fails", "applying it failed", "libascendcl.so",
                                            "fix: install the pinned torch_npu"],
-        [d], env=_env(PYTHONPATH=os.pathsep.join([_broken_torch_npu(d), str(ROOT)])),
+        [d], env=cli_env(PYTHONPATH=os.pathsep.join([broken_torch_npu(d), str(ROOT)])),
         absent=["all required checks passed"]),
     "apply_patches_without_torch_npu": lambda d: Case(
         ["verify", "--apply-patches"], 1, ["applying it failed", "No module named 'torch_npu'",
@@ -585,7 +543,7 @@ def test_logging_file_falls_back_to_stderr(d, name):
     target = d / "nodir" / "x.log" if name == "missing_dir" else d / "outdir"
     case = Case(["setup", "--fn", "bf16", "-o", d / "c.yaml"], 0,
                 ["FLASHRL_LOGGING_FILE=", str(target), "logging to stderr", "written to"],
-                [d / "nodir", d / "outdir"], env=_env(FLASHRL_LOGGING_FILE=target))
+                [d / "nodir", d / "outdir"], env=cli_env(FLASHRL_LOGGING_FILE=target))
     check(case, cli_runner)  # the command itself still works
 
 
@@ -603,7 +561,7 @@ def test_logging_file_bad_keeps_activating(d):
         assert activation.active_config() is not None
         print("ACTIVE")
     """)
-    env = _env(FLASHRL_LOGGING_FILE=d / "nodir" / "x.log")
+    env = cli_env(FLASHRL_LOGGING_FILE=d / "nodir" / "x.log")
     case = Case(["-c", code], 0, ["ACTIVE", "FLASHRL_LOGGING_FILE=", "logging to stderr"], [d / "nodir"], env=env)
     check(case, lambda c: run([sys.executable, *c.argv], env=c.env))
 

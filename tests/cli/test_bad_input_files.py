@@ -255,7 +255,7 @@ def test_fifos_are_refused_by_name_without_opening(w, d):
     import subprocess
     import sys
 
-    from test_bad_input import _env
+    from cli_env import cli_env
 
     fifo = d / "pipe.yaml"
     os.mkfifo(fifo)
@@ -274,7 +274,7 @@ def test_fifos_are_refused_by_name_without_opening(w, d):
     ]
     (d / "shard.yaml").write_text(yaml.safe_dump({"configs": [{"fn": "bf16", "model": str(model)}]}))
     before = snapshot(d)
-    proc = subprocess.run([sys.executable, "-c", _FIFO_CHILD, json.dumps({"cases": cases})], env=_env(),
+    proc = subprocess.run([sys.executable, "-c", _FIFO_CHILD, json.dumps({"cases": cases})], env=cli_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "RESULTS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(proc.stdout.split("RESULTS", 1)[1])

@@ -10,56 +10,28 @@ Stand-ins, by name:
   replaced by one returning such a row (the emulation refuses every invalid case, as it must, so
   only a device could produce that row);
 * "read-only" files: tests run as root here and root ignores file modes, so those subprocesses drop
-  CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH from their capability bounding set (`_no_dac`).
+  CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH from their capability bounding set (`cli_env.drop_dac`).
 """
-import ctypes
 import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Optional
 
 import pytest
+from cli_env import broken_torch_npu, can_drop_dac, cli_env, drop_dac
 
 from npu_flashrl import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _env(**extra) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "NPU_FLASHRL_"))}
-    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(PYTHONPATH=os.pathsep.join(paths), VLLM_PLUGINS="none", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
-    for k, v in extra.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = str(v)
-    return env
-
-
-def _no_dac():
-    """preexec_fn: drop CAP_DAC_OVERRIDE (1) and CAP_DAC_READ_SEARCH (2) so file modes apply to root."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
-
-
 def npu_flashrl(*args, env: Optional[dict] = None, no_dac: bool = False, cwd=None):
-    preexec = _no_dac if (no_dac and os.geteuid() == 0) else None
-    return subprocess.run([sys.executable, "-m", "npu_flashrl.cli", *map(str, args)], env=env or _env(),
+    preexec = drop_dac if (no_dac and os.geteuid() == 0) else None
+    return subprocess.run([sys.executable, "-m", "npu_flashrl.cli", *map(str, args)], env=env or cli_env(),
                           capture_output=True, text=True, timeout=300, preexec_fn=preexec, cwd=cwd)
-
-
-def _broken_torch_npu(tmp_path) -> str:
-    pkg = tmp_path / "fake_site" / "torch_npu"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise ImportError('libascendcl.so: cannot open shared object file')\n")
-    return str(tmp_path / "fake_site")
 
 
 # ------------------------------------------------------------------------------ verify --kernels
@@ -96,7 +68,7 @@ def test_verify_kernels_strict_fails_an_op_that_accepts_invalid_input(monkeypatc
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_verify_kernels_broken_torch_npu_is_a_fail_row(tmp_path, as_json):
-    env = _env(PYTHONPATH=os.pathsep.join([_broken_torch_npu(tmp_path), str(ROOT)]))
+    env = cli_env(PYTHONPATH=os.pathsep.join([broken_torch_npu(tmp_path), str(ROOT)]))
     res = npu_flashrl("verify", "--kernels", *(["--json"] if as_json else []), env=env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "Traceback" not in res.stderr, res.stderr
@@ -130,7 +102,7 @@ def test_yield_flashrl_spellings(value, want, monkeypatch):
 
 
 def test_verify_names_bad_switches():
-    res = npu_flashrl("verify", "--json", env=_env(NPU_FLASHRL_YIELD_FLASHRL="maybe",
+    res = npu_flashrl("verify", "--json", env=cli_env(NPU_FLASHRL_YIELD_FLASHRL="maybe",
                                                    NPU_FLASHRL_MISMATCH_WARN="inf"))
     doc = json.loads(res.stdout)
     rows = {r["check"]: r for r in doc["rows"]}
@@ -160,16 +132,7 @@ def test_mismatch_warn_finite_value_is_kept(monkeypatch):
 
 # ------------------------------------------------------------------------------ setup -o read-only
 
-def _can_drop_dac() -> bool:
-    if os.geteuid() != 0:
-        return True
-    try:
-        return subprocess.run([sys.executable, "-c", "pass"], preexec_fn=_no_dac).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-@pytest.mark.skipif(not _can_drop_dac(), reason="cannot drop CAP_DAC_OVERRIDE as root here: file modes "
+@pytest.mark.skipif(not can_drop_dac(), reason="cannot drop CAP_DAC_OVERRIDE as root here: file modes "
                                                "cannot be tested")
 @pytest.mark.parametrize("extra", [[], ["-a"], ["--force"]])
 def test_setup_refuses_to_replace_a_read_only_config(tmp_path, extra):
@@ -210,7 +173,7 @@ def test_lint_overrides_names_a_bad_verl_dir(tmp_path, name):
     verl_dir = tmp_path / "verl-src"
     if name == "not_a_verl_tree":
         verl_dir.mkdir()
-    res = subprocess.run([sys.executable, str(LINT), "--verl-dir", str(verl_dir)], env=_env(),
+    res = subprocess.run([sys.executable, str(LINT), "--verl-dir", str(verl_dir)], env=cli_env(),
                          input="python3 -m verl.trainer.main_ppo trainer.total_epochs=1\n",
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
@@ -220,7 +183,7 @@ def test_lint_overrides_names_a_bad_verl_dir(tmp_path, name):
 
 def test_lint_overrides_accepts_the_installed_verl_package_as_verl_dir():
     verl = pytest.importorskip("verl")
-    res = subprocess.run([sys.executable, str(LINT), "--verl-dir", os.path.dirname(verl.__file__)], env=_env(),
+    res = subprocess.run([sys.executable, str(LINT), "--verl-dir", os.path.dirname(verl.__file__)], env=cli_env(),
                          input="python3 -m verl.trainer.main_ppo trainer.total_epochs=1\n",
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("ok: 1 overrides"), res.stdout + res.stderr
@@ -240,7 +203,7 @@ def test_deeply_nested_yaml_is_a_named_config_error(tmp_path):
 def test_logging_file_that_cannot_be_written_falls_back_to_stderr_once():
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
-    res = npu_flashrl("verify", env=_env(FLASHRL_LOGGING_FILE="/dev/full", FLASHRL_CONFIG="bf16"))
+    res = npu_flashrl("verify", env=cli_env(FLASHRL_LOGGING_FILE="/dev/full", FLASHRL_CONFIG="bf16"))
     assert "--- Logging error ---" not in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.count("FLASHRL_LOGGING_FILE='/dev/full': cannot write to it") == 1, res.stderr
     assert "Using the profile-free default config for bf16" in res.stderr  # the record that failed, kept

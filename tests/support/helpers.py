@@ -1,7 +1,10 @@
 """Helpers shared by the reload / sync tests (imported as `helpers`: tests/ is on sys.path, as for
 `modelslim_writer` and `verl_server_engine`). Weight-sync delivery and state comparison helpers
 are in `npu_flashrl.sim.sync` (the benchmarks use them too)."""
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -31,6 +34,33 @@ def hf_weights(model, dtype=None):
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"  # the rehearsal's fault seam (npu_flashrl.sim.faults)
+
+
+def run_python_json(code: str, timeout: float = 600) -> dict:
+    """Run `code` in a fresh interpreter (this checkout first on the path, an inherited PYTHONPATH
+    kept, no torch_npu autoload, no vLLM plugins; for patches that are process-global) and return
+    the JSON object its last line of output prints. A failed run fails the test with its output."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ppo_clip_per_token(cfg, old, current, adv):
+    """PPO-clip with dual clip, per token (verl's vanilla loss before weighting/aggregation), from
+    verl's actor config fields (`clip_ratio`, `clip_ratio_low` / `_high`, `clip_ratio_c`)."""
+    ratio = torch.exp(current - old)
+    low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+    high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
+    return torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
+
+
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
 
 
 def rehearsal_env() -> dict:

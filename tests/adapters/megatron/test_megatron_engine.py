@@ -7,7 +7,7 @@ bridge, and for each sync loads the next checkpoint (the trainer's weights after
 runs `get_per_tensor_param` (mbridge's `export_weights`: TP all-gather over gloo, q/k/v and
 gate/up split, HF names). Rank 0 streams it with verl's real `BucketedWeightSender` into verl's
 real `update_weights_from_ipc` in this process, on a vLLM model built on vllm-ascend's
-W8A8_DYNAMIC layers through npu_flashrl (the harness of tests/adapters/verl/test_verl_server.py). The same for a
+W8A8_DYNAMIC layers through npu_flashrl (tests/support/verl_server_rig.py). The same for a
 tiny Qwen3-MoE with expert parallel 2 (mbridge's EP all-gather; vllm-ascend's W8A8_DYNAMIC
 fused-MoE layers on the receiver).
 
@@ -15,7 +15,7 @@ Stand-ins: the engine's are listed in `npu_flashrl/sim/megatron_engine.py` (CPU 
 CPU RNG tracker, `torch.cuda.current_device`/`Module.cuda`, megatron-core's local layer spec
 instead of TransformerEngine with mbridge reading its norm names, peft/datasets stubs, the engine
 built `forward_only` (no optimizer: it allocates on 'cuda'), mbridge instead of Megatron-Bridge
-(needs Python >= 3.12)); the receiver's in tests/adapters/verl/test_verl_server.py (verl's device helpers in
+(needs Python >= 3.12)); the receiver's in tests/support/verl_server_rig.py (verl's device helpers in
 the transfer, the vLLM worker object, plain attention, emulated torch_npu).
 
 megatron-core and mbridge are not in the current line's venv (the pinned-line Megatron tests
@@ -25,12 +25,6 @@ NPU_FLASHRL_MEGATRON_OVERLAY, put on the rank processes' PYTHONPATH only.
 """
 import json
 import os
-import queue
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 
 import pytest
 
@@ -41,147 +35,31 @@ pytestmark = [
                        reason="needs verl 0.9 (verl/workers/engine/megatron), e.g. 0.9.1"),
 ]
 
-from helpers import forward_tensors, restore_environ, set_verl_replica_env  # noqa: E402
+from helpers import forward_tensors  # noqa: E402
+from megatron_engine_rig import (BUCKET_BYTES, EngineRanks, engine_rig,  # noqa: E402
+                                 three_syncs_equal_fresh_loads)
+from verl_server_rig import (SHAPE, assert_state, build_rollout, fresh_state, need_int8,  # noqa: E402
+                             rollout_worker)
+from verl_server_rig import int8_ready  # noqa: E402,F401  (a fixture)
 
-# The server-mode engine build and state checks are tests/adapters/verl's (one copy, imported here).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "verl"))
-from test_verl_server import (SHAPE, _assert_state, _build, _fresh_state, _need_int8,  # noqa: E402
-                              _split_layers, _worker, int8_ready)  # noqa: F401
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
-SUPPORT = os.path.join(ROOT, "tests", "support")
-PREFIX = "@npu_flashrl@ "
-TIMEOUT_S = 600
-BUCKET_BYTES = 1 << 20
 SIZES = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.n=1")
-
-
-def megatron_overlay():
-    """Where megatron-core and mbridge are installed for this venv, or None."""
-    path = os.environ.get("NPU_FLASHRL_MEGATRON_OVERLAY") or os.path.join(sys.prefix,
-                                                                          "megatron-overlay")
-    ok = all(os.path.isdir(os.path.join(path, p)) for p in ("megatron/core", "mbridge"))
-    return path if ok else None
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EngineRanks:
-    """The trainer's ranks, each a `python -m npu_flashrl.sim.megatron_engine` process."""
-
-    def __init__(self, model_dir, world, tp, handle, ep=1, patches=(), environ=None,
-                 engine="megatron", path=(), pp=1):
-        overlay = megatron_overlay()
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_PLUGINS="none",
-                   PYTHONPATH=os.pathsep.join(p for p in (*path, ROOT, SUPPORT, overlay,
-                                                          os.environ.get("PYTHONPATH")) if p))
-        env.pop("FLASHRL_CONFIG", None)
-        env.update(environ or {})
-        port = _free_port()
-        self.errs, self.procs, self.lines = [], [], []
-        for rank in range(world):
-            spec = dict(rank=rank, world=world, port=port, model=model_dir, tp=tp, ep=ep, pp=pp,
-                        handle=handle, patches=list(patches), engine=engine)
-            err = tempfile.TemporaryFile()
-            self.errs.append(err)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-W", "ignore", "-m", "npu_flashrl.sim.megatron_engine",
-                 json.dumps(spec)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=err, text=True, bufsize=1))
-            # one reader thread per rank: select() on a buffered text pipe misses lines already read
-            lines = queue.Queue()
-            threading.Thread(target=self._pump, args=(self.procs[-1].stdout, lines),
-                             daemon=True).start()
-            self.lines.append(lines)
-        self.expect("ready")
-
-    @staticmethod
-    def _pump(stream, lines):
-        for line in stream:
-            if line.startswith(PREFIX):
-                lines.put(line[len(PREFIX):].strip())
-        lines.put("")
-
-    def tell(self, **cmd):
-        for p in self.procs:
-            p.stdin.write(json.dumps(cmd) + "\n")
-            p.stdin.flush()
-
-    def expect(self, word, ranks=None):
-        got = []
-        for r in (range(len(self.procs)) if ranks is None else ranks):
-            proc = self.procs[r]
-            try:
-                line = self.lines[r].get(timeout=TIMEOUT_S)
-            except queue.Empty:
-                line = "<timeout>"
-            if not line.startswith(word):
-                self.errs[r].seek(0)
-                tail = self.errs[r].read().decode(errors="replace")[-4000:]
-                raise AssertionError(f"rank {r}: expected {word!r}, got {line!r} "
-                                     f"(exit {proc.poll()}); stderr:\n{tail}")
-            got.append(line[len(word):].strip())
-        return got
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.stdin.close()
-        for p in self.procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for e in self.errs:
-            e.close()
 
 
 @pytest.fixture(scope="module")
 def megatron_rig(int8_ready):
-    if megatron_overlay() is None:
-        pytest.skip("megatron-core/mbridge overlay not installed (scripts/bootstrap_cpu_stack.sh "
-                    "--line current installs it into <venv>/megatron-overlay)")
     from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
-    saved = set_verl_replica_env("mcore")
-    root = tempfile.mkdtemp(prefix="npu_flashrl_megatron_")
-    dirs, hf = [], []
-    for seed in range(4):  # bf16 checkpoints: Megatron's Float16Module holds bf16 parameters
-        d = os.path.join(root, f"qwen2_w{seed}")
-        # with a tokenizer: verl's engine reads its pad_token_id in forward_step
-        hf.append(build_tiny_qwen2(d, seed=seed, config_overrides=SHAPE, tokenizer=seed == 0))
-        dirs.append(d)
-    handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
     # the trainer side as activation leaves it with FLASHRL_LMHEAD_FP32=1: npu_flashrl's engine
     # patches applied before verl builds the engine (they do not change the exported weights)
     from npu_flashrl.adapters.megatron import ENGINE_PATCHES
 
-    ranks = EngineRanks(dirs[0], world=2, tp=2, handle=handle, patches=ENGINE_PATCHES,
-                        environ={"FLASHRL_LMHEAD_FP32": "1"})
-    yield dict(root=root, dirs=dirs, hf=hf, ranks=ranks, handle=handle, int8_ready=int8_ready)
-    ranks.close()
-    restore_environ(saved)
-
-
-def _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, model, fn, ptrs, bucket_bytes, arch):
-    """Checkpoints 1, 2, 3 in turn: the engine ranks export each through verl's bucketed sender
-    into `worker`; after each the rollout state equals a fresh load (same tensors in place) and
-    the sync came in several buckets that split decoder layers."""
-    for i in (1, 2, 3):
-        ranks.tell(load=rig["dirs"][i])
-        ranks.expect("loaded")
-        buckets.clear()
-        ranks.tell(send=True, bucket_bytes=bucket_bytes)
-        worker.update_weights_from_ipc(use_shm=True)
-        ranks.expect("sent")
-        _assert_state(model, _fresh_state(rig, i, fn), ptrs)
-        assert len(buckets) > 1 and _split_layers(arch, buckets), buckets
+    # bf16 checkpoints: Megatron's Float16Module holds bf16 parameters; with a tokenizer: verl's
+    # engine reads its pad_token_id in forward_step
+    with engine_rig(int8_ready, "npu_flashrl_megatron_", "qwen2",
+                    lambda d, seed: build_tiny_qwen2(d, seed=seed, config_overrides=SHAPE,
+                                                     tokenizer=seed == 0),
+                    patches=ENGINE_PATCHES, environ={"FLASHRL_LMHEAD_FP32": "1"}) as rig:
+        yield rig
 
 
 def test_engine_exports_hf_names_full_shapes(megatron_rig):
@@ -207,15 +85,15 @@ def test_three_syncs_equal_fresh_load(megatron_rig, fn):
     scales and vllm-ascend's fp32 scale copy requantized from the bf16 stream), every tensor at
     its old address, fused layers split across buckets."""
     if fn:
-        _need_int8(megatron_rig["int8_ready"])
+        need_int8(megatron_rig["int8_ready"])
     rig, ranks = megatron_rig, megatron_rig["ranks"]
-    with _build(rig, 0, fn) as v:
-        worker, buckets = _worker(v)
+    with build_rollout(rig, 0, fn) as v:
+        worker, buckets = rollout_worker(v)
         assert worker._get_zmq_handle() == rig["handle"]
         if fn:
             assert getattr(v.model, "_npu_flashrl_loader", None) is not None
         ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
-        _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, BUCKET_BYTES, "qwen2")
+        three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, BUCKET_BYTES, "qwen2")
 
 
 def test_lmhead_fp32_on_the_engine_log_prob_path(megatron_rig):
@@ -248,7 +126,7 @@ def test_tis_reaches_the_megatron_loss(megatron_rig):
     import torch
 
     from npu_flashrl.adapters import verl as ad
-    from test_verl_server_tis import _masked_mean, _ppo_clip_per_token
+    from helpers import masked_mean, ppo_clip_per_token
 
     overrides = [*ad.tis_overrides(verl="0.9"), *SIZES]
     ranks = megatron_rig["ranks"]
@@ -270,7 +148,7 @@ def test_tis_reaches_the_megatron_loss(megatron_rig):
             # prompt - 1 + j (verl shifts the labels by one), so the response's are [-(n+1):-1]
             n = int(mask[i].sum())
             cur[i, :n] = torch.tensor(lp)[-(n + 1):-1]
-        expected = _masked_mean(_ppo_clip_per_token(cfg, old, cur, adv) * weights, mask)
+        expected = masked_mean(ppo_clip_per_token(cfg, old, cur, adv) * weights, mask)
         loss = run["loss"][0] if isinstance(run["loss"], list) else run["loss"]
         assert abs(loss - float(expected)) < 1e-3 * max(1.0, abs(float(expected))), (name, loss, expected)
     assert res["weighted"]["loss"] != res["plain"]["loss"]
@@ -367,21 +245,21 @@ def test_moe_three_syncs_equal_fresh_int8_load(moe_rig):
     W8A8_DYNAMIC fused-MoE layers through npu_flashrl: each equals a fresh INT8 load of that
     checkpoint (int8 experts, scales, fp32 scale copies), every tensor at its old address, a
     layer's experts spread over several 256 KB buckets."""
-    _need_int8(moe_rig["int8_ready"])
+    need_int8(moe_rig["int8_ready"])
     fn, rig, ranks = "int8_profile_free", moe_rig, moe_rig["ranks"]
-    with _build(rig, 0, fn) as v:
-        worker, buckets = _worker(v)
+    with build_rollout(rig, 0, fn) as v:
+        worker, buckets = rollout_worker(v)
         assert getattr(v.model, "_npu_flashrl_loader", None) is not None
         ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         assert "model.layers.0.mlp.experts.w13_weight_scale_fp32" in ptrs
-        _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, MOE_BUCKET_BYTES, "qwen3_moe")
+        three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, MOE_BUCKET_BYTES, "qwen3_moe")
 
 
 def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
     """Pipeline parallel 2 (one decoder layer per stage, TP 1): the export (mbridge broadcasts each
     stage's tensors over the PP group, layer numbers made global) is every HF tensor once on both
     ranks, and two syncs from it into the INT8 rollout equal fresh INT8 loads."""
-    _need_int8(megatron_rig["int8_ready"])
+    need_int8(megatron_rig["int8_ready"])
     rig, fn = megatron_rig, "int8_profile_free"
     ranks = EngineRanks(rig["dirs"][0], world=2, tp=1, pp=2, handle=rig["handle"])
     try:
@@ -390,8 +268,8 @@ def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
         for raw in ranks.expect("names"):
             exported = json.loads(raw)
             assert len(exported) == len(want) and {n: sh for n, sh, _ in exported} == want
-        with _build(rig, 0, fn) as v:
-            worker, buckets = _worker(v)
+        with build_rollout(rig, 0, fn) as v:
+            worker, buckets = rollout_worker(v)
             ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
             for i in (2, 1):
                 ranks.tell(load=rig["dirs"][i])
@@ -399,6 +277,6 @@ def test_pp2_engine_syncs_equal_fresh_int8_load(megatron_rig):
                 ranks.tell(send=True, bucket_bytes=BUCKET_BYTES)
                 worker.update_weights_from_ipc(use_shm=True)
                 ranks.expect("sent")
-                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+                assert_state(v.model, fresh_state(rig, i, fn), ptrs)
     finally:
         ranks.close()

@@ -2,18 +2,17 @@
 architectures: a tiny Llama 3.x (untied, GQA, llama3 rope scaling) through mbridge's LlamaBridge
 at TP=2; and what stops DeepSeek-V3 (mbridge's DeepseekV3Bridge) on this stack.
 
-The rig is test_megatron_engine.py's (two rank processes running verl's own
+The rig is test_megatron_engine.py's (tests/support/megatron_engine_rig.py: two rank processes running verl's own
 `MegatronEngineWithLMHead`, `npu_flashrl.sim.megatron_engine`; rank 0 streams
 `get_per_tensor_param` with verl's `BucketedWeightSender` into verl's `update_weights_from_ipc` on
 a vLLM model built on vllm-ascend's W8A8_DYNAMIC layers through npu_flashrl). Stand-ins: the
 engine's (`npu_flashrl/sim/megatron_engine.py`: CPU verl platform, CPU RNG tracker,
 `torch.cuda.current_device`/`Module.cuda`, megatron-core's local layer spec instead of
 TransformerEngine, peft/datasets stubs, the engine built `forward_only`, mbridge instead of
-Megatron-Bridge) and the receiver's (tests/adapters/verl/test_verl_server.py).
+Megatron-Bridge) and the receiver's (tests/support/verl_server_rig.py).
 """
 import json
 import os
-import tempfile
 
 import pytest
 
@@ -25,33 +24,23 @@ pytestmark = [
                        reason="needs verl 0.9 (verl/workers/engine/megatron), e.g. 0.9.1"),
 ]
 
-from helpers import forward_tensors, restore_environ, set_verl_replica_env  # noqa: E402
-from test_megatron_engine import (BUCKET_BYTES, EngineRanks, _three_syncs_equal_fresh_loads,  # noqa: E402
-                                  megatron_overlay)
-from test_verl_server import SHAPE, _build, _need_int8, _worker, int8_ready  # noqa: E402,F401
+from helpers import forward_tensors  # noqa: E402
+from megatron_engine_rig import (BUCKET_BYTES, EngineRanks, engine_rig,  # noqa: E402
+                                 three_syncs_equal_fresh_loads)
+from verl_server_rig import SHAPE, build_rollout, need_int8, rollout_worker  # noqa: E402
+from verl_server_rig import int8_ready  # noqa: E402,F401  (a fixture)
 
 
 @pytest.fixture(scope="module")
 def llama_rig(int8_ready):
-    if megatron_overlay() is None:
-        pytest.skip("megatron-core/mbridge overlay not installed (scripts/bootstrap_cpu_stack.sh "
-                    "--line current installs it into <venv>/megatron-overlay)")
     from npu_flashrl.sim.tiny_models import build_tiny_llama
 
-    saved = set_verl_replica_env("mcore")
-    root = tempfile.mkdtemp(prefix="npu_flashrl_megatron_llama_")
-    dirs, hf = [], []
-    for seed in range(4):
-        d = os.path.join(root, f"llama_w{seed}")
-        # untied (the 8B / 70B layout): mbridge exports lm_head.weight as its own tensor
-        hf.append(build_tiny_llama(d, seed=seed, tokenizer=seed == 0,
-                                   config_overrides=dict(SHAPE, tie_word_embeddings=False)))
-        dirs.append(d)
-    handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
-    ranks = EngineRanks(dirs[0], world=2, tp=2, handle=handle)
-    yield dict(root=root, dirs=dirs, hf=hf, ranks=ranks, handle=handle, int8_ready=int8_ready)
-    ranks.close()
-    restore_environ(saved)
+    # untied (the 8B / 70B layout): mbridge exports lm_head.weight as its own tensor
+    with engine_rig(int8_ready, "npu_flashrl_megatron_llama_", "llama",
+                    lambda d, seed: build_tiny_llama(d, seed=seed, tokenizer=seed == 0,
+                                                     config_overrides=dict(SHAPE, tie_word_embeddings=False))
+                    ) as rig:
+        yield rig
 
 
 def test_llama_engine_exports_hf_names_full_shapes(llama_rig):
@@ -75,13 +64,13 @@ def test_llama_three_syncs_equal_fresh_int8_load(llama_rig):
     """Three syncs from the TP=2 Megatron engine into vLLM's Llama on vllm-ascend's
     W8A8_DYNAMIC layers through npu_flashrl: each equals a fresh INT8 load of that checkpoint,
     every tensor at its old address, q/k/v and gate/up split across 1 MB buckets."""
-    _need_int8(llama_rig["int8_ready"])
+    need_int8(llama_rig["int8_ready"])
     fn, rig, ranks = "int8_profile_free", llama_rig, llama_rig["ranks"]
-    with _build(rig, 0, fn) as v:
-        worker, buckets = _worker(v)
+    with build_rollout(rig, 0, fn) as v:
+        worker, buckets = rollout_worker(v)
         assert getattr(v.model, "_npu_flashrl_loader", None) is not None
         ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
-        _three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, BUCKET_BYTES, "llama")
+        three_syncs_equal_fresh_loads(rig, ranks, worker, buckets, v.model, fn, ptrs, BUCKET_BYTES, "llama")
 
 
 def test_deepseek_v3_engine_stops_at_mbridges_rope_theta(llama_rig):

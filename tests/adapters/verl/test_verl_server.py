@@ -32,8 +32,11 @@ import tempfile
 import pytest
 import torch
 from helpers import forward_tensors, restore_environ, set_verl_replica_env
+from verl_server_rig import (SHAPE, assert_state, build_rollout, engine_choice, fresh_state, need_int8,
+                             replica_handle, rollout_worker, split_layers)
+from verl_server_rig import int8_ready  # noqa: F401  (a fixture)
 
-from npu_flashrl import lines, patches
+from npu_flashrl import lines
 from npu_flashrl.sim import verl_transfer
 
 pytestmark = [
@@ -43,15 +46,10 @@ pytestmark = [
 ]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-# hidden 256 / intermediate 704: one decoder layer is ~1.4 MB of bf16, so 1 MB buckets split
-# fused layers (gate/up, q/k/v) across buckets.
-SHAPE = dict(hidden_size=256, intermediate_size=704)
 BUCKET_MB = 1
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # the tiny Qwen3-MoE at its own shape (hidden 128, 8 experts of 96): one layer's experts are
 # 1.2 MB in the trainer's fp32, so 256 KB buckets spread them over about five buckets
 MOE_BUCKET_BYTES = 256 << 10
-MOE_LAYERS, MOE_EXPERTS = 2, 8
 SYNC_OPTS = {"qwen3_moe": {"bucket_bytes": MOE_BUCKET_BYTES}}
 TIMEOUT_S = 300
 
@@ -73,28 +71,6 @@ class Sender(verl_transfer.SenderProcess):
 
     def send(self, weights: str, **opts) -> None:
         super().send(weights, **{"bucket_mb": BUCKET_MB, **opts})
-
-
-@pytest.fixture(scope="module")
-def int8_ready():
-    """This process on the CPU harness with npu_flashrl's vllm-ascend and verl server patches;
-    True when the INT8 W8A8_DYNAMIC path applies on this line."""
-    from npu_flashrl.sim import cpu_vllm, verl_transfer
-
-    cpu_vllm.prepare_process()
-    from npu_flashrl.adapters import vllm_ascend
-    from npu_flashrl.adapters.verl import server_mode as verl_server
-
-    applied = patches.apply_patches(list(vllm_ascend.PATCHES))
-    assert all(patches.apply_patches(list(verl_server.PATCHES)).values())
-    verl_transfer.use_cpu_device()
-    return applied.get("ascend_w8a8_dynamic_process_once", False)
-
-
-def _need_int8(ready):
-    if not ready:
-        pytest.skip("npu_flashrl's INT8 W8A8_DYNAMIC patches do not apply on this vllm-ascend "
-                    "line yet (the INT8 path of the current line is verified on its own)")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +99,7 @@ def rig(int8_ready):
                 sent(model), os.path.join(root, f"{arch}_w{seed}.safetensors")))
         archs[arch] = (dirs, files, hf)
     dirs, files, hf = archs["qwen2"]
-    handle = f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-0-rank-0.sock"
+    handle = replica_handle()
     sender = Sender(handle, _env())
     rig = dict(root=root, dirs=dirs, files=files, hf=hf, sender=sender, handle=handle,
                int8_ready=int8_ready, archs=archs)
@@ -131,43 +107,6 @@ def rig(int8_ready):
     sender.close()
     restore_environ(saved)
 
-
-def _choice(fn, rank=0):
-    from npu_flashrl.adapters.engine_choice import EngineChoice
-
-    return EngineChoice(fn=fn, profile=None, rank=rank)
-
-
-def _build(rig, i, fn=None, choice=True):
-    """vLLM model from checkpoint w<i>: bf16 (fn None) or INT8 through npu_flashrl, configured the
-    way the engine patch configures it (additional_config['npu_flashrl']); `choice=False`: an
-    engine built without npu_flashrl."""
-    from npu_flashrl.sim import cpu_vllm
-
-    extra = {"npu_flashrl": _choice(fn)} if choice else None
-    vc = cpu_vllm.make_vllm_config(rig["dirs"][i], quantization="ascend" if fn else None,
-                                   additional_config=extra)
-    return cpu_vllm.CpuVllm(rig["dirs"][i], vllm_config=vc)
-
-
-def _fresh_state(rig, i, fn=None):
-    with _build(rig, i, fn) as v:
-        return {n: t.detach().clone() for n, t in forward_tensors(v.model).items()}
-
-
-def _worker(v):
-    from npu_flashrl.sim import verl_transfer
-
-    worker = verl_transfer.make_worker(v.model, v.vllm_config)
-    buckets = []
-    update = worker._update_weights
-
-    def spy(weights, **kw):  # records the bucket split; verl's own method does the work
-        buckets.append([n for n, _ in weights])
-        return update(weights, **kw)
-
-    worker._update_weights = spy
-    return worker, buckets
 
 
 def _sync(rig, worker, i, **opts):
@@ -179,29 +118,6 @@ def _sync(rig, worker, i, **opts):
             rig["sender"].expect("overwritten")
 
 
-def _split_layers(arch, buckets):
-    """What the buckets split: dense, a fused layer's shards (q/k/v, gate/up) over several
-    buckets; MoE, each layer's experts over more than two buckets."""
-    where = {n: k for k, names in enumerate(buckets) for n in names}
-    if arch == "qwen3_moe":
-        assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in where), \
-            "the trainer sends per-expert names (verl's unfuse_moe_params)"
-        spread = {i: {k for n, k in where.items() if n.startswith(f"model.layers.{i}.mlp.experts.")}
-                  for i in range(MOE_LAYERS)}
-        return [i for i, b in spread.items() if len(b) > 2]
-    return [g for g in FUSED for layer in range(2)
-            if len({where[f"model.layers.{layer}.{'self_attn' if 'q_proj' in g else 'mlp'}"
-                          f".{s}.weight"] for s in g}) > 1]
-
-
-def _assert_state(model, want, ptrs):
-    got = forward_tensors(model)
-    assert got.keys() == want.keys()
-    for n, p in got.items():
-        assert p.data_ptr() == ptrs[n], f"{n}: storage replaced"
-        assert torch.equal(p.detach(), want[n]), f"{n} differs from a fresh load"
-
-
 @pytest.mark.parametrize("arch,fn", [("qwen2", None), ("qwen2", "int8_profile_free"),
                                      ("qwen3", "int8_profile_free"),
                                      ("qwen3_moe", "int8_profile_free")],
@@ -211,13 +127,13 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
     old address. MoE: the INT8 experts (w13/w2, their scales, vllm-ascend's fp32 scale copy) are
     rewritten in place from fp32 per-expert tensors arriving over several buckets."""
     if fn:
-        _need_int8(rig["int8_ready"])
+        need_int8(rig["int8_ready"])
     dirs, files, _ = rig["archs"][arch]
     rig = dict(rig, dirs=dirs, files=files)
     syncs = (1, 2, 1) if arch == "qwen3" else (1, 2, 3)
     opts = SYNC_OPTS.get(arch, {})
-    with _build(rig, 0, fn) as v:
-        worker, buckets = _worker(v)
+    with build_rollout(rig, 0, fn) as v:
+        worker, buckets = rollout_worker(v)
         assert worker._get_zmq_handle() == rig["handle"]
         if fn:
             assert getattr(v.model, "_npu_flashrl_loader", None) is not None
@@ -235,13 +151,13 @@ def test_three_syncs_equal_fresh_load(rig, arch, fn):
             if last:
                 # the sender has overwritten its bucket buffer after the last bucket: a kept
                 # view of it would show up as a difference from the fresh load
-                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+                assert_state(v.model, fresh_state(rig, i, fn), ptrs)
                 rig["sender"].release()
             else:
-                _assert_state(v.model, _fresh_state(rig, i, fn), ptrs)
+                assert_state(v.model, fresh_state(rig, i, fn), ptrs)
             rig["sender"].expect("sent")
             assert len(buckets) > 1
-            split = _split_layers(arch, buckets)
+            split = split_layers(arch, buckets)
             assert split, f"no layer split across buckets: {buckets}"
 
 
@@ -260,15 +176,15 @@ def test_sync_missing_tensor_named(rig, arch):
     down_proj): the sync fails naming it after the last bucket, the layer's INT8 tensors are not
     committed (an MoE layer keeps all its previous experts), the model refuses to generate with
     weights of two syncs, and the next complete sync brings it back to a fresh load's state."""
-    _need_int8(rig["int8_ready"])
+    need_int8(rig["int8_ready"])
     from npu_flashrl.adapters import vllm_ascend
 
     dirs, files, _ = rig["archs"][arch]
     rig = dict(rig, dirs=dirs, files=files)
     opts = SYNC_OPTS.get(arch, {})
     dropped, path, kept = MISSING[arch]
-    with _build(rig, 0, "int8_profile_free") as v:
-        worker, buckets = _worker(v)
+    with build_rollout(rig, 0, "int8_profile_free") as v:
+        worker, buckets = rollout_worker(v)
         layer = v.model.get_submodule(path)
         before = {n: getattr(layer, n).detach().clone() for n in kept}
         with pytest.raises(vllm_ascend.WeightSyncError, match=dropped.replace(".", r"\.")):
@@ -282,17 +198,17 @@ def test_sync_missing_tensor_named(rig, arch):
         ptrs = {n: t.data_ptr() for n, t in forward_tensors(v.model).items()}
         _sync(rig, worker, 2, **opts)
         rig["sender"].expect("sent")
-        _assert_state(v.model, _fresh_state(rig, 2, "int8_profile_free"), ptrs)
+        assert_state(v.model, fresh_state(rig, 2, "int8_profile_free"), ptrs)
         assert torch.isfinite(v.logits(torch.tensor([[1, 2, 3]]))).all()
 
 
 def test_sync_into_model_without_loader_refused_and_drained(rig):
     from npu_flashrl.adapters.verl import server_mode as verl_server
 
-    with _build(rig, 0, None, choice=False) as v:
+    with build_rollout(rig, 0, None, choice=False) as v:
         # an engine configured for INT8 whose model has no npu_flashrl loader
-        v.vllm_config.additional_config = {"npu_flashrl": _choice("int8_profile_free")}
-        worker, buckets = _worker(v)
+        v.vllm_config.additional_config = {"npu_flashrl": engine_choice("int8_profile_free")}
+        worker, buckets = rollout_worker(v)
         before = {n: p.detach().clone() for n, p in v.model.named_parameters()}
         with pytest.raises(verl_server.ServerModeError, match="has no npu_flashrl INT8 loader"):
             _sync(rig, worker, 1)
@@ -306,8 +222,8 @@ def test_sync_into_engine_built_without_npu_flashrl_refused(rig, monkeypatch):
     from npu_flashrl.adapters.verl import server_mode as verl_server
 
     monkeypatch.setenv("FLASHRL_CONFIG", os.path.join(rig["root"], "flashrl.yaml"))
-    with _build(rig, 0, None, choice=False) as v:
-        worker, _ = _worker(v)
+    with build_rollout(rig, 0, None, choice=False) as v:
+        worker, _ = rollout_worker(v)
         with pytest.raises(verl_server.ServerModeError, match="built without npu_flashrl"):
             _sync(rig, worker, 1)
         rig["sender"].expect("sent")
@@ -323,8 +239,8 @@ def test_failed_bucket_fails_the_sync_instead_of_hanging(rig):
     named = [(n, p.detach()) for n, p in rig["hf"][1].named_parameters()]
     named[1] = (named[1][0], torch.zeros(3, 3, dtype=named[1][1].dtype))
     verl_transfer.save_weights(named, bad)
-    with _build(rig, 0, None) as v:
-        worker, buckets = _worker(v)
+    with build_rollout(rig, 0, None) as v:
+        worker, buckets = rollout_worker(v)
         rig["sender"].proc.stdin.write(json.dumps({"weights": bad, "bucket_mb": BUCKET_MB}) + "\n")
         rig["sender"].proc.stdin.flush()
         with pytest.raises((AssertionError, RuntimeError, ValueError)):
@@ -398,7 +314,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     assert {"vllm_engine_flashrl_config", "verl_server_sync_end"} <= set(r1["patches"])
     assert r1["backend"] == "mp"
     assert r1["extension"] == "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
-    assert tuple(r1["choice"]) == _choice(None, rank=1)  # JSON: the fields in order
+    assert tuple(r1["choice"]) == engine_choice(None, rank=1)  # JSON: the fields in order
     assert r1["quantization"] is None  # replica 1 % 2 -> the bf16 entry
 
     # a fresh process as vLLM's executor spawns for a worker, same environment: vLLM's own
@@ -423,7 +339,7 @@ def test_engine_build_through_verl_server(tmp_path, int8_ready):
     r2 = results["replica2"]
     assert "error" not in r2, r2
     assert r2["quantization"] == "ascend"
-    assert tuple(r2["choice"]) == _choice("int8_profile_free", rank=2)
+    assert tuple(r2["choice"]) == engine_choice("int8_profile_free", rank=2)
     # the model build, where vLLM's worker does it: from the pickled config (the choice travels
     # in it; this process applied no FlashRL entry)
     import pickle

@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from helpers import masked_mean, ppo_clip_per_token
 
 from npu_flashrl import lines
 from npu_flashrl.adapters import verl as ad
@@ -53,19 +54,6 @@ def _actor_config(loss_mode="vanilla", **rollout_correction):
                            use_dynamic_bsz=False, rollout_n=1, policy_loss=policy_loss)
 
 
-def _ppo_clip_per_token(cfg, old, current, adv):
-    """PPO-clip with dual clip, per token (verl's vanilla loss before weighting/aggregation)."""
-    ratio = torch.exp(current - old)
-    low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
-    high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
-    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high))
-    return torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
-
-
-def _masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum()
-
-
 def test_decoupled_mode_multiplies_truncated_is_weights_into_the_loss(batch):
     from verl import DataProto
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
@@ -89,9 +77,9 @@ def test_decoupled_mode_multiplies_truncated_is_weights_into_the_loss(batch):
                 response_mask=batch["mask"].bool(), loss_agg_mode="token-mean", config=cfg)
     weighted, _ = loss_fn(rollout_is_weights=w, **args)
     plain, _ = loss_fn(rollout_is_weights=None, **args)
-    pg = _ppo_clip_per_token(cfg, batch["old"], batch["current"], batch["adv"])
-    torch.testing.assert_close(weighted, _masked_mean(pg * w, batch["mask"]))
-    torch.testing.assert_close(plain, _masked_mean(pg, batch["mask"]))
+    pg = ppo_clip_per_token(cfg, batch["old"], batch["current"], batch["adv"])
+    torch.testing.assert_close(weighted, masked_mean(pg * w, batch["mask"]))
+    torch.testing.assert_close(plain, masked_mean(pg, batch["mask"]))
     assert not torch.isclose(weighted, plain)
 
 
@@ -126,9 +114,9 @@ def test_bypass_mode_loss_types(batch, loss_type):
     mask = batch["mask"]
     w = torch.clamp(torch.exp(batch["current"] - batch["rollout"]), max=THRESHOLD)
     if loss_type == "reinforce":
-        want = _masked_mean(-batch["adv"] * w.detach() * batch["current"], mask)
+        want = masked_mean(-batch["adv"] * w.detach() * batch["current"], mask)
     else:
-        want = _masked_mean(_ppo_clip_per_token(cfg, batch["rollout"], batch["current"],
+        want = masked_mean(ppo_clip_per_token(cfg, batch["rollout"], batch["current"],
                                                 batch["adv"]), mask)
     torch.testing.assert_close(loss, want)
 
@@ -228,9 +216,9 @@ def test_recommended_overrides_multiply_is_weights_into_the_workers_loss(batch):
     config, weighted = _worker_loss(cfg.actor_rollout_ref.actor, batch, w)
     _, plain = _worker_loss(cfg.actor_rollout_ref.actor, batch)
     assert config.policy_loss.loss_mode == "vanilla"
-    pg = _ppo_clip_per_token(config, batch["old"], batch["current"], batch["adv"])
-    torch.testing.assert_close(weighted, _masked_mean(pg * w, batch["mask"]))
-    torch.testing.assert_close(plain, _masked_mean(pg, batch["mask"]))
+    pg = ppo_clip_per_token(config, batch["old"], batch["current"], batch["adv"])
+    torch.testing.assert_close(weighted, masked_mean(pg * w, batch["mask"]))
+    torch.testing.assert_close(plain, masked_mean(pg, batch["mask"]))
     assert not torch.isclose(weighted, plain)
 
 
@@ -277,7 +265,7 @@ def test_bypass_reinforce_with_the_workers_configured_from_the_start(batch):
     config, loss = _worker_loss(cfg.actor_rollout_ref.actor, on_rollout)
     assert config.policy_loss.loss_mode == "bypass_mode"
     w = torch.clamp(torch.exp(batch["current"] - batch["rollout"]), max=THRESHOLD)
-    torch.testing.assert_close(loss, _masked_mean(-batch["adv"] * w * batch["current"], batch["mask"]))
+    torch.testing.assert_close(loss, masked_mean(-batch["adv"] * w * batch["current"], batch["mask"]))
 
 
 @pytest.mark.parametrize("overrides, reason", [
