@@ -167,7 +167,7 @@ def _check_description(entry) -> None:
 
 def _check_w8a8(model: str) -> None:
     from npu_flashrl.profile import MOE_FIX, check_w8a8_checkpoint, corrupt_scale_problems, moe_profile_problem
-    from npu_flashrl.verify import W8A8_FIX
+    from npu_flashrl.verify_config import W8A8_FIX
 
     moe = moe_profile_problem(model)
     if moe:
