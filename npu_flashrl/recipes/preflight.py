@@ -28,7 +28,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from npu_flashrl.lines import verl as verl_lines
-from npu_flashrl.recipes import quant_check
+from npu_flashrl.recipes import quant_check, w4a8_groups
 from npu_flashrl.recipes import variables as V
 from npu_flashrl.recipes.command import Command, read_words
 from npu_flashrl.values import is_null, is_true
@@ -461,6 +461,7 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
     found, more = quant_check.checkpoint_problems(checker)
     problems += found
     notes += more
+    problems += w4a8_groups.problems(checker)
     if not dry_run:
         problem = installed_line_problem(line, hint)
         if problem:

@@ -105,3 +105,33 @@ def test_the_w4a8_launch_passes_verls_own_checks(inputs, tmp_path):  # noqa: F81
                           env=dict(inputs["env"], FLASHRL_CONFIG=str(cfg), NPU_FLASHRL_PREFLIGHT_VERL="1"))
     assert proc.returncode == 0, proc.stderr
     assert "verl.trainer.main_ppo" in proc.stdout
+
+
+QWEN25_7B_DIMS = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "num_attention_heads": 28,
+                  "intermediate_size": 18944, "max_position_embeddings": 32768}
+
+
+def test_the_preflight_holds_the_group_size_to_the_rollouts_tp_split(inputs, tmp_path):  # noqa: F811
+    """Qwen2.5-7B's dims at the recipe's rollout TP 4: o_proj holds 896 and down_proj 4736 input
+    channels per rank, so group_size 256 (vllm-ascend's default) leaves a remainder the W4A8 scheme
+    refuses at engine build; the preflight refuses it before launch, from SETUP_EXTRA (before setup
+    wrote the config) and from the FlashRL config's entry, and names a group size that fits."""
+    import json
+
+    model = inputs["tmp"] / "models" / "Qwen2.5-7B-dims"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_7B_DIMS))
+    env = dict(inputs["env"], MODEL_PATH=str(model))
+    bad = run(W4A8, dict(env, SETUP_EXTRA="group_size=256"), "--dry-run")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert ("group_size 256 (SETUP_EXTRA=group_size=256) does not divide the model's row-parallel input dims at "
+            "rollout tensor-parallel size 4") in bad.stderr, bad.stderr
+    assert "o_proj 3584 input channels (896 per rank)" in bad.stderr and "group_size=128" in bad.stderr
+    assert "verl.trainer.main_ppo" not in bad.stdout
+    assert run(W4A8, env, "--dry-run").returncode == 0  # the recipe's default, group_size=128
+    cfg = tmp_path / "flashrl.yaml"
+    cfg.write_text(f"configs:\n  - fn: w4a8_profile_free\n    model: {model}\n")
+    proc = run(W4A8_CONFIG, dict(env, FLASHRL_CONFIG=str(cfg)), "--dry-run")
+    assert proc.returncode == 1 and f"({cfg}: configs[0] (the default group size))" in proc.stderr, proc.stderr
+    cfg.write_text(f"configs:\n  - fn: w4a8_profile_free\n    model: {model}\n    group_size: 64\n")
+    assert run(W4A8_CONFIG, dict(env, FLASHRL_CONFIG=str(cfg)), "--dry-run").returncode == 0
