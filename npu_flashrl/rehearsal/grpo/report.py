@@ -251,7 +251,7 @@ def print_summary(report: Dict[str, Any], summary: Dict[str, Any], checks, repor
     dev = report["resolved"]
     tr = report.get("transport") or {}
     algo = next(iter(g["algorithm"].values()), {})
-    print(f"npu-flashrl rehearse --grpo: tiny Qwen2; device {dev['device']}; fn {dev['fn']}; verl {algo.get('verl')}; "
+    print(f"npu-flashrl rehearse --grpo: tiny {report['model'].get('arch', 'qwen2')}; device {dev['device']}; fn {dev['fn']}; verl {algo.get('verl')}; "
           f"{st['steps']} steps x {st['seeds']} seeds per variant; {st['prompts']} prompts x {st['group']} responses "
           f"of {tk['response_len']} tokens per step (prompt {tk['prompt_len']} tokens); lr {st['lr']:g}, "
           f"{st['mini_batches']} mini-batches", file=out)

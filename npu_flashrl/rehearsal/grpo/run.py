@@ -142,7 +142,7 @@ def _run(r: Run) -> int:
 
 
 def _model(r: Run, markov) -> Model:
-    """The default rehearsal's pre-trained tiny Qwen2 (cached)."""
+    """The default rehearsal's pre-trained tiny model of `--arch` (cached)."""
     from npu_flashrl.rehearsal.model import ensure_tiny_model, tiny_settings
 
     t = time.perf_counter()
@@ -362,7 +362,7 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
                  "positive_rows": [row for res in runs.positive.values() for row in res["rows"]],
                  "stand_ins": STAND_INS + (POSITIVE_STAND_IN if s.positive_control else [])},
         "resolved": {"device": r.device, "emulated_torch_npu": r.emulated, "threads": r.threads, "fn": setup.fn},
-        "transport": r.transport, "model": {"source": "tiny", "dir": model.bf16_dir, "cache_hit": model.cache_hit},
+        "transport": r.transport, "model": {"source": "tiny", "arch": args.arch, "dir": model.bf16_dir, "cache_hit": model.cache_hit},
         "rollouts": runs.infos, "checks": checks,
         "int8_state": {v: {"by_type": by_type(rs), "syncs": len({x["step"] for x in rs})}
                        for v, rs in runs.layer_results.items()},

@@ -124,7 +124,7 @@ class W8A8DynamicMoE(Scheme):
         mapping = getattr(model, "get_expert_mapping", None)
         if mapping is None:
             raise UnsupportedScheme(
-                f"{type(model).__name__}: has W8A8_DYNAMIC fused-MoE layers but no "
+                f"{type(model).__name__}: has {self.quant_type} fused-MoE layers but no "
                 "get_expert_mapping(), so the HF names of its experts cannot be told")
         entries = list(mapping())
         targets: Dict[str, ExpertTarget] = {}
