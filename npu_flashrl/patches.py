@@ -139,20 +139,18 @@ def apply_patches(names: List[str]) -> Dict[str, bool]:
     return result
 
 
-class Pending:
+class Pending(str):
     """What `arm_patch` answers for a patch that waits for an import: true (armed: it applies
-    when the modules are imported), and says which modules."""
+    when the modules are imported), and says which modules. A str, so a report that records
+    activation's answers (the rehearsal's report.json) writes it as its text."""
 
-    def __init__(self, modules: Iterable[str]):
-        self.modules = tuple(modules)
+    modules: Tuple[str, ...]
 
-    def __bool__(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return f"pending: applied when {' and '.join(self.modules)} is imported"
-
-    __str__ = __repr__
+    def __new__(cls, modules: Iterable[str]):
+        modules = tuple(modules)
+        self = super().__new__(cls, f"pending: applied when {' and '.join(modules)} is imported")
+        self.modules = modules
+        return self
 
 
 def loaded(module: str) -> bool:

@@ -1,8 +1,9 @@
 """The rehearsal's W4A8 state check (`npu_flashrl.rehearsal.state_w4a8`) on a real W4A8 rollout
 model, in process: after a sync, every vllm-ascend W4A8_DYNAMIC layer equals a fresh W4A8 load of
 the pushed weights; a corrupted packed weight, a wrong antiquant scale or a re-allocated weight
-is named by its category; and the forward check names the layers whose bias vllm-ascend's W4A8
-linear apply drops (the tiny Qwen2's q/k/v).
+is named by its category; the tiny Qwen2's q/k/v bias, which vllm-ascend's W4A8 linear apply
+drops, is added back by npu_flashrl's patch (the forward check passes), and without the patch
+the forward check names those layers.
 
 Real code: vLLM's model and loaders, vllm-ascend's `AscendModelSlimConfig` and
 `AscendW4A8DynamicLinearMethod` (its weight loaders, post-processing, `process_scale_second` and
@@ -53,20 +54,28 @@ def _failing(results, category):
     return {r["layer"] for r in results if r["problems"][category]}
 
 
-def test_a_sync_equals_a_fresh_w4a8_load_and_the_dropped_bias_is_named(w4a8_model):
+def test_a_sync_equals_a_fresh_w4a8_load_and_the_dropped_bias_is_named(w4a8_model, monkeypatch):
+    from npu_flashrl import patches
+    from npu_flashrl.adapters.vllm_ascend.schemes.base import inner_method
+
     v, check, pushed = w4a8_model
     results = check.check(pushed, step=1)
     assert {r["type"] for r in results} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    for cat in ("int8", "scale", "derived", "in_place"):
+    for cat in ("int8", "scale", "derived", "in_place", "forward"):
         assert not _failing(results, cat), [r["problems"][cat] for r in results if r["problems"][cat]]
     assert all(r["int8_mismatches"] == 0 and r["int8_elements"] > 0 for r in results)
     # the int4 error is there (the output against the bf16 weights), the forward itself exact
     assert all(r["output_rel_error"] > 0 for r in results)
     biased = {r["layer"] for r in results if r["bias"]}
     assert biased and all(p.endswith("qkv_proj") for p in biased)
+    # without npu_flashrl's bias patch (upstream's own apply), the forward check names those layers
+    layer = next(m for n, m in v.model.named_modules() if n in biased)
+    cls = type(inner_method(layer))
+    monkeypatch.setattr(cls, "apply", patches.original(cls.apply))
+    results = check.check(pushed, step=2)
     assert _failing(results, "forward") == biased
     bad = next(r for r in results if r["layer"] in biased)["problems"]["forward"]
-    assert "WITHOUT the layer's bias" in bad and "PR #11371" in bad
+    assert "WITHOUT the layer's bias" in bad and "PR #11371" in bad and "ascend_w4a8_dynamic_linear_bias" in bad
     unbiased = [r for r in results if not r["bias"]]
     assert max(r["forward_rel_error"] for r in unbiased) < min(r["forward_rel_error"] for r in results if r["bias"])
 
