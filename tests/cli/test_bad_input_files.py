@@ -394,11 +394,11 @@ def test_a_pipe_with_a_writer_is_refused_for_what_it_is(w, d):
     message says so instead of "would wait for input forever"."""
     import subprocess
 
-    from test_bad_input import _env
+    from cli_env import cli_env
 
     cfg = d / "c.yaml"
     cfg.write_text(yaml.safe_dump({"configs": [{"fn": "bf16"}]}))
     proc = subprocess.run(["bash", "-c", f'"{sys.executable}" -m npu_flashrl.cli verify --config <(cat "{cfg}")'],
-                          env=_env(), capture_output=True, text=True, timeout=300)
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "a pipe is read once" in proc.stdout and "wait for input forever" not in proc.stdout, proc.stdout[-2000:]

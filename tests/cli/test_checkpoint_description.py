@@ -119,7 +119,10 @@ def test_good_checkpoints_pass_and_the_unread_table_is_said(dirs, tmp_path, caps
             assert cli.main(["setup", "--fn", "int8_profile_free", "-m", dirs[name], "-o", str(out)]) == 0
         assert os.path.exists(out)
     notes = [r.getMessage() for r in caplog.records if "scheme table" in r.getMessage()]
-    assert len(notes) == 1 and "npu_flashrl's schemes only" in notes[0], notes  # the ModelSlim one
+    if _table_readable():  # an earlier test in this process installed the emulation: the table was read
+        assert notes == [], notes
+    else:
+        assert len(notes) == 1 and "npu_flashrl's schemes only" in notes[0], notes  # the ModelSlim one
     # a bf16 rollout's entry: npu_flashrl stays out of its engine, nothing to check
     bad = _bad_copy(dirs, "w8a16", tmp_path / "bad")
     assert cli.main(["setup", "--fn", "bf16", "-m", bad, "-o", str(tmp_path / "bf16.yaml")]) == 0
@@ -189,3 +192,17 @@ def test_an_int8_weight_the_description_lacks_is_said(dirs, tmp_path, capsys, ca
     assert cli.main(["verify", "--json", "--config", str(tmp_path / "c.yaml")]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert any(r["status"] == "warn" and "not in the description" in r["detail"] for r in rows), rows
+
+
+def _table_readable() -> bool:
+    """Whether this process can read the installed vllm-ascend's scheme table (it cannot without
+    torch_npu; a test run earlier in the same process may have installed the emulation)."""
+    from npu_flashrl import lines
+    from npu_flashrl.adapters.vllm_ascend.description_check import reload_keys
+
+    try:
+        reload_keys(lines.current())
+    except Exception:
+        return False
+    return True
+

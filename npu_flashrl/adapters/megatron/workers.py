@@ -80,7 +80,8 @@ def _patch_worker_module(module) -> None:
 
 @register(PATCH_GUARD, f"{_common.WORKER_MODULE}:ActorRolloutRefWorker.__init__ (+CriticWorker, RewardModelWorker)",
           lines.versions("verl", verl_mode="sync"),
-          doc="Megatron workers check MindSpeed was imported before Megatron (error on NPU without MindSpeed)")
+          doc="Megatron workers check MindSpeed was imported before Megatron (error on NPU without MindSpeed)",
+          when=())  # at activation: the import guard must be in place before anything imports Megatron
 def _apply_guard() -> None:
     install_import_guard()
     when_imported(_common.WORKER_MODULE, _patch_worker_module)
