@@ -152,3 +152,25 @@ def _npu_flashrl_logging_restored():
             lg.removeHandler(h)
         lg.propagate = True
         lg.setLevel(logging.NOTSET)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _verl_npu_fused_moe_loader_unwrapped():
+    """The first import of `verl.utils.vllm` in this process (verl's worker extension, its rollout
+    server, `npu_flashrl.sim.verl_transfer.make_worker`) runs verl's `apply_npu_vllm_patches`,
+    which on an NPU (the emulated torch.npu here) wraps vLLM's `FusedMoE.weight_loader` class-wide
+    for the rest of the process. The wrapper transposes any expert parameter whose dim 1 (w1/w3) or
+    dim 2 (w2) equals hidden_size: a later module's model with hidden == moe_intermediate (the W4A8
+    Qwen3-MoE of tests/support/w4a8_moe_models.py) has its w2 experts loaded transposed. Unwrap it
+    after each module (only verl's marked wrapper; vLLM's loader and any other wrapper stay)."""
+    yield
+    fused_moe = sys.modules.get("vllm.model_executor.layers.fused_moe")
+    FusedMoE = getattr(fused_moe, "FusedMoE", None)
+    if not isinstance(FusedMoE, type):
+        return
+    loader = FusedMoE.__dict__.get("weight_loader")
+    unwrapped = loader
+    while getattr(unwrapped, "_verl_npu_weight_loader_patched", False) and hasattr(unwrapped, "__wrapped__"):
+        unwrapped = unwrapped.__wrapped__
+    if unwrapped is not loader:
+        FusedMoE.weight_loader = unwrapped

@@ -419,6 +419,19 @@ def test_verl_npu_transpose_wrapper_does_not_misplace_square_experts(va, tmp_pat
                     "wrapper (verl 0.9.1's verl/utils/vllm/npu_vllm_patch.py)")
     fused_moe = pytest.importorskip("vllm.model_executor.layers.fused_moe")
     FusedMoE = fused_moe.FusedMoE
+    # The first import of verl.utils.vllm runs verl's `apply_npu_vllm_patches` (torch.npu is the
+    # emulation's here): it wraps FusedMoE.weight_loader and replaces ApplyRotaryEmb.__init__,
+    # process-wide. Restore both as they were before the import: a later model of this process
+    # loaded through verl's wrapper gets its square experts transposed (a W4A8 Qwen3-MoE with
+    # hidden == moe_intermediate: its w2 is written transposed by every cold load).
+    if isinstance(FusedMoE, type):
+        monkeypatch.setattr(FusedMoE, "weight_loader", FusedMoE.weight_loader)
+    try:
+        from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(ApplyRotaryEmb, "__init__", ApplyRotaryEmb.__init__)
     try:
         npu_patch = __import__("verl.utils.vllm.npu_vllm_patch", fromlist=["_"])
     except ImportError as exc:
@@ -428,7 +441,7 @@ def test_verl_npu_transpose_wrapper_does_not_misplace_square_experts(va, tmp_pat
     loader = FusedMoE.weight_loader
     while getattr(loader, "_verl_npu_weight_loader_patched", False):
         loader = loader.__wrapped__  # importing verl.utils.vllm may have installed it already
-    monkeypatch.setattr(FusedMoE, "weight_loader", loader)  # unwrapped now, restored afterwards
+    FusedMoE.weight_loader = loader  # unwrapped now; the original is restored afterwards (above)
     dirs, models = [], []
     for seed in (0, 1):  # hidden 128 = 2 x moe_intermediate 64
         d = str(tmp_path / f"sq{seed}")
