@@ -79,6 +79,18 @@ def linear_layers(model, targets: Dict[str, Any]) -> List[_Layer]:
     return out
 
 
+def moved_since_cold(layer, tensors: Dict[str, Any], cold_ptr, cold_format) -> List[str]:
+    """What of `layer` is no longer where the cold load left it: each of its checked `tensors`
+    whose data pointer changed, and the weight's storage format."""
+    from npu_flashrl import kernels
+
+    moved = [f"{n} data_ptr" for n, t in tensors.items() if cold_ptr.get(n) not in (None, t.data_ptr())]
+    fmt = kernels.storage_format(layer.weight)
+    if fmt != cold_format:
+        moved.append(f"weight storage format ({cold_format} -> {fmt})")
+    return moved
+
+
 def pushed_bias(l: _Layer, weights, out_total: int) -> Optional[torch.Tensor]:
     """The layer's bias in fp32 [out]: the pushed one, else the layer's own; None without one."""
     names = [n[: -len("weight")] + "bias" for n in l.shards]
@@ -223,11 +235,7 @@ class Int8StateCheck:
             problems["scale"] = (f"weight_scale off by up to {scale_rel:.3g} relative (limit {ulp:.3g}, one "
                                  f"{str(layer.weight_scale.dtype).replace('torch.', '')} ulp)")
         problems["derived"] = self._derived(layer, l, live, scale_live)
-        moved = [f"{n} data_ptr" for n, t in _tensors(layer).items()
-                 if self.cold_ptr[l.path].get(n) not in (None, t.data_ptr())]
-        fmt = kernels.storage_format(layer.weight)
-        if fmt != self.cold_format[l.path]:
-            moved.append(f"weight storage format ({self.cold_format[l.path]} -> {fmt})")
+        moved = moved_since_cold(layer, _tensors(layer), self.cold_ptr[l.path], self.cold_format[l.path])
         if moved:
             problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
         res["moved"] = moved

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS
-from npu_flashrl.rehearsal.state import CATEGORIES, _host, _Layer, linear_layers, pushed_bias
+from npu_flashrl.rehearsal.state import CATEGORIES, _host, _Layer, linear_layers, moved_since_cold, pushed_bias
 
 # every tensor the processed W4A8 layer holds (weight_scale_bias: registered by its post-processing)
 # The forward check's bound: the emulated op accumulates in fp32 and rounds once to bf16 (about
@@ -143,11 +143,7 @@ class W4A8StateCheck:
         res["scale_max_rel_diff"] = scale_rel
         problems["scale"] = "; ".join(bad) or None
         problems["derived"] = self._derived(layer, bias)
-        moved = [f"{n} data_ptr" for n, t in _tensors(layer).items()
-                 if self.cold_ptr[l.path].get(n) not in (None, t.data_ptr())]
-        fmt = kernels.storage_format(layer.weight)
-        if fmt != self.cold_format[l.path]:
-            moved.append(f"weight storage format ({self.cold_format[l.path]} -> {fmt})")
+        moved = moved_since_cold(layer, _tensors(layer), self.cold_ptr[l.path], self.cold_format[l.path])
         if moved:
             problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
         res["moved"] = moved
