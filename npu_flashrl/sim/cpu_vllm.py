@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from npu_flashrl.kernels import emulation
 from npu_flashrl.lines import current
 from npu_flashrl.sim import ascend_harness
+from npu_flashrl.sim.ports import free_port  # noqa: F401 - the rigs' port, here for their imports
 
 _dist_state = {"initialized": False, "world_size": None}
 
@@ -208,12 +208,6 @@ def _platform_cls():
     if _CpuAscendPlatform is None:
         _CpuAscendPlatform = _make_platform_cls()
     return _CpuAscendPlatform
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_vllm_config(model_dir: str, dtype: torch.dtype = torch.bfloat16,

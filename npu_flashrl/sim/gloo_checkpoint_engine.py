@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import pickle
-import socket
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Generator, Optional
 
@@ -37,6 +36,7 @@ from verl.checkpoint_engine.base import (CheckpointEngine, CheckpointEngineRegis
                                          merge_weight_chunks, split_weight_chunks)
 
 from npu_flashrl._logging import get_logger
+from npu_flashrl.sim.ports import free_port
 
 logger = get_logger(__name__)
 
@@ -47,12 +47,6 @@ BACKEND = "gloo"
 class MasterMetadata:
     host: str
     port: int
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -77,7 +71,7 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.master: Optional[MasterMetadata] = None
         self.host = host
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
-        self.port = _free_port(host) if is_master else None
+        self.port = free_port(host) if is_master else None
         self.group = None
         self.store = None
         self.rank: Optional[int] = None
@@ -89,7 +83,7 @@ class GlooCheckpointEngine(CheckpointEngine):
     def prepare(self) -> Optional[MasterMetadata]:
         self.buffer = torch.zeros(self.bucket_size, dtype=torch.uint8)
         if self.is_master and self.rebuild_group:
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
         return MasterMetadata(self.host, self.port) if self.is_master else None
 
     @classmethod

@@ -26,7 +26,6 @@ Stand-ins, each for what needs a GPU/NPU or a cluster:
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -34,6 +33,7 @@ import pytest
 
 from npu_flashrl import lines
 from npu_flashrl.sim.megatron_engine import cpu_platform, stub_absent_modules
+from npu_flashrl.sim.ports import free_port
 
 pytestmark = [
     pytest.mark.every_line,
@@ -131,12 +131,6 @@ def child(model_dir: str, role: str, port: int) -> dict:
 
 # ------------------------------------------------------------------------------------ tests
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     import torch
@@ -152,7 +146,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("role", ["actor", "ref"])
 def test_fsdp_engine_logits_fp32(model_dir, role):
     code = (f"import json, sys; sys.path[:0] = [{HERE!r}, {SUPPORT!r}]; import test_verl_server_lmhead_fp32 as t; "
-            f"print('RESULT ' + json.dumps(t.child({model_dir!r}, {role!r}, {_free_port()})))")
+            f"print('RESULT ' + json.dumps(t.child({model_dir!r}, {role!r}, {free_port()})))")
     env = dict(os.environ, FLASHRL_LMHEAD_FP32="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("FLASHRL_CONFIG", None)
