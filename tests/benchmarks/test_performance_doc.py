@@ -47,7 +47,9 @@ def test_generated_section_equals_a_fresh_run(tmp_path):
     doc = open(os.path.join(ROOT, "docs", "performance.md")).read()
     assert doc.count(wp.BEGIN) == 1 and doc.count(wp.END) == 1
     for needle in ("(q + 8) / (q + 4)", "11/7", "Trainer side of the INT8 wire",
-                   "an estimate from the counts, not a measurement", "Qwen2.5-32B"):
+                   "an estimate from the counts, not a measurement", "Qwen2.5-32B",
+                   "Why X stays above 1.5", "INT8-wire receiver (c), device traffic by op",
+                   "without the transport's own"):
         assert needle in doc, needle
 
 
