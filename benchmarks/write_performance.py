@@ -229,7 +229,11 @@ def render(reload, sync):
               "the same device bytes as a device-to-host plus a host-to-device copy. The CPU "
               "stand-ins: the gloo engine for HCCL, `sync.rollout_buckets` (verl's packing; this "
               "run's ce list calls carry the same names as the real sender's shm buckets) for "
-              "the worker's sender and the ZeroMQ hand-over.", "",
+              "the worker's sender and the ZeroMQ hand-over.",
+              "- peak extra includes the bucket a receiver is handed (shm's device copies, ce's "
+              "IPC bucket as one copy per tensor), not the engine's two device buffers (2 x the "
+              "bucket size, allocated by its `prepare` before the sync); HCCL's and verl's "
+              "per-bucket `synchronize` are the transport's, not in the host syncs column.", "",
               "| variant | via | launches | traffic / limit | without the transport's own | "
               "peak extra MB | H2D MB | host syncs |",
               "|---|---|---|---|---|---|---|---|"]
