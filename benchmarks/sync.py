@@ -480,7 +480,7 @@ def report(args, results, same, wire_bytes, stats, trainer):
 
     print(f"\nreceiver costs of one sync on the device (`sim.device_costs`: NPU kernels, the "
           "transport's device-side copy counted: shm's host-to-device copy of every bucket tensor, "
-          "the checkpoint engine's copy out of its bucket):")
+          "HCCL's write and verl's copy into the rollout's IPC bucket over the checkpoint engine):")
     print(f"{'variant':<31}{'via':>4}{'launches':>10}{'read MB':>10}{'written MB':>11}"
           f"{'traffic/limit':>14}{'peak MB':>9}{'H2D MB':>8}{'syncs':>7}")
     for (k, tr), r in results.items():

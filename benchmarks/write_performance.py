@@ -130,7 +130,7 @@ def _wire_ops(results, ratios, limit, wire_bytes):
             f"of this wire, {_float_share_7b():.0%} of Qwen2.5-7B's, where the check costs "
             f"{_float_share_7b() / 2:.2f}; a float tensor has no scale to check instead, and no "
             "aten operator copies and checks in one pass); and each transport adds its own "
-            "device traffic before the receiver sees a byte:"]
+            "device traffic before the receiver sees a byte:", ""]
     for tr in cols:
         t = ratios.get(tr, {})
         if "x_floor" not in t:
@@ -140,12 +140,15 @@ def _wire_ops(results, ratios, limit, wire_bytes):
                    f"{t['transport_traffic_over_limit']:.2f} + 1 + {fl:.2f} = {t['x_floor']:.2f}; "
                    f"measured {t['device_traffic_over_limit']:.2f}, the rest the scales' casts and "
                    "checks")
-    out += ["", "So X <= 1.5 is out of reach on both transports as verl 0.9.1 delivers the "
-            "weights: over shm verl's own host-to-device copy (0.5) leaves 1.0 for a receiver that "
-            "must read and write every byte (1.0) and check the floats; over ce HCCL's write and "
-            "verl's copy into the IPC bucket (1.5) alone reach it. What the receiver adds over "
-            "the limit is the float check and the scales (`without the transport's own`), the "
-            "same on both transports."]
+    own = {tr: ratios.get(tr, {}).get("transport_traffic_over_limit") for tr in cols}
+    if own.get("shm") is not None and own.get("ce") is not None:
+        out += ["", "So X <= 1.5 is out of reach on both transports as verl 0.9.1 delivers the "
+                f"weights: over shm verl's own host-to-device copy ({own['shm']:.2f}) leaves "
+                f"{1.5 - own['shm']:.2f} for a receiver that must read and write every byte (1) "
+                "and check the floats; over ce HCCL's write and verl's copy into the IPC bucket "
+                f"({own['ce']:.2f}) alone reach 1.5. What the receiver adds over the limit is the "
+                "float check and the scales (`without the transport's own`), the same on both "
+                "transports."]
     return out
 
 
