@@ -26,6 +26,40 @@ def build(va, model_dir, fn="int8_profile_free", profile=None, ascend=True, **kw
                             choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
 
 
+def fresh_states(va, dirs, ks) -> dict:
+    """{k: the state of a fresh `build` of dirs[k]}: what a sync of k's weights must equal."""
+    from npu_flashrl.sim.sync import state
+
+    out = {}
+    for k in ks:
+        with build(va, dirs[k]) as f:
+            out[k] = state(f.model)
+    return out
+
+
+def layerwise_reload():
+    """vLLM's layerwise reload (`model_loader.reload`); skips the test on a vLLM without it."""
+    import pytest
+
+    return pytest.importorskip("vllm.model_executor.model_loader.reload",
+                               reason="vLLM's layerwise reload (vLLM >= 0.16)")
+
+
+def deliver_spread_experts(model, weights, seed: int, expert_bytes: int) -> None:
+    """Delivers `weights` in random buckets of at most four experts' bytes through one reused
+    buffer (`sim.sync.BucketBuffer`), after asserting that layer 0's experts are spread over
+    more than two buckets."""
+    from npu_flashrl.sim.sync import BucketBuffer, bucket_bytes, random_buckets
+
+    buckets = random_buckets(weights, seed=seed, max_bytes=4 * expert_bytes)
+    layer0 = {b for b, bucket in enumerate(buckets) for n, _ in bucket
+              if n.startswith("model.layers.0.mlp.experts.")}
+    assert len(layer0) > 2, "layer 0's experts must be spread over several buckets"
+    buffer = BucketBuffer(bucket_bytes(buckets))
+    for bucket in buckets:
+        buffer.deliver(model, bucket)
+
+
 def hf_weights(model, dtype=None):
     """(name, tensor) of a transformers model's parameters, cloned (cast to `dtype` when given)."""
     return [(n, p.detach().clone().to(dtype) if dtype is not None else p.detach().clone())
