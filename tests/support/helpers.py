@@ -1,7 +1,9 @@
 """Helpers shared by the reload / sync tests (imported as `helpers`: tests/ is on sys.path, as for
 `modelslim_writer` and `verl_server_engine`). Weight-sync delivery and state comparison helpers
 are in `npu_flashrl.sim.sync` (the benchmarks use them too)."""
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -137,3 +139,47 @@ def restore_environ(saved: dict) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+class LogRecords(logging.Handler):
+    """A logging handler that keeps every record of `level` and above in `records`."""
+
+    def __init__(self, level=logging.WARNING):
+        super().__init__(level)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def emulated_torch_npu():
+    """torch_npu, the emulation installed for the block (uninstalled after it unless it already
+    was)."""
+    from npu_flashrl.kernels import emulation
+
+    was = emulation.is_installed()
+    emulation.install()
+    import torch_npu
+
+    try:
+        yield torch_npu
+    finally:
+        if not was:
+            emulation.uninstall()
+
+
+def needs_grpo_line():
+    """The skip mark of `rehearse --grpo` tests: verified on the current and 0.11 lines only
+    (the pinned line's verl 51d2104 has the same functions as 0.6.1, but the run was not tried
+    there: skipped rather than claimed)."""
+    import pytest
+
+    from npu_flashrl import lines
+
+    try:
+        line = lines.current().name
+    except lines.UnsupportedVersion:
+        line = None
+    return pytest.mark.skipif(line not in ("0.23.0", "0.11.0"),
+                              reason="rehearse --grpo is verified on the current and 0.11 lines only")
