@@ -107,6 +107,13 @@ def pair_problem(name: str, weight: torch.Tensor, int8_weight: torch.Tensor, ent
     return None
 
 
+def _int8_entry(input_scale, original_output_scale: torch.Tensor) -> Dict[str, Any]:
+    """One int8 linear's profile entry (PROFILE_FIELDS): the output scale is the inverse of the
+    quantized checkpoint's, in fp32."""
+    return {"input_scale": input_scale, "output_scale": 1.0 / original_output_scale.float(),
+            "type": torch.int8}
+
+
 class _CheckpointPair:
     """The bf16 checkpoint (-m) and its W8A8 checkpoint (-q) a profile is computed from, read one
     decoder layer at a time; each of FlashRL's passes over a layer is one method."""
@@ -181,47 +188,41 @@ class _CheckpointPair:
             raise ProfileError(f"{self.bf16_dir}: {k} needs {input_name}, which is missing")
         return input_scale[input_name].view(1, -1)
 
+    def _int8_linears(self, group: List[str], mapping: Dict[str, Optional[str]]):
+        """Each name of `group` with the first (balance, smooth) of `mapping` whose balance it
+        contains, checked to be an int8 weight (`check_int8`) as it comes."""
+        for k in group:
+            for balance, smooth in mapping.items():
+                if balance in k:
+                    self.check_int8(k)
+                    yield k, balance, smooth
+                    break
+
     def input_linear_pass(self, group: List[str], input_scale: Dict[str, torch.Tensor]) -> None:
         """Pass 2: linears fed by a layernorm (and o_proj)."""
-        for k in group:
-            for balance, smooth in INPUT_LINEAR_MAP.items():
-                if balance not in k:
-                    continue
-                self.check_int8(k)
-                original_output_scale = self.scale_of(k, self.bf16.shape(k)[0])
-                if smooth is None:
-                    self.lin_entries[k] = {"input_scale": 1.0,
-                                           "output_scale": 1.0 / original_output_scale.float(),
-                                           "type": torch.int8}
-                else:
-                    input_scale_k = self._input_of(k, balance, smooth, input_scale)
-                    if any(e in k for e in EXTRA_OUTPUT):
-                        w = self.bf16.get(k)
-                        wq = self.qget(k, "int8 weight")
-                        beta = _least_square(
-                            (w.float() / input_scale_k / original_output_scale).view(w.shape[0], -1),
-                            wq.view(w.shape[0], -1)).view(-1, 1)
-                        del w, wq
-                        input_scale[k] = beta
-                        original_output_scale = original_output_scale.float() / beta
-                    self.lin_entries[k] = {"input_scale": 1.0 / input_scale_k,
-                                           "output_scale": 1.0 / original_output_scale.float(),
-                                           "type": torch.int8}
-                break
+        for k, balance, smooth in self._int8_linears(group, INPUT_LINEAR_MAP):
+            original_output_scale = self.scale_of(k, self.bf16.shape(k)[0])
+            if smooth is None:
+                self.lin_entries[k] = _int8_entry(1.0, original_output_scale)
+            else:
+                input_scale_k = self._input_of(k, balance, smooth, input_scale)
+                if any(e in k for e in EXTRA_OUTPUT):
+                    w = self.bf16.get(k)
+                    wq = self.qget(k, "int8 weight")
+                    beta = _least_square(
+                        (w.float() / input_scale_k / original_output_scale).view(w.shape[0], -1),
+                        wq.view(w.shape[0], -1)).view(-1, 1)
+                    del w, wq
+                    input_scale[k] = beta
+                    original_output_scale = original_output_scale.float() / beta
+                self.lin_entries[k] = _int8_entry(1.0 / input_scale_k, original_output_scale)
 
     def output_linear_pass(self, group: List[str], input_scale: Dict[str, torch.Tensor]) -> None:
         """Pass 3: down_proj takes 1/beta of up_proj."""
-        for k in group:
-            for balance, smooth in OUTPUT_LINEAR_MAP.items():
-                if balance not in k:
-                    continue
-                self.check_int8(k)
-                input_scale_k = self._input_of(k, balance, smooth, input_scale)
-                original_output_scale = self.scale_of(k, self.bf16.shape(k)[0])
-                self.out_entries[k] = {"input_scale": 1.0 / input_scale_k,
-                                       "output_scale": 1.0 / original_output_scale.float(),
-                                       "type": torch.int8}
-                break
+        for k, balance, smooth in self._int8_linears(group, OUTPUT_LINEAR_MAP):
+            input_scale_k = self._input_of(k, balance, smooth, input_scale)
+            original_output_scale = self.scale_of(k, self.bf16.shape(k)[0])
+            self.out_entries[k] = _int8_entry(1.0 / input_scale_k, original_output_scale)
 
     def pair_pass(self, group: List[str]) -> None:
         """Pass 4: -m and -q must be one model (base vs Instruct gives garbage)."""

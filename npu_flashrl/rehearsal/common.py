@@ -1,6 +1,7 @@
 """Constants and small helpers shared by the rehearsal's modules (stdlib only)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -110,3 +111,17 @@ def process_seconds() -> Optional[float]:
 def default_cache_root() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "npu_flashrl", "rehearsal")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunBase:
+    """What every rehearsal's `Run` keeps beside its checked arguments (the subclass's fields,
+    `args` among them): the phases' timings, the thread count, the output and work folders."""
+    timings: Dict[str, float] = dataclasses.field(default_factory=dict)
+    threads: Optional[int] = None
+    output_dir: str = ""
+    work: str = ""
+
+    @property
+    def progress(self) -> bool:
+        return not self.args.no_progress

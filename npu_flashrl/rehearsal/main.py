@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 from npu_flashrl.rehearsal.arguments import check_arguments, check_seq_len
 from npu_flashrl.rehearsal.common import (DEFAULT_BASELINE_TOL, MOE_BASELINE_TOL, MOE_CONFIG_KEYS, VARIANT_BF16,
                                           VARIANT_INT8, VARIANT_INT8_FP32HEAD, VARIANT_W4A8, RehearsalError, default_cache_root,
-                                          json_safe, process_seconds, progress_bar, versions)
+                                          RunBase, json_safe, process_seconds, progress_bar, versions)
 from npu_flashrl.rehearsal.device import prepare_environment, quiet_logs, resolve_device
 from npu_flashrl.rehearsal.model import check_model_dir, is_moe
 
@@ -62,7 +62,7 @@ def _what(args) -> str:
 
 
 @dataclasses.dataclass
-class Run:
+class Run(RunBase):
     """One rehearsal: the checked arguments, and what the phases found (filled in as they go)."""
     args: Any
     device: str
@@ -70,14 +70,6 @@ class Run:
     t_start: float
     model_cfg: Optional[dict]
     transport: Dict[str, Any]
-    timings: Dict[str, float] = dataclasses.field(default_factory=dict)
-    threads: Optional[int] = None
-    output_dir: str = ""
-    work: str = ""
-
-    @property
-    def progress(self) -> bool:
-        return not self.args.no_progress
 
 
 @dataclasses.dataclass

@@ -91,6 +91,22 @@ def moved_since_cold(layer, tensors: Dict[str, Any], cold_ptr, cold_format) -> L
     return moved
 
 
+def note_in_place(problems: Dict[str, Any], res: Dict[str, Any], layer, tensors: Dict[str, Any],
+                  cold_ptr, cold_format) -> None:
+    """A layer check's in-place verdict: `res["moved"]` lists what `moved_since_cold` found,
+    and `problems["in_place"]` names it when anything moved."""
+    moved = moved_since_cold(layer, tensors, cold_ptr, cold_format)
+    if moved:
+        problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
+    res["moved"] = moved
+
+
+def layer_output(layer, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own forward of `x` (moved to the layer's device), fp32 on the host."""
+    y = layer(x.to(layer.weight.device))
+    return (y[0] if isinstance(y, tuple) else y).float().cpu()
+
+
 def pushed_bias(l: _Layer, weights, out_total: int) -> Optional[torch.Tensor]:
     """The layer's bias in fp32 [out]: the pushed one, else the layer's own; None without one."""
     names = [n[: -len("weight")] + "bias" for n in l.shards]
@@ -235,14 +251,10 @@ class Int8StateCheck:
             problems["scale"] = (f"weight_scale off by up to {scale_rel:.3g} relative (limit {ulp:.3g}, one "
                                  f"{str(layer.weight_scale.dtype).replace('torch.', '')} ulp)")
         problems["derived"] = self._derived(layer, l, live, scale_live)
-        moved = moved_since_cold(layer, _tensors(layer), self.cold_ptr[l.path], self.cold_format[l.path])
-        if moved:
-            problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
-        res["moved"] = moved
+        note_in_place(problems, res, layer, _tensors(layer), self.cold_ptr[l.path], self.cold_format[l.path])
         # output error: the layer's own forward against the bf16 counterpart
         x = self.acts[l.path]
-        y = layer(x.to(layer.weight.device))
-        y = (y[0] if isinstance(y, tuple) else y).float().cpu()
+        y = layer_output(layer, x)
         bias = self._bias(l, weights, out_total)
         y_ref = x.float() @ torch.cat(w_eff).t()
         if bias is not None:

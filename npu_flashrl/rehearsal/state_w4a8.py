@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS
-from npu_flashrl.rehearsal.state import CATEGORIES, _host, _Layer, linear_layers, moved_since_cold, pushed_bias
+from npu_flashrl.rehearsal.state import (
+    CATEGORIES, _host, _Layer, layer_output, linear_layers, note_in_place, pushed_bias)
 
 # every tensor the processed W4A8 layer holds (weight_scale_bias: registered by its post-processing)
 # The forward check's bound: the emulated op accumulates in fp32 and rounds once to bf16 (about
@@ -143,13 +144,9 @@ class W4A8StateCheck:
         res["scale_max_rel_diff"] = scale_rel
         problems["scale"] = "; ".join(bad) or None
         problems["derived"] = self._derived(layer, bias)
-        moved = moved_since_cold(layer, _tensors(layer), self.cold_ptr[l.path], self.cold_format[l.path])
-        if moved:
-            problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
-        res["moved"] = moved
+        note_in_place(problems, res, layer, _tensors(layer), self.cold_ptr[l.path], self.cold_format[l.path])
         x = self.acts[l.path]
-        y = layer(x.to(layer.weight.device))
-        y = (y[0] if isinstance(y, tuple) else y).float().cpu()
+        y = layer_output(layer, x)
         w = torch.cat([p.to(self.model_dtype).float().cpu() for p in pushed])
         b = pushed_bias(l, weights, w.shape[0])
         y_ref = x.float() @ w.t() + (0 if b is None else b)

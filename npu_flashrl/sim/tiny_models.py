@@ -39,22 +39,14 @@ TINY_QWEN2 = dict(
 
 
 def tiny_qwen2_config(**overrides):
-    from transformers import Qwen2Config
-
-    kwargs = dict(TINY_QWEN2)
-    kwargs.update(overrides)
-    return Qwen2Config(**kwargs)
+    return _config("Qwen2Config", TINY_QWEN2, overrides)
 
 
 TINY_QWEN3 = dict(TINY_QWEN2, head_dim=48)  # q: 4*48 = 192 != hidden 128
 
 
 def tiny_qwen3_config(**overrides):
-    from transformers import Qwen3Config
-
-    kwargs = dict(TINY_QWEN3)
-    kwargs.update(overrides)
-    return Qwen3Config(**kwargs)
+    return _config("Qwen3Config", TINY_QWEN3, overrides)
 
 
 TINY_QWEN3_MOE = dict(
@@ -70,11 +62,7 @@ TINY_QWEN3_MOE = dict(
 
 
 def tiny_qwen3_moe_config(**overrides):
-    from transformers import Qwen3MoeConfig
-
-    kwargs = dict(TINY_QWEN3_MOE)
-    kwargs.update(overrides)
-    return Qwen3MoeConfig(**kwargs)
+    return _config("Qwen3MoeConfig", TINY_QWEN3_MOE, overrides)
 
 
 TINY_LLAMA = dict(
@@ -89,11 +77,7 @@ TINY_LLAMA = dict(
 
 
 def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    kwargs = dict(TINY_LLAMA)
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return _config("LlamaConfig", TINY_LLAMA, overrides)
 
 
 TINY_DEEPSEEK_V3 = dict(
@@ -128,11 +112,7 @@ TINY_DEEPSEEK_V3 = dict(
 
 
 def tiny_deepseek_v3_config(**overrides):
-    from transformers import DeepseekV3Config
-
-    kwargs = dict(TINY_DEEPSEEK_V3)
-    kwargs.update(overrides)
-    return DeepseekV3Config(**kwargs)
+    return _config("DeepseekV3Config", TINY_DEEPSEEK_V3, overrides)
 
 
 def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -142,18 +122,14 @@ def build_tiny_qwen2(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: in
     Weights are random but with a realistic spread (per-row scales differ, as in trained LLMs),
     so per-channel quantization is exercised rather than a uniform tensor.
     """
-    from transformers import Qwen2ForCausalLM
-
-    return _build(Qwen2ForCausalLM, tiny_qwen2_config(**(config_overrides or {})), out_dir,
+    return _build(_hf("Qwen2ForCausalLM"), tiny_qwen2_config(**(config_overrides or {})), out_dir,
                   dtype, seed, tokenizer)
 
 
 def build_tiny_qwen3(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                      config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny dense Qwen3 causal LM in `out_dir` (see build_tiny_qwen2)."""
-    from transformers import Qwen3ForCausalLM
-
-    return _build(Qwen3ForCausalLM, tiny_qwen3_config(**(config_overrides or {})), out_dir,
+    return _build(_hf("Qwen3ForCausalLM"), tiny_qwen3_config(**(config_overrides or {})), out_dir,
                   dtype, seed, tokenizer)
 
 
@@ -167,18 +143,14 @@ def build_tiny_qwen3_moe(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed
     seed gives different numbers on the two lines (the parameters are drawn in a different order
     and shape); tests compare within one line.
     """
-    from transformers import Qwen3MoeForCausalLM
-
-    return _build(Qwen3MoeForCausalLM, tiny_qwen3_moe_config(**(config_overrides or {})), out_dir,
+    return _build(_hf("Qwen3MoeForCausalLM"), tiny_qwen3_moe_config(**(config_overrides or {})), out_dir,
                   dtype, seed, tokenizer)
 
 
 def build_tiny_llama(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                      config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Llama 3.x causal LM in `out_dir` (see build_tiny_qwen2)."""
-    from transformers import LlamaForCausalLM
-
-    return _build(LlamaForCausalLM, tiny_llama_config(**(config_overrides or {})), out_dir,
+    return _build(_hf("LlamaForCausalLM"), tiny_llama_config(**(config_overrides or {})), out_dir,
                   dtype, seed, tokenizer)
 
 
@@ -187,9 +159,7 @@ def build_tiny_deepseek_v3(out_dir: str, dtype: torch.dtype = torch.bfloat16, se
     """Create a random tiny DeepSeek-V3 causal LM in `out_dir` (see build_tiny_qwen2). The
     router's correction bias (an fp32 buffer in transformers, saved with the model) gets a
     spread too."""
-    from transformers import DeepseekV3ForCausalLM
-
-    model = _build(DeepseekV3ForCausalLM, tiny_deepseek_v3_config(**(config_overrides or {})),
+    model = _build(_hf("DeepseekV3ForCausalLM"), tiny_deepseek_v3_config(**(config_overrides or {})),
                    out_dir, dtype, seed, tokenizer=False, save=False)
     with torch.no_grad():
         for name, b in model.named_buffers():
@@ -218,6 +188,20 @@ def _spread_(p: torch.Tensor) -> None:
     tensor is a stack of experts [E, out, in]: each expert's rows get their own scale."""
     row_scale = torch.empty(*p.shape[:-1], 1).log_normal_(0.0, 0.5)
     p.copy_(torch.randn_like(p) * 0.05 * row_scale)
+
+
+def _hf(name: str):
+    """transformers' class `name` (imported when a tiny model is made, not with this module)."""
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _config(class_name: str, base: dict, overrides: dict):
+    """transformers' `class_name` config of the tiny `base`, `overrides` on top."""
+    kwargs = dict(base)
+    kwargs.update(overrides)
+    return _hf(class_name)(**kwargs)
 
 
 def _build(model_cls, config, out_dir, dtype, seed, tokenizer, save=True):
@@ -278,20 +262,14 @@ TINY_QWEN2_5_VL = dict(
 
 
 def tiny_qwen2_5_vl_config(**overrides):
-    from transformers import Qwen2_5_VLConfig
-
-    kwargs = dict(TINY_QWEN2_5_VL)
-    kwargs.update(overrides)
-    return Qwen2_5_VLConfig(**kwargs)
+    return _config("Qwen2_5_VLConfig", TINY_QWEN2_5_VL, overrides)
 
 
 def build_tiny_qwen2_5_vl(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                           config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Qwen2.5-VL in `out_dir` (see build_tiny_qwen2)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return _build(Qwen2_5_VLForConditionalGeneration, tiny_qwen2_5_vl_config(**(config_overrides or {})),
-                  out_dir, dtype, seed, tokenizer)
+    return _build(_hf("Qwen2_5_VLForConditionalGeneration"),
+                  tiny_qwen2_5_vl_config(**(config_overrides or {})), out_dir, dtype, seed, tokenizer)
 
 
 # Qwen3-VL (the dense 2B-32B layout at toy size): a Qwen3 language model (q_norm / k_norm, no
@@ -309,17 +287,11 @@ TINY_QWEN3_VL = dict(
 
 
 def tiny_qwen3_vl_config(**overrides):
-    from transformers import Qwen3VLConfig
-
-    kwargs = dict(TINY_QWEN3_VL)
-    kwargs.update(overrides)
-    return Qwen3VLConfig(**kwargs)
+    return _config("Qwen3VLConfig", TINY_QWEN3_VL, overrides)
 
 
 def build_tiny_qwen3_vl(out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                         config_overrides: Optional[dict] = None, tokenizer: bool = True):
     """Create a random tiny Qwen3-VL in `out_dir` (see build_tiny_qwen2)."""
-    from transformers import Qwen3VLForConditionalGeneration
-
-    return _build(Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(**(config_overrides or {})),
-                  out_dir, dtype, seed, tokenizer)
+    return _build(_hf("Qwen3VLForConditionalGeneration"),
+                  tiny_qwen3_vl_config(**(config_overrides or {})), out_dir, dtype, seed, tokenizer)

@@ -6,7 +6,9 @@ Stand-in: the emulated torch_npu (the subject here: no NPU in CI)."""
 import pytest
 import torch
 
-from npu_flashrl.kernels import emulation, int4, op_rules
+from npu_flashrl.kernels import int4, op_rules
+
+from helpers import emulated_torch_npu
 
 pytestmark = pytest.mark.every_line
 
@@ -87,13 +89,8 @@ def test_pack_order_and_round_trip():
 
 @pytest.fixture
 def torch_npu():
-    was = emulation.is_installed()
-    emulation.install()
-    import torch_npu
-
-    yield torch_npu
-    if not was:
-        emulation.uninstall()
+    with emulated_torch_npu() as mod:
+        yield mod
 
 
 def test_emulated_ops_are_the_int4_kernels(torch_npu):

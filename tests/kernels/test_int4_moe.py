@@ -9,18 +9,15 @@ import torch
 
 from npu_flashrl.kernels import emulation, int4, int4_moe, moe_reference, op_rules
 
+from helpers import emulated_torch_npu
+
 pytestmark = pytest.mark.every_line
 
 
 @pytest.fixture
 def torch_npu():
-    was = emulation.is_installed()
-    emulation.install()
-    import torch_npu
-
-    yield torch_npu
-    if not was:
-        emulation.uninstall()
+    with emulated_torch_npu() as mod:
+        yield mod
 
 
 def _g(seed):

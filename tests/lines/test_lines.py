@@ -14,24 +14,17 @@ import pytest
 from npu_flashrl import lines, patches
 from npu_flashrl.lines import base, v0_10_1rc1, v0_11_0, v0_23_0
 
+from helpers import LogRecords
+
 pytestmark = pytest.mark.every_line  # the installed line's detection and patches, on each line
 
 QUANT_023 = ["modelslim_config.py", "method_adapters.py", "utils.py", "methods/registry.py",
              "methods/w8a8_dynamic.py", "methods/w8a8_static.py"]
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.fixture
 def warnings_of_lines():
-    handler, logger = _Records(), logging.getLogger("npu_flashrl.lines")
+    handler, logger = LogRecords(logging.DEBUG), logging.getLogger("npu_flashrl.lines")
     logger.addHandler(handler)
     try:
         yield handler.records

@@ -36,7 +36,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, rehearsal_env
+from helpers import ROOT, needs_grpo_line, rehearsal_env
 
 from npu_flashrl import lines
 VARIANTS = ("bf16", "int8", "int8+tis", "int8+tis+fp32head")
@@ -56,19 +56,10 @@ QKV0 = "model.layers.0.self_attn.qkv_proj"
 FAULTS = {"scale_x0.5": (SCALE, ALL_LAYERS), "stale_shard": (INT8, {QKV0})}
 
 
-
-def _line():
-    try:
-        return lines.current().name
-    except lines.UnsupportedVersion:
-        return None
-
-
 # Run on the current line (verl 0.9.1, verl transport) and the 0.11 line (verl 0.6.1, direct transport).
 # The pinned line's verl 51d2104 has the same functions as 0.6.1, but the run was not tried there
 # (no pinned venv where it was written): skipped rather than claimed.
-needs_line = pytest.mark.skipif(_line() not in ("0.23.0", "0.11.0"),
-                                   reason="rehearse --grpo is verified on the current and 0.11 lines only")
+needs_line = needs_grpo_line()
 
 _DRIVER = r"""
 import collections, inspect, json, os, sys

@@ -21,20 +21,9 @@ import sys
 
 import pytest
 
-from helpers import ROOT, rehearsal_env
+from helpers import ROOT, needs_grpo_line, rehearsal_env
 
-from npu_flashrl import lines
-
-
-def _line():
-    try:
-        return lines.current().name
-    except lines.UnsupportedVersion:
-        return None
-
-
-needs_line = pytest.mark.skipif(_line() not in ("0.23.0", "0.11.0"),
-                                reason="rehearse --grpo is verified on the current and 0.11 lines only")
+needs_line = needs_grpo_line()
 ARGV = ["rehearse", "--grpo", "--quick", "--seeds", "1", "--steps", "2", "--no-controls", "--positive-control",
         "--w4a8", "--arch", "llama", "--train-iters", "120", "--no-progress", "--no-plot"]
 W4A8 = ("w4a8", "w4a8+tis")

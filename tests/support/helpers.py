@@ -1,7 +1,9 @@
 """Helpers shared by the reload / sync tests (imported as `helpers`: tests/ is on sys.path, as for
 `modelslim_writer` and `verl_server_engine`). Weight-sync delivery and state comparison helpers
 are in `npu_flashrl.sim.sync` (the benchmarks use them too)."""
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,6 +26,40 @@ def build(va, model_dir, fn="int8_profile_free", profile=None, ascend=True, **kw
         return cpu_vllm.CpuVllm(model_dir, **kw)
     return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
                             choice=cpu_vllm.int8(fn or "int8_profile_free", profile), **kw)
+
+
+def fresh_states(va, dirs, ks) -> dict:
+    """{k: the state of a fresh `build` of dirs[k]}: what a sync of k's weights must equal."""
+    from npu_flashrl.sim.sync import state
+
+    out = {}
+    for k in ks:
+        with build(va, dirs[k]) as f:
+            out[k] = state(f.model)
+    return out
+
+
+def layerwise_reload():
+    """vLLM's layerwise reload (`model_loader.reload`); skips the test on a vLLM without it."""
+    import pytest
+
+    return pytest.importorskip("vllm.model_executor.model_loader.reload",
+                               reason="vLLM's layerwise reload (vLLM >= 0.16)")
+
+
+def deliver_spread_experts(model, weights, seed: int, expert_bytes: int) -> None:
+    """Delivers `weights` in random buckets of at most four experts' bytes through one reused
+    buffer (`sim.sync.BucketBuffer`), after asserting that layer 0's experts are spread over
+    more than two buckets."""
+    from npu_flashrl.sim.sync import BucketBuffer, bucket_bytes, random_buckets
+
+    buckets = random_buckets(weights, seed=seed, max_bytes=4 * expert_bytes)
+    layer0 = {b for b, bucket in enumerate(buckets) for n, _ in bucket
+              if n.startswith("model.layers.0.mlp.experts.")}
+    assert len(layer0) > 2, "layer 0's experts must be spread over several buckets"
+    buffer = BucketBuffer(bucket_bytes(buckets))
+    for bucket in buckets:
+        buffer.deliver(model, bucket)
 
 
 def hf_weights(model, dtype=None):
@@ -103,3 +139,47 @@ def restore_environ(saved: dict) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+class LogRecords(logging.Handler):
+    """A logging handler that keeps every record of `level` and above in `records`."""
+
+    def __init__(self, level=logging.WARNING):
+        super().__init__(level)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def emulated_torch_npu():
+    """torch_npu, the emulation installed for the block (uninstalled after it unless it already
+    was)."""
+    from npu_flashrl.kernels import emulation
+
+    was = emulation.is_installed()
+    emulation.install()
+    import torch_npu
+
+    try:
+        yield torch_npu
+    finally:
+        if not was:
+            emulation.uninstall()
+
+
+def needs_grpo_line():
+    """The skip mark of `rehearse --grpo` tests: verified on the current and 0.11 lines only
+    (the pinned line's verl 51d2104 has the same functions as 0.6.1, but the run was not tried
+    there: skipped rather than claimed)."""
+    import pytest
+
+    from npu_flashrl import lines
+
+    try:
+        line = lines.current().name
+    except lines.UnsupportedVersion:
+        line = None
+    return pytest.mark.skipif(line not in ("0.23.0", "0.11.0"),
+                              reason="rehearse --grpo is verified on the current and 0.11 lines only")

@@ -18,8 +18,10 @@ from npu_flashrl.kernels import quantize_weight_per_channel
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05) -> dict:
-    from safetensors.torch import load_file, save_file
+def _read_bf16(bf16_dir: str, out_dir: str) -> dict:
+    """The tensors of the bf16 checkpoint in `bf16_dir`; its config, tokenizer and other non-json
+    files copied into `out_dir` (made)."""
+    from safetensors.torch import load_file
 
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
@@ -29,6 +31,21 @@ def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05)
         elif not f.endswith(".json") or f == "config.json" or "token" in f:
             if os.path.isfile(os.path.join(bf16_dir, f)):
                 shutil.copy(os.path.join(bf16_dir, f), out_dir)
+    return tensors
+
+
+def _save(out: dict, desc: dict, out_dir: str) -> dict:
+    """Writes the checkpoint's tensors and its quant_model_description.json; returns `desc`."""
+    from safetensors.torch import save_file
+
+    save_file(out, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "quant_model_description.json"), "w") as f:
+        json.dump(desc, f, indent=1)
+    return desc
+
+
+def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05) -> dict:
+    tensors = _read_bf16(bf16_dir, out_dir)
     out, desc = {}, {}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
@@ -49,10 +66,7 @@ def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05)
         else:
             out[name] = t
             desc[name] = "FLOAT"
-    save_file(out, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "quant_model_description.json"), "w") as f:
-        json.dump(desc, f, indent=1)
-    return desc
+    return _save(out, desc, out_dir)
 
 
 def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32) -> dict:
@@ -61,18 +75,9 @@ def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32) -> d
     float32 `weight_scale` / `weight_offset` [out, 1], float32 `weight_scale_second` and int64
     `weight_offset_second` [out, in // group_size] (the dtypes ModelSlim's own W4A8 test checks,
     test/ST/llm_ptq_w4a8_per_token/run.py); `group_size` in the description."""
-    from safetensors.torch import load_file, save_file
-
     from npu_flashrl.kernels.int4 import quantize_weight_w4a8
 
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = {}
-    for f in sorted(os.listdir(bf16_dir)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(bf16_dir, f)))
-        elif not f.endswith(".json") or f == "config.json" or "token" in f:
-            if os.path.isfile(os.path.join(bf16_dir, f)):
-                shutil.copy(os.path.join(bf16_dir, f), out_dir)
+    tensors = _read_bf16(bf16_dir, out_dir)
     out, desc = {}, {"model_quant_type": "W4A8_DYNAMIC", "group_size": group_size}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
@@ -88,7 +93,41 @@ def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32) -> d
         else:
             out[name] = t
             desc[name] = "FLOAT"
-    save_file(out, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "quant_model_description.json"), "w") as f:
-        json.dump(desc, f, indent=1)
-    return desc
+    return _save(out, desc, out_dir)
+
+
+def require_w4a8_linear() -> None:
+    """Prepares the CPU vLLM process; skips the test on a line whose vllm-ascend has no
+    W4A8_DYNAMIC linear method."""
+    import pytest
+
+    from npu_flashrl import lines
+    from npu_flashrl.sim.cpu_vllm import prepare_process
+
+    prepare_process()
+    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
+        pytest.skip(f"vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
+
+
+def w4a8_checkpoint(root: str, group_size: int, seed: int = 0):
+    """(bf16 dir, ModelSlim W4A8 dir of `group_size`) of the tiny Qwen2 of `seed`, under `root`."""
+    from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
+
+    bf16, _ = tiny_checkpoint_pair(root, seed=seed)
+    ms = os.path.join(root, "modelslim_w4a8")
+    write_modelslim_w4a8(bf16, ms, group_size=group_size)
+    return bf16, ms
+
+
+def w4a8_checkpoint_pairs(tmp_path_factory, group_size: int, prefix: str) -> dict:
+    """{seed: (bf16 dir, ModelSlim W4A8 dir of `group_size`, HF bf16 model)} for seeds 0 and 1
+    (two weight sets of one shape), in fresh folders `prefix`_<seed> (`require_w4a8_linear`
+    first)."""
+    from transformers import AutoModelForCausalLM
+
+    require_w4a8_linear()
+    out = {}
+    for seed in (0, 1):
+        bf16, ms = w4a8_checkpoint(str(tmp_path_factory.mktemp(f"{prefix}_{seed}")), group_size, seed)
+        out[seed] = (bf16, ms, AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16))
+    return out

@@ -13,7 +13,8 @@ import resource
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from npu_flashrl.rehearsal.common import RehearsalError, default_cache_root, json_safe, process_seconds, versions
+from npu_flashrl.rehearsal.common import (
+    RehearsalError, RunBase, default_cache_root, json_safe, process_seconds, versions)
 
 
 STAND_INS = [
@@ -71,7 +72,7 @@ def run(args) -> int:
 
 
 @dataclasses.dataclass
-class Run:
+class Run(RunBase):
     """One GRPO rehearsal: the checked arguments, and what the phases found (filled in as they go)."""
     args: Any
     settings: Any
@@ -79,14 +80,6 @@ class Run:
     emulated: bool
     t_start: float
     transport: Dict[str, Any]
-    timings: Dict[str, float] = dataclasses.field(default_factory=dict)
-    threads: Optional[int] = None
-    output_dir: str = ""
-    work: str = ""
-
-    @property
-    def progress(self) -> bool:
-        return not self.args.no_progress
 
 
 @dataclasses.dataclass

@@ -10,6 +10,8 @@ pytest.importorskip("verl")
 
 from npu_flashrl import lines
 
+from helpers import LogRecords
+
 # every line: the sync-mode schema runs on the 0.11 (verl 0.6.1) and pinned (51d2104) lines; the
 # tests that need it skip on server-mode verl, whose rules tests/test_verl091_*.py check
 pytestmark = pytest.mark.every_line
@@ -66,18 +68,9 @@ def _random_batch(seed=0, B=6, T=12, scale=0.3):
     return lt, lr, mask
 
 
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.fixture
 def warnings_log():
-    h = _Capture()
+    h = LogRecords()
     root = logging.getLogger("npu_flashrl")
     root.addHandler(h)
     ad._last_warn.clear()

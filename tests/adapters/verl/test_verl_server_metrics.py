@@ -22,6 +22,8 @@ import sys
 import pytest
 import torch
 
+from helpers import LogRecords
+
 from npu_flashrl import lines
 pytestmark = [
     pytest.mark.every_line,
@@ -35,18 +37,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 B, T = 4, 8
 
 
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.fixture
 def warnings_log():
-    handler = _Capture()
+    handler = LogRecords()
     logger = logging.getLogger("npu_flashrl")
     logger.addHandler(handler)
     ad._last_warn.clear()

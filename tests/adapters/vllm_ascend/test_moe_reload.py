@@ -22,7 +22,7 @@ from npu_flashrl.sim.sync import (BucketBuffer, assert_same_state, bucket_bytes,
                                       ptrs, random_buckets, state)
 from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe, trainer_weights
 
-from helpers import build
+from helpers import build, deliver_spread_experts, fresh_states, layerwise_reload
 
 pytestmark = pytest.mark.every_line
 
@@ -97,25 +97,16 @@ def test_bf16_cold_load_gives_per_channel_int8_experts(va, moe):
 
 def test_three_syncs_in_random_buckets_each_equal_a_fresh_load(va, moe):
     dirs, models = moe
-    fresh = []
-    for k in (1, 2, 3):
-        with build(va, dirs[k]) as f:
-            fresh.append(state(f.model))
+    fresh = fresh_states(va, dirs, (1, 2, 3))
     with build(va, dirs[0]) as v:
         m = v.model
         before = ptrs(m)
         expert_bytes = 3 * 96 * 128 * 2  # gate + up + down of one expert, bf16
         for k in (1, 2, 3):
-            buckets = random_buckets(trainer_weights(models[k]), seed=k, max_bytes=4 * expert_bytes)
-            layer0 = {b for b, bucket in enumerate(buckets) for n, _ in bucket
-                      if n.startswith("model.layers.0.mlp.experts.")}
-            assert len(layer0) > 2, "layer 0's experts must be spread over several buckets"
-            buffer = BucketBuffer(bucket_bytes(buckets))
-            for bucket in buckets:
-                buffer.deliver(m, bucket)
+            deliver_spread_experts(m, trainer_weights(models[k]), k, expert_bytes)
             assert va.end_weight_sync(m) == []
             post_sync(v)
-            assert_same_state(state(m), fresh[k - 1])
+            assert_same_state(state(m), fresh[k])
             check_experts(m, models[k])
             assert ptrs(m) == before, "a sync must write the experts in place"
             assert m._npu_flashrl_loader.staging_bytes() == 0
@@ -298,13 +289,9 @@ def test_vllm_layerwise_reload_of_the_moe_model_runs_through_the_run_once_guard(
     checkpoint layout and reruns post-processing: the run-once guard lets that run, the bf16
     trainer weights are quantized on the way by npu_flashrl's loader, and the in-place sync works
     again after it."""
-    reload = pytest.importorskip("vllm.model_executor.model_loader.reload",
-                                 reason="vLLM's layerwise reload (vLLM >= 0.16)")
+    reload = layerwise_reload()
     dirs, models = moe
-    fresh = {}
-    for k in (1, 2):
-        with build(va, dirs[k]) as f:
-            fresh[k] = state(f.model)
+    fresh = fresh_states(va, dirs, (1, 2))
     with build(va, dirs[0]) as v:
         m = v.model
         before = ptrs(m)

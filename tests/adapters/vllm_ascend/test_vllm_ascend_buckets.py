@@ -21,7 +21,7 @@ from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import BucketBuffer, assert_same_state, post_sync, ptrs, split_buckets, state
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2, build_tiny_qwen3
 
-from helpers import FUSED, build
+from helpers import FUSED, build, fresh_states, layerwise_reload
 
 pytestmark = pytest.mark.every_line
 
@@ -83,10 +83,7 @@ def check_against_reference(model, hf):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2_tied"])
 def test_model_cold_load_and_syncs_equal_fresh_loads(va, request, kind):
     dirs, models = request.getfixturevalue(kind)
-    fresh = []
-    for k in (1, 2):
-        with build(va, dirs[k]) as f:
-            fresh.append(state(f.model))
+    fresh = fresh_states(va, dirs, (1, 2))
     with build(va, dirs[0]) as v:
         m = v.model
         check_against_reference(m, models[0])
@@ -104,7 +101,7 @@ def test_model_cold_load_and_syncs_equal_fresh_loads(va, request, kind):
             m.load_weights(trainer_weights(models[k]))
             va.end_weight_sync(m)
             post_sync(v)
-            assert_same_state(state(m), fresh[k - 1])
+            assert_same_state(state(m), fresh[k])
             check_against_reference(m, models[k])
             assert ptrs(m) == before
 
@@ -161,10 +158,7 @@ def test_reused_bucket_buffer_overwritten_after_each_call_leaves_model_right(va,
 
 def test_post_processing_after_every_sync_equals_a_fresh_load(va, qwen2):
     dirs, models = qwen2
-    fresh = {}
-    for k in (0, 1, 2):
-        with build(va, dirs[k]) as f:
-            fresh[k] = state(f.model)
+    fresh = fresh_states(va, dirs, (0, 1, 2))
     with build(va, dirs[0]) as v:
         m = v.model
         before = ptrs(m)
@@ -230,13 +224,9 @@ def test_vllm_layerwise_reload_runs_through_the_run_once_guard(va, qwen2, fed):
     guard lets that run. It needs checkpoint-format int8 + scales; bf16 trainer weights, which
     vLLM's own loader would truncate into the int8 parameters, are quantized on the way by
     npu_flashrl's loader (the model's load_weights)."""
-    reload = pytest.importorskip("vllm.model_executor.model_loader.reload",
-                                 reason="vLLM's layerwise reload (vLLM >= 0.16)")
+    reload = layerwise_reload()
     dirs, models = qwen2
-    fresh = {}
-    for k in (1, 2):
-        with build(va, dirs[k]) as f:
-            fresh[k] = state(f.model)
+    fresh = fresh_states(va, dirs, (1, 2))
     with build(va, dirs[0]) as v:
         m = v.model
         before = ptrs(m)

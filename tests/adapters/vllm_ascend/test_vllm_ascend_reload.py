@@ -16,7 +16,7 @@ from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import assert_same_state, state
 from npu_flashrl.sim.tiny_models import build_tiny_qwen2
 
-from helpers import FUSED, build, hf_weights
+from helpers import FUSED, build, fresh_states, hf_weights
 
 pytestmark = pytest.mark.every_line  # line-specific upstream code: runs on every stack line
 
@@ -97,10 +97,7 @@ def test_profile_free_cold_load_matches_reference(va, ckpts):
 
 def test_three_syncs_equal_fresh_load_and_keep_pointers(va, ckpts):
     dirs, models = ckpts
-    fresh = []
-    for k in (1, 2, 3):
-        with build(va, dirs[k]) as f:
-            fresh.append(state(f.model))
+    fresh = fresh_states(va, dirs, (1, 2, 3))
     with build(va, dirs[0]) as v:
         m = v.model
         assert {t.scheme.key for t in m._npu_flashrl_loader.targets.values()} == {("W8A8_DYNAMIC", "linear")}
@@ -111,7 +108,7 @@ def test_three_syncs_equal_fresh_load_and_keep_pointers(va, ckpts):
         for k in (1, 2, 3):
             m.load_weights(hf_weights(models[k]))
             va.end_weight_sync(m)
-            assert_same_state(state(m), fresh[k - 1])
+            assert_same_state(state(m), fresh[k])
             check_against_reference(m, models[k])
             assert {n: p.data_ptr() for n, p in m.named_parameters()} == ptrs
         # the NZ format survives the in-place writes

@@ -9,13 +9,10 @@ npu_flashrl's activation and patches. Stand-ins (named): torch_npu (the emulatio
 "ascend", plain causal attention (npu_flashrl.sim.cpu_vllm); the checkpoint is written by the
 test's ModelSlim-format writer.
 """
-import os
-
 import pytest
 import torch
 
 from npu_flashrl.sim import cpu_vllm
-from npu_flashrl.sim.cpu_vllm import prepare_process as cpu_vllm_prepare
 
 pytestmark = pytest.mark.every_line
 GROUP = 32
@@ -23,19 +20,10 @@ GROUP = 32
 
 @pytest.fixture(scope="module")
 def modelslim(va, tmp_path_factory):
-    from modelslim_writer import write_modelslim_w4a8
+    from modelslim_writer import require_w4a8_linear, w4a8_checkpoint
 
-    from npu_flashrl import lines
-    from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
-
-    cpu_vllm_prepare()
-    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
-        pytest.skip(f"vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
-    root = str(tmp_path_factory.mktemp("w4a8_bias"))
-    bf16, _ = tiny_checkpoint_pair(root, seed=0)
-    out = os.path.join(root, "modelslim_w4a8")
-    write_modelslim_w4a8(bf16, out, group_size=GROUP)
-    return out
+    require_w4a8_linear()
+    return w4a8_checkpoint(str(tmp_path_factory.mktemp("w4a8_bias")), GROUP)[1]
 
 
 def _qkv(model):

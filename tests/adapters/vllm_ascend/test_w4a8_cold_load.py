@@ -14,8 +14,6 @@ quantizer is compiled and needs its calibration run, not available here."""
 import pytest
 import torch
 
-from npu_flashrl.sim.cpu_vllm import prepare_process as cpu_vllm_prepare
-
 from helpers import FUSED
 
 pytestmark = pytest.mark.every_line
@@ -24,19 +22,10 @@ GROUP = 32
 
 @pytest.fixture(scope="module")
 def w4a8(va, tmp_path_factory):
-    from modelslim_writer import write_modelslim_w4a8
+    from modelslim_writer import require_w4a8_linear, w4a8_checkpoint
 
-    from npu_flashrl import lines
-    from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
-
-    cpu_vllm_prepare()
-    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
-        pytest.skip(f"vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
-    root = tmp_path_factory.mktemp("w4a8")
-    bf16, _ = tiny_checkpoint_pair(str(root))
-    ms = str(root / "modelslim_w4a8")
-    write_modelslim_w4a8(bf16, ms, group_size=GROUP)
-    return bf16, ms
+    require_w4a8_linear()
+    return w4a8_checkpoint(str(tmp_path_factory.mktemp("w4a8")), GROUP)
 
 
 def _hf(bf16):

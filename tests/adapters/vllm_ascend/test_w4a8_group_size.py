@@ -20,8 +20,6 @@ import os
 import pytest
 import torch
 
-from npu_flashrl.sim.cpu_vllm import prepare_process as cpu_vllm_prepare
-
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import post_sync, ptrs, random_buckets, state
 
@@ -35,23 +33,9 @@ GROUP = 16  # not the ModelSlim writer's 32 of the other W4A8 tests, and not the
 @pytest.fixture(scope="module")
 def ckpts(va, tmp_path_factory):
     """{seed: (bf16 dir, ModelSlim W4A8 dir of group GROUP, HF bf16 model)}."""
-    from modelslim_writer import write_modelslim_w4a8
-    from transformers import AutoModelForCausalLM
+    from modelslim_writer import w4a8_checkpoint_pairs
 
-    from npu_flashrl import lines
-    from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
-
-    cpu_vllm_prepare()
-    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
-        pytest.skip(f"vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
-    out = {}
-    for seed in (0, 1):
-        root = str(tmp_path_factory.mktemp(f"w4a8_gs_{seed}"))
-        bf16, _ = tiny_checkpoint_pair(root, seed=seed)
-        ms = os.path.join(root, "modelslim_w4a8")
-        write_modelslim_w4a8(bf16, ms, group_size=GROUP)
-        out[seed] = (bf16, ms, AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16))
-    return out
+    return w4a8_checkpoint_pairs(tmp_path_factory, GROUP, "w4a8_gs")
 
 
 def policy(model_dir, group_size=None):

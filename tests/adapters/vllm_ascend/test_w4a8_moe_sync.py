@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from npu_flashrl.sim import cpu_vllm
-from npu_flashrl.sim.sync import BucketBuffer, bucket_bytes, post_sync, ptrs, random_buckets, state
+from npu_flashrl.sim.sync import post_sync, ptrs, state
 from npu_flashrl.sim.tiny_models import trainer_weights
 
+from helpers import deliver_spread_experts
 from w4a8_moe_models import build_pair
 
 pytestmark = pytest.mark.every_line
@@ -84,13 +85,7 @@ def test_every_sync_equals_a_fresh_w4a8_moe_load_in_place(va, ckpts, reloaded_li
         before = ptrs(m)
         expert_bytes = 3 * 256 * 256 * 2  # gate + up + down of one expert, bf16
         for step, (seed, hf) in enumerate(((1, hf1), (0, hf0), (1, hf1))):
-            buckets = random_buckets(trainer_weights(hf), seed=step, max_bytes=4 * expert_bytes)
-            layer0 = {b for b, bucket in enumerate(buckets) for n, _ in bucket
-                      if n.startswith("model.layers.0.mlp.experts.")}
-            assert len(layer0) > 2, "layer 0's experts must be spread over several buckets"
-            buffer = BucketBuffer(bucket_bytes(buckets))
-            for bucket in buckets:
-                buffer.deliver(m, bucket)
+            deliver_spread_experts(m, trainer_weights(hf), step, expert_bytes)
             assert va.end_weight_sync(m) == []
             post_sync(v)  # verl 0.9 runs post-processing after every sync: a no-op here
             assert_equal_states(state(m), want[seed])

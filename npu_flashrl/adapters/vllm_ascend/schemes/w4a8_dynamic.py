@@ -62,6 +62,24 @@ class W4A8Payload:
             raise WeightSyncError(f"{self.name}: {exc}; refusing the sync") from None
 
 
+def w4a8_payload(quantizer, name: str, tensor: torch.Tensor, what: str) -> W4A8Payload:
+    """A W4A8 scheme's `quantize`: `tensor` waits as a W4A8Payload (quantized per layer at
+    staging); a quantizer that does not serve W4A8_DYNAMIC is refused, naming `what` it is."""
+    if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
+        raise WeightSyncError(f"{name}: a vllm-ascend {what}; fn {quantizer.name!r} "
+                              "does not quantize for it (use fn 'w4a8_profile_free')")
+    return W4A8Payload(name, tensor, quantizer.compute_dtype)
+
+
+def checked_payload(name: str, path: str, payload, what: str, takes: str) -> W4A8Payload:
+    """`payload` if a W4A8 staging can take it (a W4A8Payload); refused otherwise, naming the
+    layer at `path`, `what` it is and what it `takes`."""
+    if not isinstance(payload, W4A8Payload):
+        raise WeightSyncError(f"{name}: {path} is a vllm-ascend {what}; it takes {takes} quantized "
+                              "by its scheme (the INT8 wire's per-channel int8 is not its format)")
+    return payload
+
+
 def group_size_of(layer) -> int:
     """The group size the layer was built with (its scheme object's, from the description)."""
     inner = getattr(getattr(layer, "quant_method", None), "quant_method", None)
@@ -105,11 +123,8 @@ class W4A8Staging(LinearShardStaging):
     def stage(self, name, payload) -> None:
         """`payload`: the W4A8Payload of one projection, quantized here for this layer."""
         t = self.target
-        if not isinstance(payload, W4A8Payload):
-            raise WeightSyncError(f"{name}: {t.path} is a vllm-ascend W4A8_DYNAMIC layer; it takes "
-                                  "float weights quantized by its scheme (the INT8 wire's per-channel "
-                                  "int8 is not its format)")
-        w = payload.quantized(group_size_of(t.layer))
+        w = checked_payload(name, t.path, payload, "W4A8_DYNAMIC layer", "float weights"
+                            ).quantized(group_size_of(t.layer))
         self.load_shard(name, (self.q, w.q), (self.scale, w.scale.unsqueeze(1)),
                         (self.scale_second, w.scale_second))
 
@@ -176,10 +191,7 @@ class W4A8DynamicLinear(LinearScheme):
                 "input channels would have no scale; pick a group_size that divides it")
 
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
-        if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
-            raise WeightSyncError(f"{name}: a vllm-ascend W4A8_DYNAMIC layer; fn {quantizer.name!r} "
-                                  "does not quantize for it (use fn 'w4a8_profile_free')")
-        return W4A8Payload(name, tensor, quantizer.compute_dtype)
+        return w4a8_payload(quantizer, name, tensor, "W4A8_DYNAMIC layer")
 
     def checkpoint_items(self, name: str, payload):
         """A bf16 checkpoint's projection as ModelSlim's W4A8 checkpoint carries it, for the

@@ -28,25 +28,24 @@ processed layout.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
 from npu_flashrl import lines
 from npu_flashrl.adapters.vllm_ascend import experts as _experts
-from npu_flashrl.adapters.vllm_ascend.schemes.base import (
-    MOE, LayerStaging, UnsupportedScheme, inner_method, stage_param)
+from npu_flashrl.adapters.vllm_ascend.schemes.base import MOE, UnsupportedScheme, inner_method, stage_param
 from npu_flashrl.adapters.vllm_ascend.schemes.registry import register_scheme
 from npu_flashrl.adapters.vllm_ascend.schemes.w4a8_dynamic import (
-    CHECKPOINT, W4A8_DYNAMIC, W4A8Payload, description_group_size)
-from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic_moe import ExpertTarget, W8A8DynamicMoE
-from npu_flashrl.quant import WeightSyncError
+    CHECKPOINT, W4A8_DYNAMIC, checked_payload, description_group_size, w4a8_payload)
+from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic_moe import (
+    ExpertTarget, FusedExpertStaging, W8A8DynamicMoE)
 
 GATE_UP, DOWN = _experts.GATE_UP, _experts.DOWN
 _GROUP = "group"  # vLLM's FusedMoeWeightScaleSupported.GROUP: how the loader shards weight_scale_second
 
 
-class W4A8ExpertStaging(LayerStaging):
+class W4A8ExpertStaging(FusedExpertStaging):
     """One W4A8 fused-MoE layer's local experts of one sync, in the checkpoint layout the layer's
     `weight_loader` fills: int4 values int8 (views [E, 2I, H] / [E, H, I] of [E, H, 2I] / [E, I, H]
     memory, the processed order), `weight_scale` fp32 [E, out, 1], `weight_scale_second` fp32
@@ -75,34 +74,12 @@ class W4A8ExpertStaging(LayerStaging):
             self._s2[which] = s2
 
     def stage(self, name, payload) -> None:
-        t = self.target
-        if not isinstance(payload, W4A8Payload):
-            raise WeightSyncError(f"{name}: {t.path} is a vllm-ascend W4A8_DYNAMIC fused-MoE layer; it "
-                                  "takes float experts quantized by its scheme (the INT8 wire's "
-                                  "per-channel int8 is not its format)")
-        w = payload.quantized(self.group_size)
-        expert_id, shard_id, which = t.names[name]
-        loader = _experts.checkpoint_layout_loader(t.layer)
-        prefix = f"{t.path}.{which}_weight"
-        try:
-            ok = None
-            for param, value, suffix in ((self._wp[which], w.q, ""), (self._s[which], w.scale.unsqueeze(1), "_scale"),
-                                         (self._s2[which], w.scale_second, "_scale_second")):
-                ok = loader(param, value, prefix + suffix, shard_id, expert_id, return_success=True)
-                if ok is False:
-                    break
-        except (AssertionError, RuntimeError) as exc:
-            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
-        if ok is False:  # the layer's own expert map says it is not on this rank
-            raise WeightSyncError(f"{name}: {t.path}'s weight loader refused expert {expert_id} "
-                                  "(not local to this rank), although its expert map had it")
-        self.received.add(name)
-
-    def complete(self) -> bool:
-        return self.received >= self.target.local
-
-    def missing(self) -> List[str]:
-        return sorted(self.target.local - self.received)
+        w = checked_payload(name, self.target.path, payload, "W4A8_DYNAMIC fused-MoE layer",
+                            "float experts").quantized(self.group_size)
+        which = self.target.names[name][2]
+        self.load_expert(name, which, ((self._wp[which], w.q, ""),
+                                       (self._s[which], w.scale.unsqueeze(1), "_scale"),
+                                       (self._s2[which], w.scale_second, "_scale_second")))
 
     def buffers(self):
         return (tuple(self._w.values()) + tuple(p.data for p in self._s.values())
@@ -151,10 +128,7 @@ class W4A8DynamicMoE(W8A8DynamicMoE):
         return super().targets(model, layers)
 
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
-        if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
-            raise WeightSyncError(f"{name}: a vllm-ascend W4A8_DYNAMIC fused-MoE expert; fn "
-                                  f"{quantizer.name!r} does not quantize for it (use fn 'w4a8_profile_free')")
-        return W4A8Payload(name, tensor, quantizer.compute_dtype)
+        return w4a8_payload(quantizer, name, tensor, "W4A8_DYNAMIC fused-MoE expert")
 
     def checkpoint_items(self, name: str, payload):
         """A bf16 checkpoint's expert projection as ModelSlim's W4A8 checkpoint carries it."""

@@ -53,8 +53,42 @@ class ExpertTarget:
         return tuple(sorted(self.local))
 
 
-class ExpertStaging(LayerStaging):
-    """One fused-MoE layer's local experts. `received` holds HF names."""
+class FusedExpertStaging(LayerStaging):
+    """What the staging of any fused-MoE layer shares: each HF expert name staged through the
+    layer's own `weight_loader` in the checkpoint layout (`load_expert`), the refusals when a
+    tensor does not fit or the loader drops an expert its map had, and completeness over the
+    layer's local experts. `received` holds HF names."""
+
+    def load_expert(self, name: str, which: str, items) -> None:
+        """Stages HF expert `name` (`which`: GATE_UP / DOWN, from the target's names): `items`
+        are (staged param, value, suffix after `{which}_weight`), loaded in order; a loader that
+        says the expert is not local stops there."""
+        t = self.target
+        expert_id, shard_id, _ = t.names[name]
+        loader = _experts.checkpoint_layout_loader(t.layer)
+        prefix = f"{t.path}.{which}_weight"
+        try:
+            ok = None
+            for param, value, suffix in items:
+                ok = loader(param, value, prefix + suffix, shard_id, expert_id, return_success=True)
+                if ok is False:
+                    break
+        except (AssertionError, RuntimeError) as exc:
+            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
+        if ok is False:  # the layer's own expert map says it is not on this rank
+            raise WeightSyncError(f"{name}: {t.path}'s weight loader refused expert {expert_id} "
+                                  "(not local to this rank), although its expert map had it")
+        self.received.add(name)
+
+    def complete(self) -> bool:
+        return self.received >= self.target.local
+
+    def missing(self) -> List[str]:
+        return sorted(self.target.local - self.received)
+
+
+class ExpertStaging(FusedExpertStaging):
+    """One W8A8 fused-MoE layer's local experts."""
 
     def __init__(self, target: ExpertTarget):
         super().__init__(target)
@@ -74,27 +108,9 @@ class ExpertStaging(LayerStaging):
 
     def stage(self, name, payload) -> None:
         q, scale = payload.q, payload.scale
-        t = self.target
-        expert_id, shard_id, which = t.names[name]
-        loader = _experts.checkpoint_layout_loader(t.layer)
-        try:
-            ok = loader(self._wp[which], q, f"{t.path}.{which}_weight", shard_id, expert_id,
-                        return_success=True)
-            if ok is not False:
-                ok = loader(self._s[which], scale.unsqueeze(1), f"{t.path}.{which}_weight_scale",
-                            shard_id, expert_id, return_success=True)
-        except (AssertionError, RuntimeError) as exc:
-            raise WeightSyncError(f"{name}: does not fit {t.path} ({exc})") from None
-        if ok is False:  # the layer's own expert map says it is not on this rank
-            raise WeightSyncError(f"{name}: {t.path}'s weight loader refused expert {expert_id} "
-                                  "(not local to this rank), although its expert map had it")
-        self.received.add(name)
-
-    def complete(self) -> bool:
-        return self.received >= self.target.local
-
-    def missing(self) -> List[str]:
-        return sorted(self.target.local - self.received)
+        which = self.target.names[name][2]
+        self.load_expert(name, which, ((self._wp[which], q, ""),
+                                       (self._s[which], scale.unsqueeze(1), "_scale")))
 
     def buffers(self):
         return tuple(self._w.values()) + tuple(p.data for p in self._s.values())
