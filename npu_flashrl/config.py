@@ -20,8 +20,9 @@ refused); with several entries worker DP group `RANK // (tp * pp)` uses `configs
 
 fn values: `int8` (FlashRL's profile-based online INT8), `int8_profile_free` (ours: per-channel
 weight scales recomputed at every weight sync, no profile), `w4a8_profile_free` (ours: vllm-ascend's
-W4A8_DYNAMIC layers, int4 weights in groups of `group_size` input channels, default 256; the only
-fn that takes `group_size`; docs/w4a8.md), `bf16` (unquantized). FlashRL's
+W4A8_DYNAMIC layers, int4 weights in groups of `group_size` input channels, default 256, 0 for
+per-channel fused-MoE experts of a ModelSlim checkpoint; the only fn that takes `group_size`;
+docs/w4a8.md), `bf16` (unquantized). FlashRL's
 `int8_wo_prune` is `int8` in 1.0.3 (same default config, same quantize function); `int8_fast` is
 `int8` with a CUDA-specific reload shortcut (skips CompressedTensorsW8A8Int8 post-processing), so on
 Ascend it is `int8` too. `int8_prune` (zeroes layernorm channels whose columns are zero in every
@@ -105,7 +106,7 @@ SHORTCUTS = (FN_BF16, FN_INT8_PROFILE_FREE)
 _KNOWN_KEYS = ("fn", "model", "profile", "load_format", "quantization", "distributed_executor_backend",
                "wire")
 # Keys whose value is an integer, not a string: `group_size` (input channels per scale group of a
-# quantizer with groups: fn w4a8_profile_free; default its quantizer's, 256).
+# quantizer with groups: fn w4a8_profile_free; default its quantizer's, 256; 0: per-channel).
 _INT_KEYS = ("group_size",)
 # `wire`: what the trainer sends at a weight sync (npu_flashrl.quant.wire, the one home of these
 # names): "float" (default, the trainer's dtype) or "int8" (projections quantized on the trainer,

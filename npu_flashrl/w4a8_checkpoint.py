@@ -5,10 +5,14 @@ headers only, no tensor data read.
   description types W4A8_DYNAMIC has the five tensors vllm-ascend's linear method loads, of the
   shapes its `group_size` implies (int8 `weight` [out, in], `weight_scale` / `weight_offset`
   [out, 1], `weight_scale_second` / `weight_offset_second` [out, in / group_size]); the
-  description's group size is the entry's when the entry sets one; ModelSlim's newer packed
+  description's group size is the entry's when the entry sets one; group size 0 (per-channel,
+  vllm-ascend's W4A8 fused-MoE mode) takes W4A8_DYNAMIC experts only (`...mlp.experts.E.*`),
+  each with `weight`, `weight_scale` / `weight_offset` [out, 1] and no second level; ModelSlim's newer packed
   layout (`version` "1.0.0") and W8A8 layers are refused (the W4A8 reload claims neither);
 - a bare bf16 checkpoint: the entry's group size (default 256) divides every projection's input
-  dim (the in-memory description builds the layers with it);
+  dim (the in-memory description builds the layers with it); group size 0 is refused (the
+  in-memory description types every projection W4A8_DYNAMIC, whose linear method has no
+  per-channel mode);
 - a checkpoint with an HF `quantization_config` (compressed-tensors w8a8) is refused: it builds
   W8A8 layers, which fn w4a8_profile_free does not serve.
 Each problem names the layer (or the file and key) and what was expected.
@@ -21,7 +25,9 @@ from typing import Dict, List, Optional
 
 from npu_flashrl.kernels.int4 import DEFAULT_GROUP_SIZE
 from npu_flashrl.quant import projections
-from npu_flashrl.quant.w4a8 import W4A8_DYNAMIC, group_size_problem, in_dim_problems
+from npu_flashrl.quant.w4a8 import (
+    PER_CHANNEL, PER_CHANNEL_REFUSED, W4A8_DYNAMIC, bf16_per_channel_problem, group_size_problem,
+    in_dim_problems)
 
 DESCRIPTION_FILE = "quant_model_description.json"  # ModelSlim's (vllm-ascend reads the same name)
 NEW_LAYOUT = "1.0.0"  # ModelSlim's packed W4A8 layout (`version`), not reloaded in place
@@ -74,14 +80,20 @@ def modelslim_problems(model_dir: str, description: dict, group_size: Optional[i
     modules = sorted(m for m, t in typed.items() if t == W4A8_DYNAMIC)
     if not modules:
         return [f"{where}: no projection is typed {W4A8_DYNAMIC}: not a W4A8 checkpoint"]
+    if size == PER_CHANNEL:
+        linear = [m for m in modules if ".experts." not in m]
+        if linear:
+            return [f"{where}: group_size 0 (per-channel), and {linear[0]} ({len(linear)} such "
+                    f"projection(s), not fused-MoE experts) is typed {W4A8_DYNAMIC}: "
+                    f"{PER_CHANNEL_REFUSED}; type them FLOAT or use a positive group_size"]
+    tensors = ("weight", "weight_scale", "weight_offset") + (() if size == PER_CHANNEL else _SECOND)
     out: List[str] = []
     with SafetensorsCheckpoint(model_dir) as ckpt:
         for m in modules:
-            missing = [f"{m}.{s}" for s in ("weight", "weight_scale", "weight_offset") + _SECOND
-                       if f"{m}.{s}" not in ckpt]
+            missing = [f"{m}.{s}" for s in tensors if f"{m}.{s}" not in ckpt]
             if missing:
                 out.append(f"{m}: typed {W4A8_DYNAMIC} in {DESCRIPTION_FILE}, but the checkpoint has "
-                           f"no {missing[0]} ({len(missing)} of its 5 tensors missing)")
+                           f"no {missing[0]} ({len(missing)} of its {len(tensors)} tensors missing)")
                 continue
             shape = ckpt.shape(f"{m}.weight")
             dtype = ckpt.dtype(f"{m}.weight")
@@ -90,12 +102,12 @@ def modelslim_problems(model_dir: str, description: dict, group_size: Optional[i
                            "(one int4 value per element, ModelSlim's original layout)")
                 continue
             n, k = shape
-            if k % size:
+            if size and k % size:
                 out.append(f"{m}: input dim {k} is not a multiple of the description's group_size {size}")
                 continue
-            want: Dict[str, tuple] = {"weight_scale": (n, 1), "weight_offset": (n, 1),
-                                      "weight_scale_second": (n, k // size),
-                                      "weight_offset_second": (n, k // size)}
+            want: Dict[str, tuple] = {"weight_scale": (n, 1), "weight_offset": (n, 1)}
+            if size:
+                want.update(weight_scale_second=(n, k // size), weight_offset_second=(n, k // size))
             for suffix, expected in want.items():
                 got = ckpt.shape(f"{m}.{suffix}")
                 if tuple(got) != expected:
@@ -130,4 +142,6 @@ def w4a8_checkpoint_problems(model_dir: str, group_size: Optional[int] = None) -
         return [f"{config}: quantization_config (quant_method {qcfg.get('quant_method')!r}): a quantized "
                 "HF checkpoint builds W8A8 layers, which fn w4a8_profile_free does not serve; use the "
                 "bf16 checkpoint or a ModelSlim W4A8_DYNAMIC one"]
+    if group_size == PER_CHANNEL:
+        return [f"{model_dir}: " + bf16_per_channel_problem()]
     return bf16_problems(model_dir, DEFAULT_GROUP_SIZE if group_size is None else group_size)

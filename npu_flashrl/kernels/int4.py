@@ -16,6 +16,16 @@ quantization, "分阶段量化": float -> int8 first, then int8 -> int4):
   `weight_scale_second` / `weight_offset_second` [out, in // group_size]; the float weight is
   `w ~= weight_scale[n] * weight_scale_second[n, g] * q4[n, k]`.
 
+Per-channel (`group_size` 0; vllm-ascend's W4A8_DYNAMIC fused-MoE method only, whose linear
+method has no such mode): ONE stage, `weight_scale[n] = absmax(w[n, :]) / 7` (1.0 for an all-zero
+row), `q4 = clamp(round_half_even(w / weight_scale), -8, 7)`, `weight_offset = 0`; the checkpoint
+holds `q4` int8 [out, in] and `weight_scale` / `weight_offset` [out, 1], no second level (the
+layout vllm-ascend's MoE method creates when `group_size == 0`); `w ~= weight_scale[n] * q4[n, k]`.
+ModelSlim's per-channel W4A8 recipes (e.g. msmodelslim `lab_practice/deepseek_v3/
+deepseek_w4a8_per_channel.yaml`: experts int4 per_channel symmetric, method "ssz") may search
+their scales: a ModelSlim checkpoint's experts then differ from this min-max rule, and after the
+first sync the rollout holds this rule's.
+
 All arithmetic is fp32 (the model dtype, e.g. bf16, is applied to the weight first, as for INT8).
 ModelSlim's own quantizer is compiled (`quant_funcs*.so`): its rounding cannot be read, so this
 module names its own (half to even, `torch.round`) and the scheme quantizes every sync with it;
@@ -54,12 +64,15 @@ class W4A8Weight:
     """One projection in the ModelSlim W4A8_DYNAMIC checkpoint format (offsets are zero)."""
 
     q: torch.Tensor  # int8 [out, in], values in [-8, 7]
-    scale: torch.Tensor  # fp32 [out]: stage 1 (weight_scale)
-    scale_second: torch.Tensor  # fp32 [out, in // group_size]: stage 2 (weight_scale_second)
-    group_size: int
+    scale: torch.Tensor  # fp32 [out]: stage 1 (weight_scale); per-channel: the only scale
+    # fp32 [out, in // group_size]: stage 2 (weight_scale_second); None per-channel (group_size 0)
+    scale_second: Optional[torch.Tensor]
+    group_size: int  # 0: per-channel
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [out, in]: scale[n] * scale_second[n, g] * q[n, k]."""
+        """fp32 [out, in]: scale[n] * scale_second[n, g] * q[n, k] (per-channel: scale[n] * q[n, k])."""
+        if self.scale_second is None:
+            return self.q.float() * self.scale.unsqueeze(1)
         s2 = self.scale_second.repeat_interleave(self.group_size, dim=1)
         return self.q.float() * s2 * self.scale.unsqueeze(1)
 
@@ -81,16 +94,12 @@ def check_group_size(group_size, in_features: int, where: str = "group_size") ->
 
 def quantize_weight_w4a8(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                          compute_dtype: Optional[torch.dtype] = None) -> W4A8Weight:
-    """float [out, in] -> the staged W4A8 format of the module docstring. NaN / Inf, a non-2-D
-    weight, an integer dtype or a group size that does not divide `in` raise ValueError."""
-    op = "quantize_weight_w4a8"
-    _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
-    _require(weight.dtype in _FLOAT_WEIGHTS, op, f"weight dtype must be one of {_FLOAT_WEIGHTS}, got {weight.dtype}")
-    check_group_size(group_size, weight.shape[1])
-    _require(all_finite(weight), op, "weight contains NaN or Inf")
-    if compute_dtype is not None and weight.dtype != compute_dtype:
-        weight = weight.to(compute_dtype)
-    w = weight.float()
+    """float [out, in] -> the staged W4A8 format of the module docstring (`group_size` 0: the
+    per-channel format, `quantize_weight_w4a8_per_channel`). NaN / Inf, a non-2-D weight, an
+    integer dtype or a group size that does not divide `in` raise ValueError."""
+    if group_size == 0 and not isinstance(group_size, bool):
+        return quantize_weight_w4a8_per_channel(weight, compute_dtype)
+    w = _checked_float(weight, compute_dtype, group_size)
     out, inp = w.shape
     absmax = w.abs().amax(dim=1)
     scale = torch.where(absmax > _ZERO_EPS, absmax / STAGE1_MAX, torch.ones_like(absmax))
@@ -101,6 +110,32 @@ def quantize_weight_w4a8(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_S
     q = torch.round(groups / s2.unsqueeze(2)).clamp_(INT4_MIN, INT4_MAX)
     return W4A8Weight(q=q.reshape(out, inp).to(torch.int8), scale=scale, scale_second=s2,
                       group_size=group_size)
+
+
+def _checked_float(weight: torch.Tensor, compute_dtype: Optional[torch.dtype],
+                   group_size: Optional[int]) -> torch.Tensor:
+    """`weight` as fp32 after its checks (`group_size` None: no group to check)."""
+    op = "quantize_weight_w4a8"
+    _require(weight.dim() == 2, op, f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    _require(weight.dtype in _FLOAT_WEIGHTS, op, f"weight dtype must be one of {_FLOAT_WEIGHTS}, got {weight.dtype}")
+    if group_size is not None:
+        check_group_size(group_size, weight.shape[1])
+    _require(all_finite(weight), op, "weight contains NaN or Inf")
+    if compute_dtype is not None and weight.dtype != compute_dtype:
+        weight = weight.to(compute_dtype)
+    return weight.float()
+
+
+def quantize_weight_w4a8_per_channel(weight: torch.Tensor,
+                                     compute_dtype: Optional[torch.dtype] = None) -> W4A8Weight:
+    """float [out, in] -> the per-channel W4A8 format of the module docstring (one fp32 scale per
+    output channel, absmax / 7, no second level). Bad input raises ValueError as
+    `quantize_weight_w4a8`."""
+    w = _checked_float(weight, compute_dtype, None)
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > _ZERO_EPS, absmax / INT4_MAX, torch.ones_like(absmax))
+    q = torch.round(w / scale.unsqueeze(1)).clamp_(INT4_MIN, INT4_MAX)
+    return W4A8Weight(q=q.to(torch.int8), scale=scale, scale_second=None, group_size=0)
 
 
 # --------------------------------------------------------------------------- packing

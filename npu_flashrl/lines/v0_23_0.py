@@ -58,7 +58,9 @@ class SchemeRegistryLine(StackLine):
         if scale is None:
             scale, dims = getattr(layer, "w13_weight_scale", None), 2
             if isinstance(scale, torch.Tensor) and scale.dtype == torch.int64:
-                dims = 3  # W4A8_DYNAMIC fused MoE: int64 [E, H / group, 2I] (restored: fp32 [E, 2I, 1])
+                # W4A8_DYNAMIC fused MoE: int64 [E, H / group, 2I], per-channel [E, 2I] (restored:
+                # fp32 [E, 2I, 1]; only the processed form is int64)
+                dims = scale.dim()
         return marked(layer, PROCESSED_ATTR) and \
             isinstance(scale, torch.Tensor) and scale.dim() == dims and not scale.is_meta
 

@@ -9,7 +9,10 @@ loader refuses a model with other quantized layers when the engine builds, and t
 quantizers do not serve W4A8 layers.
 
 `group_size` (the config entry's key): the number of consecutive input channels that share a
-second-level scale. None keeps the checkpoint's (a ModelSlim W4A8 description's `group_size`,
+second-level scale; 0 is per-channel (one scale per output channel, no second level), which
+vllm-ascend runs for fused-MoE experts only: a ModelSlim checkpoint of W4A8 experts and FLOAT
+other projections, description `group_size: 0` (a bare bf16 checkpoint is refused, its in-memory
+description types every projection W4A8_DYNAMIC). None keeps the checkpoint's (a ModelSlim W4A8 description's `group_size`,
 vllm-ascend's default 256 when it has none); a bare bf16 checkpoint's in-memory description gets
 it (`description_keys`), so its layers are built with it.
 """
@@ -23,8 +26,9 @@ from npu_flashrl.quant.base import OnlineQuantizer, WeightSyncError
 from npu_flashrl.quant.registry import register_quantizer
 
 W4A8_DYNAMIC = "W4A8_DYNAMIC"
-# why group_size 0 (per-channel, which vllm-ascend's W4A8 fused-MoE method accepts) is refused:
-# the linear method sizes its second-level scales by it on every line that has the method
+PER_CHANNEL = 0  # `group_size: 0`: per-channel int4, vllm-ascend's W4A8 fused-MoE method's mode
+# why group_size 0 (per-channel) serves fused-MoE experts only: the linear method sizes its
+# second-level scales by it on every line that has the method
 PER_CHANNEL_REFUSED = ("vllm-ascend's W4A8_DYNAMIC linear method (AscendW4A8DynamicLinearMethod) "
                        "creates weight_scale_second as [out, in // group_size], so group_size 0 "
                        "(per-channel) divides by zero there; only its fused-MoE method has a "
@@ -32,15 +36,24 @@ PER_CHANNEL_REFUSED = ("vllm-ascend's W4A8_DYNAMIC linear method (AscendW4A8Dyna
 
 
 def group_size_problem(value, where: str = "group_size") -> Optional[str]:
-    """Why `value` cannot be a W4A8 group size (None: it can)."""
+    """Why `value` cannot be a W4A8 group size (None: it can; 0 is per-channel, for a checkpoint
+    whose W4A8_DYNAMIC layers are all fused-MoE experts)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"{where}: expected a positive integer (input channels per scale group); got {value!r}"
-    if value == 0:
-        return f"{where} = 0: not supported: {PER_CHANNEL_REFUSED}; use a positive group size " \
-               f"(default {DEFAULT_GROUP_SIZE})"
+        return f"{where}: expected a positive integer (input channels per scale group) or 0 " \
+               f"(per-channel, W4A8 fused-MoE experts only); got {value!r}"
     if value < 0:
-        return f"{where} = {value}: expected a positive integer (input channels per scale group)"
+        return f"{where} = {value}: expected a positive integer (input channels per scale group) " \
+               "or 0 (per-channel, W4A8 fused-MoE experts only)"
     return None
+
+
+def bf16_per_channel_problem(where: str = "group_size") -> str:
+    """Why a bare bf16 checkpoint cannot be loaded per-channel."""
+    return (f"{where} = 0 (per-channel) needs a ModelSlim W4A8 checkpoint whose W4A8_DYNAMIC "
+            "layers are all fused-MoE experts (its description's group_size 0, its other "
+            "projections FLOAT): a bare bf16 checkpoint's in-memory description types every "
+            f"projection W4A8_DYNAMIC, and {PER_CHANNEL_REFUSED}; use a positive group size "
+            f"(default {DEFAULT_GROUP_SIZE}) for a bf16 checkpoint")
 
 
 def in_dim_problems(shapes: Mapping[str, Sequence[int]], group_size: int,
@@ -49,6 +62,8 @@ def in_dim_problems(shapes: Mapping[str, Sequence[int]], group_size: int,
     does not divide (vllm-ascend's weight_scale_second has in // group_size columns: a remainder
     would leave input channels without a scale)."""
     out = []
+    if group_size == PER_CHANNEL:
+        return out  # per-channel: no groups to fit
     prefix = f"{where}: " if where else ""
     for name, shape in sorted(shapes.items()):
         if not projections.is_projection(name) or len(shape) != 2:
@@ -81,6 +96,8 @@ class W4A8Quantizer(OnlineQuantizer):
 
     @classmethod
     def description_keys(cls, group_size: Optional[int] = None) -> Dict[str, int]:
+        if group_size == PER_CHANNEL:
+            raise WeightSyncError(bf16_per_channel_problem(f"fn {cls.name}: group_size"))
         return {"group_size": DEFAULT_GROUP_SIZE if group_size is None else group_size}
 
     def check_model(self, shapes, source: str) -> None:

@@ -49,7 +49,8 @@ def group_sizes(checker) -> List[Tuple[int, str]]:
         for i, entry in enumerate(entries or []):
             if isinstance(entry, dict) and entry.get("fn") == W4A8_FN:
                 size = _int(entry.get("group_size"))
-                found.append((size, f"{path}: configs[{i}].group_size") if size else
+                # 0 (per-channel: W4A8 experts only, no linear groups to fit) is dropped below
+                found.append((size, f"{path}: configs[{i}].group_size") if size is not None else
                              (_default_group_size(), f"{path}: configs[{i}] (the default group size)"))
         return [(s, where) for s, where in found if s and s > 0]
     env = checker.environ

@@ -65,7 +65,10 @@ def test_a_group_size_that_does_not_divide_a_bf16_projection_is_refused_naming_i
 
 
 def test_setup_refuses_group_size_0_naming_why(ckpts, tmp_path):
-    with pytest.raises(CliError, match=r"group_size = 0: not supported: .*per-channel"):
+    """0 is per-channel, W4A8 fused-MoE experts of a ModelSlim checkpoint only: a bf16 checkpoint
+    is refused naming the key and why."""
+    with pytest.raises(CliError, match=r"group_size = 0 \(per-channel\) needs a ModelSlim W4A8 "
+                                       r"checkpoint whose W4A8_DYNAMIC layers are all fused-MoE experts"):
         setup(tmp_path, ckpts[0], "group_size=0")
 
 

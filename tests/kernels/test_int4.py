@@ -67,7 +67,7 @@ def test_zero_rows_and_groups_are_finite():
 
 @pytest.mark.parametrize("bad,match", [
     (lambda: int4.quantize_weight_w4a8(_w(), 24), "group_size=24 must divide the input size 64"),
-    (lambda: int4.quantize_weight_w4a8(_w(), 0), "group_size must be a positive int"),
+    (lambda: int4.quantize_weight_w4a8(_w(), -4), "group_size must be a positive int"),  # 0: per-channel
     (lambda: int4.quantize_weight_w4a8(_w()[0], 32), "must be 2-D"),
     (lambda: int4.quantize_weight_w4a8(torch.full((2, 32), float("nan")), 32), "NaN or Inf"),
     (lambda: int4.quantize_weight_w4a8(torch.zeros(2, 32, dtype=torch.int8), 32), "dtype"),

@@ -28,9 +28,25 @@ def test_group_size_is_read_written_back_and_defaults_to_256():
     assert fc.unknown_key_problems(e) == []
 
 
+def test_group_size_0_is_per_channel_for_moe_experts_and_refused_for_a_bf16_description():
+    """`group_size: 0` (vllm-ascend's per-channel W4A8 fused-MoE mode) parses and reaches the
+    quantizer; a bare bf16 checkpoint's description cannot take it (its linear layers would
+    divide by it): asking for that description names the key and why."""
+    from npu_flashrl.quant import WeightSyncError
+    from npu_flashrl.quant.registry import QUANTIZERS
+
+    e = entry(group_size=0)
+    assert e.group_size == 0 and e.to_dict()["group_size"] == 0
+    assert fc.parse_config({"configs": [e.to_dict()]}).entries[0].group_size == 0
+    assert fc.group_size_of(e) == 0
+    cls = QUANTIZERS["w4a8_profile_free"]
+    assert cls(group_size=0).group_size == 0
+    with pytest.raises(WeightSyncError, match=r"group_size = 0 \(per-channel\) needs a ModelSlim W4A8 "
+                                              r"checkpoint.*weight_scale_second as \[out, in // group_size\]"):
+        cls.description_keys(0)
+
+
 @pytest.mark.parametrize("value, match", [
-    (0, r"cfg\.yaml: configs\[0\]\.group_size = 0: not supported: .*weight_scale_second as "
-        r"\[out, in // group_size\].*per-channel"),
     (-32, r"configs\[0\]\.group_size = -32: expected a positive integer"),
     ("128", r"configs\[0\]\.group_size: expected a positive integer .*got '128'"),
     (True, r"configs\[0\]\.group_size: expected a positive integer .*got True"),

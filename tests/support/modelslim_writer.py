@@ -69,26 +69,33 @@ def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05)
     return _save(out, desc, out_dir)
 
 
-def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32) -> dict:
+def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32, quantize=None) -> dict:
     """A ModelSlim W4A8_DYNAMIC checkpoint ("version 0" layout, the staged quantization of
     `npu_flashrl.kernels.int4`): per projection an int8 `weight` [out, in] holding int4 values,
     float32 `weight_scale` / `weight_offset` [out, 1], float32 `weight_scale_second` and int64
     `weight_offset_second` [out, in // group_size] (the dtypes ModelSlim's own W4A8 test checks,
-    test/ST/llm_ptq_w4a8_per_token/run.py); `group_size` in the description."""
+    test/ST/llm_ptq_w4a8_per_token/run.py); `group_size` in the description. `group_size` 0:
+    per-channel (`kernels.int4`'s per-channel rule, no second level), as ModelSlim's per-channel
+    W4A8 MoE recipes write experts. `quantize(name) -> bool` picks the projections to quantize
+    (default all; the others stay float, typed FLOAT)."""
     from npu_flashrl.kernels.int4 import quantize_weight_w4a8
 
     tensors = _read_bf16(bf16_dir, out_dir)
     out, desc = {}, {"model_quant_type": "W4A8_DYNAMIC", "group_size": group_size}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS \
+                and (quantize is None or quantize(name)):
             w = quantize_weight_w4a8(t, group_size)
             out[name] = w.q
             out[module + ".weight_scale"] = w.scale.unsqueeze(1)
             out[module + ".weight_offset"] = torch.zeros(w.q.shape[0], 1)
-            out[module + ".weight_scale_second"] = w.scale_second
-            out[module + ".weight_offset_second"] = torch.zeros(w.scale_second.shape, dtype=torch.int64)
-            for extra in ("weight", "weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second"):
+            extras = ("weight", "weight_scale", "weight_offset")
+            if w.scale_second is not None:
+                out[module + ".weight_scale_second"] = w.scale_second
+                out[module + ".weight_offset_second"] = torch.zeros(w.scale_second.shape, dtype=torch.int64)
+                extras += ("weight_scale_second", "weight_offset_second")
+            for extra in extras:
                 desc[f"{module}.{extra}"] = "W4A8_DYNAMIC"
         else:
             out[name] = t

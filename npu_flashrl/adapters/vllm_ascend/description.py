@@ -291,14 +291,17 @@ def config_weight_names(cfg: dict, where: str = "config.json") -> List[str]:
 
 
 def describe_checkpoint(model_dir: str, quant_type: str = W8A8_DYNAMIC,
-                        top_level: Optional[dict] = None) -> Optional[QuantDescription]:
+                        top_level=None) -> Optional[QuantDescription]:
     """The description vllm-ascend should use for `model_dir`, or None to keep upstream's
     (a ModelSlim checkpoint with its own quant_model_description.json). A bare bf16 checkpoint's
-    projections are typed `quant_type` with the `top_level` keys (`profile_free_description`)."""
+    projections are typed `quant_type` with the `top_level` keys (`profile_free_description`; a
+    dict, or a callable returning it, called for a bare bf16 checkpoint only: it may refuse one)."""
     if os.path.exists(os.path.join(model_dir, DESCRIPTION_FILE)):
         return None
     qcfg = read_hf_quant_config(model_dir)
     if qcfg is None:
+        if callable(top_level):
+            top_level = top_level()
         return profile_free_description(quant_type, top_level).fill(
             checkpoint_weight_names(model_dir), where=model_dir)
     method = qcfg.get("quant_method")

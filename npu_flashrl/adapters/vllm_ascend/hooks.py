@@ -14,6 +14,7 @@ teacher model, a user's own) is built and loaded exactly as vLLM / vllm-ascend w
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Optional, Tuple
 
@@ -47,10 +48,11 @@ def redirect(original, quant_config_class: Callable[[], type]):
 
 def description_kind(choice) -> dict:
     """What a bare bf16 checkpoint's in-memory description says for the engine's choice: the
-    quant type its quantizer serves, with that quantizer's top-level keys (W4A8: `group_size`)."""
+    quant type its quantizer serves, with that quantizer's top-level keys (W4A8: `group_size`;
+    asked for a bare bf16 checkpoint only: W4A8's per-channel `group_size` 0 refuses one)."""
     cls = quantizer_class(choice.fn)
     return {"quant_type": cls.description_type,
-            "top_level": cls.description_keys(getattr(choice, "group_size", None))}
+            "top_level": functools.partial(cls.description_keys, getattr(choice, "group_size", None))}
 
 
 def override(original):
@@ -120,10 +122,11 @@ def attach_on_init(original):
         model_dir = getattr(model_config, "model", None)
         prequantized = bool(model_dir) and os.path.isdir(model_dir) and checkpoint_is_quantized(model_dir)
         loader = attach(model, make_quantizer(fn, dtype, profile, **choice_options(vllm_config)), prequantized)
-        if not loader.targets:
+        if not loader.targets and not loader.experts:  # (a W4A8 per-channel model: experts only)
             raise UnquantizedRolloutError(
-                f"npu_flashrl: FLASHRL_CONFIG asks for INT8 ({fn}) but {type(model).__name__} "
-                "has no vllm-ascend W8A8 linear layers: the rollout would run unquantized. "
+                f"npu_flashrl: FLASHRL_CONFIG asks for a quantized rollout ({fn}) but "
+                f"{type(model).__name__} has no vllm-ascend quantized linear or fused-MoE layers: "
+                "the rollout would run unquantized. "
                 "Check the checkpoint's quant description (every projection FLOAT?)")
         return model
     return initialize_model

@@ -19,9 +19,17 @@ on an NPU, its emulation elsewhere; the NZ cast between them is the line's,
 already holds. A refused or incomplete sync leaves the layer untouched (everything waits in the
 staging). Not sent over the INT8 wire (`wire` None).
 
-Not claimed (refused by their shape at the first sync, as before this scheme): the per-channel
-form (`group_size` 0), ModelSlim's "1.0.0" packed layout and the compressed-tensors W4A8 MoE
-layout (each processes into other tensors); dynamic EPLB and redundant experts are refused at
+Per-channel (the description's `group_size` 0, ModelSlim's per-channel W4A8 MoE recipes): one
+fp32 scale per output channel and no second level (`kernels.int4`'s per-channel rule); the
+layer's processed `w13_weight_scale` / `w2_weight_scale` are the fp32 bit patterns in int64
+([E, 2I] on 0.23, which squeezes it, [E, 1, 2I] on 0.11; [E, 1, H]), NOT rounded through fp16,
+and its scale_bias stays empty (vllm-ascend registers none); the staging skips the second level
+and the commit copies what `process_scale` derives into the tensors the layer holds. The
+entry's `group_size`, when set, must be the layer's (`check_target`).
+
+Not claimed (refused by their shape at the first sync, as before this scheme): ModelSlim's
+"1.0.0" packed layout and the compressed-tensors W4A8 MoE layout (each processes into other
+tensors); dynamic EPLB and redundant experts are refused at
 engine build as for W8A8 (`experts.refuse_unsupported`). Lines: those whose `w4a8_moe_cast` is set
 (`npu_flashrl/lines/`); refused at engine build on the others, whose post-processing keeps another
 processed layout.
@@ -68,6 +76,8 @@ class W4A8ExpertStaging(FusedExpertStaging):
             self._wp[which] = stage_param(w.transpose(1, 2), getattr(layer, f"{which}_weight"))
             template = getattr(layer, f"{which}_weight_scale")
             self._s[which] = stage_param(torch.empty((e, n, 1), dtype=torch.float32, device=dev), template)
+            if not self.group_size:  # per-channel: no second level (vllm-ascend creates none)
+                continue
             s2 = stage_param(torch.empty((e, n, k // self.group_size), dtype=torch.float32, device=dev),
                              template)
             s2.quant_method = _GROUP  # as vllm-ascend's MoE adapter marks weight_scale_second
@@ -77,9 +87,10 @@ class W4A8ExpertStaging(FusedExpertStaging):
         w = checked_payload(name, self.target.path, payload, "W4A8_DYNAMIC fused-MoE layer",
                             "float experts").quantized(self.group_size)
         which = self.target.names[name][2]
-        self.load_expert(name, which, ((self._wp[which], w.q, ""),
-                                       (self._s[which], w.scale.unsqueeze(1), "_scale"),
-                                       (self._s2[which], w.scale_second, "_scale_second")))
+        loads = [(self._wp[which], w.q, ""), (self._s[which], w.scale.unsqueeze(1), "_scale")]
+        if self.group_size:  # per-channel (0) has no second level
+            loads.append((self._s2[which], w.scale_second, "_scale_second"))
+        self.load_expert(name, which, tuple(loads))
 
     def buffers(self):
         return (tuple(self._w.values()) + tuple(p.data for p in self._s.values())
@@ -93,12 +104,16 @@ class W4A8ExpertStaging(FusedExpertStaging):
         derived = {}
         for which in (GATE_UP, DOWN):  # everything first: a failure leaves the layer as it was
             w = self._w[which]
-            scale, bias = inner.process_scale(w, self._s[which].data, self._s2[which].data)
+            second = self._s2[which].data if self.group_size else None  # None: per-channel
+            scale, bias = inner.process_scale(w, self._s[which].data, second)
             derived[which] = (inner.pack_to_int32(line.w4a8_moe_weight_cast(w)), scale, bias)
         for which, (packed, scale, bias) in derived.items():
             getattr(layer, f"{which}_weight").data.copy_(packed)
-            getattr(layer, f"{which}_weight_scale").data.copy_(scale)
-            getattr(layer, f"{which}_scale_bias").data.copy_(bias)
+            live = getattr(layer, f"{which}_weight_scale").data
+            # per-channel, 0.23 squeezes w13's [E, 1, 2I] to [E, 2I]: the same values, its shape
+            live.copy_(scale.reshape(live.shape))
+            if bias is not None:  # per-channel: no scale_bias (the layer's stays empty)
+                getattr(layer, f"{which}_scale_bias").data.copy_(bias)
 
 
 @register_scheme(W4A8_DYNAMIC, MOE)
@@ -111,10 +126,9 @@ class W4A8DynamicMoE(W8A8DynamicMoE):
                         "scale_bias) runs once per layer")
 
     def claims(self, inner, line) -> bool:
-        # per-group, ModelSlim's original layout only: the per-channel form, the "1.0.0" packed
-        # layout and compressed-tensors' process into other tensors (module docstring)
+        # ModelSlim's original layout (per-group or per-channel) only: the "1.0.0" packed layout
+        # and compressed-tensors' process into other tensors (module docstring)
         return (super().claims(inner, line) and not getattr(inner, "new_quant_version", False)
-                and not getattr(inner, "is_per_channel_weight", False)
                 and not getattr(inner, "quant_method", ""))
 
     def targets(self, model: torch.nn.Module, layers: Sequence[Tuple[str, torch.nn.Module]]):
@@ -127,6 +141,20 @@ class W4A8DynamicMoE(W8A8DynamicMoE):
                 "vllm-ascend it reloads for W4A8 MoE rollouts (docs/w4a8.md, Fused MoE)")
         return super().targets(model, layers)
 
+    def check_target(self, target, quantizer) -> None:
+        """The layer's group size (its description's `group_size`; 0: per-channel) must be the
+        entry's when the entry sets one: a sync cannot change how the experts are grouped."""
+        size = int(inner_method(target.layer).group_size)
+        wanted = getattr(quantizer, "group_size", None)
+        if wanted is not None and wanted != size:
+            def form(g):
+                return "0 (per-channel)" if g == 0 else str(g)
+            raise WeightSyncError(
+                f"{target.path}: a vllm-ascend W4A8_DYNAMIC fused-MoE layer built with group_size "
+                f"{form(size)} (the checkpoint's quant description), and the FlashRL config entry "
+                f"says group_size {form(wanted)}; a sync cannot change a layer's groups: drop the "
+                f"key, or set it to {size}")
+
     def quantize(self, quantizer, name: str, tensor: torch.Tensor, transposed: bool = True):
         return w4a8_payload(quantizer, name, tensor, "W4A8_DYNAMIC fused-MoE expert")
 
@@ -137,8 +165,9 @@ class W4A8DynamicMoE(W8A8DynamicMoE):
         yield name, w.q
         yield base + "weight_scale", w.scale.unsqueeze(1)
         yield base + "weight_offset", torch.zeros_like(w.scale).unsqueeze(1)
-        yield base + "weight_scale_second", w.scale_second
-        yield base + "weight_offset_second", torch.zeros_like(w.scale_second)
+        if w.scale_second is not None:  # None: per-channel (group_size 0)
+            yield base + "weight_scale_second", w.scale_second
+            yield base + "weight_offset_second", torch.zeros_like(w.scale_second)
 
     def checkpoint_defaults(self, name: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {}  # a ModelSlim W4A8 checkpoint carries every tensor its layer loads
