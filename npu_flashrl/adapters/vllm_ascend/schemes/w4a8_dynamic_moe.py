@@ -48,6 +48,7 @@ from npu_flashrl.adapters.vllm_ascend.schemes.w4a8_dynamic import (
     CHECKPOINT, W4A8_DYNAMIC, checked_payload, description_group_size, w4a8_payload)
 from npu_flashrl.adapters.vllm_ascend.schemes.w8a8_dynamic_moe import (
     ExpertTarget, FusedExpertStaging, W8A8DynamicMoE)
+from npu_flashrl.quant import WeightSyncError
 
 GATE_UP, DOWN = _experts.GATE_UP, _experts.DOWN
 _GROUP = "group"  # vLLM's FusedMoeWeightScaleSupported.GROUP: how the loader shards weight_scale_second
