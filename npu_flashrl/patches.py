@@ -26,6 +26,7 @@ build and the INT8 loader's attachment ask it, so such a job refuses instead of 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.abc
@@ -147,17 +148,14 @@ def _reason(exc: BaseException) -> str:
 _CURRENT = threading.local()
 
 
-class _applying:
-    def __init__(self, patch: "Patch"):
-        self.patch = patch
-
-    def __enter__(self):
-        self.outer = getattr(_CURRENT, "patch", None)
-        _CURRENT.patch = self.patch
-
-    def __exit__(self, *exc):
-        _CURRENT.patch = self.outer
-        return False
+@contextlib.contextmanager
+def _applying(patch: "Patch"):
+    outer = getattr(_CURRENT, "patch", None)
+    _CURRENT.patch = patch
+    try:
+        yield
+    finally:
+        _CURRENT.patch = outer
 
 
 def required_failures() -> Dict[str, str]:
