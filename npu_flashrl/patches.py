@@ -16,9 +16,17 @@ from the module. A patch applied from an import hook imports nothing itself: eve
 tries of a module that is not imported yet is refused (`ImportError`), which leaves nothing
 half-imported (the importing module may itself be half-initialised), and the patch waits for
 that module too.
+
+Nothing a patch does from an import hook fails the importer's import: a patch (or a
+`when_imported` callback it left) that raises there is recorded as not applied, with the
+exception as its reason and a WARNING, and the import goes on. A patch declared `required` (an
+INT8 rollout depends on it: without it the job would run bf16 or unchecked) that is not applied
+makes `refuse_if_required_failed` raise `RequiredPatchError` naming it and its reason; the engine
+build and the INT8 loader's attachment ask it, so such a job refuses instead of running bf16.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.abc
@@ -28,7 +36,7 @@ import threading
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from npu_flashrl._logging import get_logger
-from npu_flashrl.errors import NpuFlashrlError
+from npu_flashrl.errors import NpuFlashrlError, UnquantizedRolloutError
 
 logger = get_logger(__name__)
 
@@ -39,6 +47,10 @@ class PatchNotApplicable(NpuFlashrlError, RuntimeError):
 
 class DuplicatePatch(NpuFlashrlError, ValueError):
     """Two different declarations of one patch name."""
+
+
+class RequiredPatchError(UnquantizedRolloutError):
+    """A patch the INT8 rollout depends on (`Patch.required`) could not be applied in this process."""
 
 
 @dataclasses.dataclass
@@ -55,6 +67,7 @@ class Patch:
     when: Optional[Tuple[str, ...]] = None
     pending: Tuple[str, ...] = ()  # armed, waiting for these modules' imports
     refused: Tuple[str, ...] = ()  # imports refused while it was applied from an import hook
+    required: bool = False  # an INT8 rollout depends on it: not applied, the job refuses
 
     def triggers(self) -> Tuple[str, ...]:
         if self.when is not None:
@@ -64,7 +77,8 @@ class Patch:
     def as_dict(self) -> dict:
         return {"name": self.name, "target": self.target, "versions": self.versions,
                 "applied": self.applied, "error": self.error, "doc": self.doc,
-                "lines": list(self.lines), "pending": list(self.pending), "refused": list(self.refused)}
+                "lines": list(self.lines), "pending": list(self.pending), "refused": list(self.refused),
+                "required": self.required}
 
     def _origin(self) -> Tuple[str, str, str, str]:
         fn = self.apply_fn
@@ -90,13 +104,16 @@ def declare(patches: Iterable[Patch]) -> None:
 
 
 def register(name: str, target: str, versions: str = "", doc: str = "", *,
-             lines: Iterable[str] = (), why: str = "", when: Optional[Iterable[str]] = None):
+             lines: Iterable[str] = (), why: str = "", when: Optional[Iterable[str]] = None,
+             required: bool = False):
     """Decorator declaring a patch (`declare`: a duplicate name is an error). `why` is the same
     as `doc`; `lines`: the stack lines it belongs to (default: any); `when`: the modules whose
-    import applies it once armed (default: the target's module; (): applied when armed)."""
+    import applies it once armed (default: the target's module; (): applied when armed);
+    `required`: an INT8 rollout depends on it (`refuse_if_required_failed`)."""
     def deco(fn: Callable[[], None]) -> Callable[[], None]:
         declare([Patch(name, target, versions, fn, why or doc or (fn.__doc__ or "").strip(),
-                       lines=tuple(lines), when=None if when is None else tuple(when))])
+                       lines=tuple(lines), when=None if when is None else tuple(when),
+                       required=required)])
         return fn
     return deco
 
@@ -115,10 +132,51 @@ def apply_patch(name: str) -> bool:
     if patch.applied:
         return True
     try:
-        patch.apply_fn()
+        with _applying(patch):
+            patch.apply_fn()
     except PatchNotApplicable as exc:
         return _not_applied(patch, str(exc))
     return _applied(patch)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# the patch whose apply function runs on this thread: a `when_imported` callback it leaves is its
+_CURRENT = threading.local()
+
+
+@contextlib.contextmanager
+def _applying(patch: "Patch"):
+    outer = getattr(_CURRENT, "patch", None)
+    _CURRENT.patch = patch
+    try:
+        yield
+    finally:
+        _CURRENT.patch = outer
+
+
+def required_failures() -> Dict[str, str]:
+    """{name: reason} of the required patches (`Patch.required`) that could not be applied in
+    this process (a pending one is not a failure yet)."""
+    return {p.name: p.error for p in _REGISTRY.values()
+            if p.required and not p.applied and p.error}
+
+
+def refuse_if_required_failed(what: str) -> None:
+    """Raise RequiredPatchError when a patch the INT8 rollout depends on could not be applied
+    here: `what` (e.g. "the INT8 engine build") would otherwise run bf16 or unchecked."""
+    failed = required_failures()
+    if failed:
+        listed = "; ".join(f"{name} ({_REGISTRY[name].target}): {why}" for name, why in failed.items())
+        raise RequiredPatchError(
+            f"npu_flashrl: {what} refused: the FlashRL config asks for a quantized rollout but "
+            f"patch(es) it depends on could not be applied in this process: {listed}. Without "
+            "them the rollout would run unquantized or unchecked. Fix the cause (`npu-flashrl "
+            "verify` lists every patch and its reason; install the pinned versions, "
+            "npu_flashrl/pins.yaml) or unset FLASHRL_CONFIG")
 
 
 def _applied(patch: Patch) -> bool:
@@ -128,8 +186,10 @@ def _applied(patch: Patch) -> bool:
 
 
 def _not_applied(patch: Patch, why: str) -> bool:
-    patch.error, patch.pending = why, ()
-    logger.warning("npu_flashrl: cannot patch %s -> %s: %s", patch.name, patch.target, why)
+    patch.applied, patch.error, patch.pending = False, why, ()
+    logger.warning("npu_flashrl: cannot patch %s -> %s%s: %s", patch.name, patch.target,
+                   " (required by the INT8 rollout: it will refuse to start)" if patch.required else "",
+                   why)
     return False
 
 
@@ -231,8 +291,9 @@ def original(obj):
 
 
 # ------------------------------------------------------------------ post-import hooks
-# module name -> callbacks to run right after its import (`when_imported`)
-_CALLBACKS: Dict[str, List[Callable[[object], None]]] = {}
+# module name -> (the patch that left it or None, callback) to run right after its import
+# (`when_imported`)
+_CALLBACKS: Dict[str, List[Tuple[Optional[Patch], Callable[[object], None]]]] = {}
 _LOCK = threading.RLock()
 
 
@@ -316,12 +377,35 @@ def _install_finder() -> None:
         sys.meta_path.insert(0, _FINDER)
 
 
+# callbacks that raised with no patch to charge it to: (module, callback, reason); `verify` lists them
+CALLBACK_ERRORS: List[Tuple[str, str, str]] = []
+
+
 def _imported(name: str, module) -> None:
     with _LOCK:
         callbacks = _CALLBACKS.pop(name, [])
-    for callback in callbacks:
-        callback(module)
+    for owner, callback in callbacks:
+        _run_callback(name, module, owner, callback)
     _settle(done=name)
+
+
+def _run_callback(name: str, module, owner: Optional[Patch], callback) -> None:
+    """One post-import callback, inside the import of `name`: its failure never fails the
+    importer's import; it is charged to the patch that left it (not applied, with the reason)."""
+    try:
+        if owner is None:
+            callback(module)
+        else:
+            with _applying(owner):
+                callback(module)
+    except Exception as exc:  # noqa: BLE001 - the importer's import goes on; the failure is recorded
+        why = f"after the import of {name}: {_reason(exc)}"
+        if owner is not None:
+            _not_applied(owner, why)
+            return
+        label = getattr(callback, "__qualname__", repr(callback))
+        CALLBACK_ERRORS.append((name, label, why))
+        logger.warning("npu_flashrl: post-import callback %s failed %s", label, why)
 
 
 class _RefuseImports(importlib.abc.MetaPathFinder):
@@ -367,15 +451,16 @@ def _apply_in_hook(patch: Patch) -> None:
     refuse = _RefuseImports()
     sys.meta_path.insert(0, refuse)
     try:
-        patch.apply_fn()
+        with _applying(patch):
+            patch.apply_fn()
     except Exception as exc:  # noqa: BLE001 - a refused import shows as whatever the patch raised
         if refuse.refused:
             _refused(patch, refuse.refused)
             return
-        if isinstance(exc, PatchNotApplicable):
-            _not_applied(patch, str(exc))
-            return
-        raise
+        # inside the importer's import: whatever the patch raised is its reason, never the
+        # importer's failure
+        _not_applied(patch, str(exc) if isinstance(exc, PatchNotApplicable) else _reason(exc))
+        return
     finally:
         sys.meta_path.remove(refuse)
     if refuse.refused:  # the patch caught the refusal itself: wait for the module and try again
@@ -398,8 +483,9 @@ def when_imported(name: str, callback: Callable[[object], None]) -> None:
     if mod is not None:
         callback(mod)
         return
+    owner = getattr(_CURRENT, "patch", None)  # the patch applying now: a failure is charged to it
     with _LOCK:
         callbacks = _CALLBACKS.setdefault(name, [])
-        if callback not in callbacks:
-            callbacks.append(callback)
+        if all(cb is not callback for _, cb in callbacks):
+            callbacks.append((owner, callback))
     _install_finder()

@@ -310,11 +310,17 @@ def patch_rows(apply: bool = False) -> List[Dict[str, str]]:
             rows.append(_row(check, INFO, f"pending: applied when {' and '.join(p['pending'])} is "
                              f"imported (this process has not imported it yet): {detail}"))
         elif p["error"]:
-            rows.append(_row(check, WARN, f"not applied: {p['error']} ({detail})",
+            required = p.get("required")
+            rows.append(_row(check, FAIL if required else WARN,
+                             f"not applied: {p['error']} ({detail})" + (
+                                 "; an INT8 rollout depends on it: the engine build refuses" if required else ""),
                              "install the pinned version of the target (npu_flashrl/pins.yaml)"))
         else:
             rows.append(_row(check, INFO, f"registered, not applied in this process (the vLLM plugin "
                              f"applies it when FLASHRL_CONFIG is set; --apply-patches tries now): {detail}"))
+    for module, callback, why in patches.CALLBACK_ERRORS:
+        rows.append(_row(f"post-import {module}", WARN, f"{callback} failed {why}",
+                         "install the pinned version of the target (npu_flashrl/pins.yaml)"))
     if len(rows) == 1:
         rows.append(_row("patches", INFO, "no patches registered"))
     return rows

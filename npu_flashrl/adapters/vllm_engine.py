@@ -154,9 +154,18 @@ def apply_entry(engine_args, cfg) -> Optional["flashrl_config.RolloutConfig"]:
     return entry
 
 
+def refuse_if_patches_failed(cfg, what: str) -> None:
+    """With a FlashRL config that quantizes any entry active (`cfg`), a required patch that could
+    not be applied in this process makes `what` refuse (`patches.RequiredPatchError`), never a
+    silent bf16 rollout."""
+    if cfg is not None and any(flashrl_config.is_quantized(e) for e in cfg.entries):
+        patches.refuse_if_required_failed(what)
+
+
 def _wrap(original):
     def create_engine_config(self, *args, **kwargs):
         cfg = _config[0]
+        refuse_if_patches_failed(cfg, "the vLLM engine build")
         entry = apply_entry(self, cfg) if cfg is not None else None
         # the engine's own choice (recorded above, or passed by the caller) rules its build
         with building(engine_choice(self)):
@@ -177,6 +186,6 @@ def _wrap(original):
 
 @patches.register(PATCH_NAME, TARGET, "vllm " + ", ".join(ln.vllm for ln in lines.LINES),
                   "FlashRL config applied per DP group / verl replica to every vLLM engine it can reach; "
-                  "other engines refused")
+                  "other engines refused", required=True)
 def _apply() -> None:
     patches.replace(TARGET, _wrap)

@@ -341,14 +341,14 @@ class StackLine:
         return (
             patches.Patch(self.PATCH_DESCRIPTION, GET_QUANT_CONFIG_TARGET, vllm, apply_redirect,
                           "the policy engine's bf16 and compressed-tensors w8a8 checkpoints load "
-                          "on vllm-ascend W8A8_DYNAMIC", lines=mine),
+                          "on vllm-ascend W8A8_DYNAMIC", lines=mine, required=True),
             patches.Patch(self.PATCH_OVERRIDE, self.override_target, ascend, apply_override,
                           "the policy engine's compressed-tensors w8a8 checkpoint goes to 'ascend' "
                           "on any platform that runs it (other engines: vllm-ascend's own method)",
                           lines=mine, when=(self.quant_config.partition(":")[0],)),
             patches.Patch(self.PATCH_ATTACH, INITIALIZE_MODEL_TARGET, vllm, apply_attach,
                           "the policy rollout's INT8 model gets the online-quantizing load_weights",
-                          lines=mine),
+                          lines=mine, required=True),
         )
 
 

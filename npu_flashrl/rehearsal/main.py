@@ -324,7 +324,7 @@ def _report(r: Run, task, model: Model, trained: Trained, eval_ids, setup, appli
         "summary": summary,
         "variants": infos,
         "checks": checks,
-        "int8_state": {v: {"by_type": by_type(rs), "per_sync": [x["int8_state"] for x in rows if x["variant"] == v],
+        "rollout_state": {v: {"by_type": by_type(rs), "per_sync": [x["rollout_state"] for x in rows if x["variant"] == v],
                            "layers": rs} for v, rs in layer_results.items()},
         "int8_state_rules": state_rules(device, args.max_layer_error),
         "w4a8_state_rules": w4a8_state_rules(args.max_w4a8_layer_error) if VARIANT_W4A8 in layer_results else None,

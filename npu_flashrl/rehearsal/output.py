@@ -9,17 +9,18 @@ from npu_flashrl.rehearsal.plotting import pyplot, save_png
 from npu_flashrl.rehearsal.state import by_type
 from npu_flashrl.sim.faults import FAULT_ENV
 
-TABLE_COLUMNS = ("step", "variant", "token_mult_prob_error", "kl_k1", "kl_k3", "prob_diff_max", "int8_state",
+TABLE_COLUMNS = ("step", "variant", "token_mult_prob_error", "kl_k1", "kl_k3", "prob_diff_max", "rollout_state",
                  "layer_err_max", "reload_s")
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
-    """Per step and variant: the metric, the INT8 state after that sync and its worst layer error."""
+    """Per step and variant: the metric, the rollout's state check after that sync (INT8 or W4A8:
+    `rollout_state`) and its worst layer error."""
     header = TABLE_COLUMNS
     body = []
     for r in sorted(rows, key=lambda r: (r["step"], VARIANT_ORDER.get(r["variant"], 9))):
         m = r["metrics"]
-        st = r.get("int8_state")
+        st = r.get("rollout_state")
         state = "-" if st is None else ("exact" if st["ok"] else "FAIL:" + ",".join(st["failing"]))
         err = "-" if st is None else f"{st['output_rel_error_max']:.4f}"
         body.append((str(r["step"]), r["variant"], f"{m['token_mult_prob_error']:.5f}", f"{m['kl_k1']:+.2e}",

@@ -267,7 +267,7 @@ def run_variant(variant: Variant, run: Rollouts
                 m = mismatch_metrics(logp_t, logp_r, mask, tis_threshold=2.0, prefix="")
                 rows.append({"step": step, "variant": name, "reload_s": reload_s, "buckets": n_buckets,
                              "transport": sync.name,
-                             "metrics": m, "int8_state": state})
+                             "metrics": m, "rollout_state": state})
                 bar.set_postfix_str(f"tmpe {m['token_mult_prob_error']:.4f}")
                 bar.update(1)
         del model

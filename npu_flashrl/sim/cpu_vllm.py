@@ -336,6 +336,12 @@ class CpuVllm:
             self.vllm_config = make_vllm_config(self.model_dir, self.dtype, self.quantization,
                                                 self.tp_size, self.load_format,
                                                 self.use_tqdm_on_load, extra)
+        given_tp = getattr(self.vllm_config.parallel_config, "tensor_parallel_size", 1)
+        if given_tp != self.tp_size:  # else the build depends on groups an earlier model left
+            raise ValueError(
+                f"CpuVllm({self.model_dir!r}): the given vllm_config has tensor_parallel_size="
+                f"{given_tp} but this harness runs {self.tp_size} rank(s) (tp_size={self.tp_size}): "
+                "pass tp_size, or build the config for the ranks this process stands for")
         # Keep the context manager referenced for the model's lifetime (cpu-test-stack.md).
         self._stack.enter_context(set_current_vllm_config(self.vllm_config))
         ensure_distributed(self.tp_size, self.rank, self.init_method)

@@ -9,8 +9,12 @@ import inspect
 import sys
 
 import pytest
+import yaml
 
-from npu_flashrl import patches
+from npu_flashrl import patches, verify
+from npu_flashrl.adapters import vllm_engine
+from npu_flashrl.config import load_config
+from npu_flashrl.errors import UnquantizedRolloutError
 
 
 @pytest.fixture
@@ -27,10 +31,12 @@ def pkg(tmp_path, monkeypatch):
         del patches._REGISTRY[name]
     for name in [n for n in patches._CALLBACKS if n.startswith("nfa_")]:
         del patches._CALLBACKS[name]
+    patches.CALLBACK_ERRORS[:] = [e for e in patches.CALLBACK_ERRORS if not e[0].startswith("nfa_")]
 
 
-def _declare(name, target, apply_fn, when=None):
-    patches.declare([patches.Patch(name, target, "test", apply_fn, "test", when=when)])
+def _declare(name, target, apply_fn, when=None, required=False):
+    patches.declare([patches.Patch(name, target, "test", apply_fn, "test", when=when,
+                                   required=required)])
 
 
 def _wrap_f():
@@ -131,3 +137,86 @@ def test_verify_says_what_a_pending_patch_waits_for(pkg):
     row = next(r for r in verify.patch_rows() if r["check"] == "patch nfa_patch_verify")
     assert row["status"] == verify.INFO
     assert row["detail"].startswith("pending: applied when nfa_target is imported")
+
+
+def _boom():
+    raise AttributeError("module 'nfa_target' has no attribute 'Renamed'")
+
+
+def test_a_patch_raising_in_the_hook_is_not_applied_and_the_import_goes_on(pkg, caplog):
+    """Not a PatchNotApplicable: an upstream rename, say. The user's import still succeeds; the
+    patch is recorded not applied, with the exception as its reason, and a WARNING."""
+    (pkg / "nfa_target.py").write_text("def f():\n    return 'f'\n")
+    _declare("nfa_patch_raises", "nfa_target:f", _boom)
+    assert patches.arm_patch("nfa_patch_raises")  # pending
+    with caplog.at_level("WARNING", logger="npu_flashrl.patches"):
+        target = importlib.import_module("nfa_target")
+    assert target.f() == "f"
+    patch = patches.get("nfa_patch_raises")
+    assert not patch.applied and patch.pending == ()
+    assert patch.error == "AttributeError: module 'nfa_target' has no attribute 'Renamed'"
+    assert any("cannot patch nfa_patch_raises" in r.getMessage() and "Renamed" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_callback_raising_after_the_import_is_charged_to_the_patch_that_left_it(pkg, caplog):
+    """A patch applied at once that leaves a `when_imported` callback (the verl and Megatron
+    adapters' shape): the callback's failure inside the user's import fails neither the import nor
+    silently; the patch turns not applied, its reason naming the module."""
+    (pkg / "nfa_target.py").write_text("def f():\n    return 'f'\n")
+
+    def apply():
+        patches.when_imported("nfa_target", lambda module: _boom())
+
+    _declare("nfa_patch_later", "nfa_target:f", apply, when=())
+    assert patches.arm_patch("nfa_patch_later") is True
+    with caplog.at_level("WARNING", logger="npu_flashrl.patches"):
+        importlib.import_module("nfa_target")
+    patch = patches.get("nfa_patch_later")
+    assert not patch.applied
+    assert patch.error.startswith("after the import of nfa_target: AttributeError:")
+    assert any("cannot patch nfa_patch_later" in r.getMessage() for r in caplog.records)
+    row = [r for r in verify.patch_rows() if r["check"] == "patch nfa_patch_later"][0]
+    assert row["status"] == verify.WARN and "after the import of nfa_target" in row["detail"]
+
+
+def test_a_callback_of_no_patch_that_raises_is_listed_by_verify(pkg):
+    (pkg / "nfa_target.py").write_text("X = 1\n")
+    patches.when_imported("nfa_target", lambda module: _boom())
+    importlib.import_module("nfa_target")
+    rows = [r for r in verify.patch_rows() if r["check"] == "post-import nfa_target"]
+    assert len(rows) == 1 and rows[0]["status"] == verify.WARN and "Renamed" in rows[0]["detail"]
+
+
+def _quantized_config(tmp_path, fn):
+    path = tmp_path / "flashrl.yaml"
+    path.write_text(yaml.safe_dump({"configs": [{"fn": fn}]}))
+    return load_config(str(path))
+
+
+def test_a_required_patch_that_failed_makes_the_int8_engine_build_refuse(pkg, tmp_path):
+    """The engine patch's wrapper (`vllm_engine._wrap`) around a stand-in for vLLM's
+    create_engine_config (never reached): a required patch that failed in its hook refuses an
+    INT8 config's build, naming the patch and its reason; a bf16 config builds. verify fails."""
+    (pkg / "nfa_target.py").write_text("def f():\n    return 'f'\n")
+    _declare("nfa_patch_required", "nfa_target:f", _boom, required=True)
+    patches.arm_patch("nfa_patch_required")
+    importlib.import_module("nfa_target")  # the import succeeds
+    assert patches.required_failures() == {
+        "nfa_patch_required": "AttributeError: module 'nfa_target' has no attribute 'Renamed'"}
+
+    built = []
+    create = vllm_engine._wrap(lambda self: built.append(self) or "vllm_config")
+    saved = vllm_engine.current_config()
+    try:
+        vllm_engine.set_config(_quantized_config(tmp_path, "int8_profile_free"))
+        with pytest.raises(patches.RequiredPatchError, match=r"nfa_patch_required \(nfa_target:f\): "
+                           r"AttributeError: .*Renamed.*unset FLASHRL_CONFIG") as exc:
+            create(object())
+        assert isinstance(exc.value, UnquantizedRolloutError) and built == []
+        vllm_engine.set_config(_quantized_config(tmp_path, "bf16"))
+        vllm_engine.refuse_if_patches_failed(vllm_engine.current_config(), "a bf16 build")  # no refusal
+    finally:
+        vllm_engine.set_config(saved)
+    row = [r for r in verify.patch_rows() if r["check"] == "patch nfa_patch_required"][0]
+    assert row["status"] == verify.FAIL and "the engine build refuses" in row["detail"]

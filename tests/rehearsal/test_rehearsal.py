@@ -94,7 +94,7 @@ def test_int8_state_and_layer_error_checked_after_every_sync(runs):
         for title in ("state: int8 values equal the reference quantization", "state: weight scales match the reference",
                       "per-layer output error <= --max-layer-error"):
             assert f"{variant} {title}" in names, names
-        st = r1["int8_state"][variant]
+        st = r1["rollout_state"][variant]
         assert set(st["by_type"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
         assert len(st["layers"]) == 8 * 2  # 8 layers x 2 syncs
         for t in st["by_type"].values():
@@ -104,9 +104,9 @@ def test_int8_state_and_layer_error_checked_after_every_sync(runs):
             assert 0.003 < t["output_rel_error_max"] < 0.03, t
         assert [s["ok"] for s in st["per_sync"]] == [True, True]
     rows = [r for r in r1["steps"] if r["variant"] == "bf16"]
-    assert all(r["int8_state"] is None for r in rows)
+    assert all(r["rollout_state"] is None for r in rows)
     out = p1.stdout
-    assert "int8_state" in out and "layer_err_max" in out and "out err max" in out
+    assert "rollout_state" in out and "layer_err_max" in out and "out err max" in out
     assert "[OK] int8 state: int8 values equal the reference quantization: 8 layers x 2 syncs: 0/" in out
 
 
@@ -196,7 +196,7 @@ def test_second_run_reuses_cache_profile_mode_and_fails_the_max_error_check(runs
     assert failed == ["int8 error <= --max-error"], r2["checks"]
     assert "[FAIL] int8 error <= --max-error" in p2.stdout and "rehearsal FAILED" in p2.stdout
     # profile mode: int8 values from the profile's scales, the checkpoint's scales kept
-    assert r2["int8_state"]["int8"]["by_type"]["qkv_proj"]["int8_mismatches"] == 0
+    assert r2["rollout_state"]["int8"]["by_type"]["qkv_proj"]["int8_mismatches"] == 0
     assert {r["variant"] for r in r2["steps"]} == {"bf16", "int8"}
 
 

@@ -125,7 +125,7 @@ def test_fault_details_carry_the_numbers(fault_runs):
     assert "weight_scale off by up to 0.5 relative" in detail("scale_x0.5", SCALE)
     assert "off by up to 0.1" in detail("scale_x1.1", SCALE)  # 10% (1.1 rounded to bf16)
     # 10% of scale is 10% of the output; half the scale, half the output
-    errs = {f: max(l["output_rel_error"] for l in rep[f]["int8_state"]["int8"]["layers"])
+    errs = {f: max(l["output_rel_error"] for l in rep[f]["rollout_state"]["int8"]["layers"])
             for f in ("scale_x0.5", "scale_x1.1", "healthy", "stale_shard", "round_trunc")}
     assert 0.45 < errs["scale_x0.5"] < 0.55 and 0.08 < errs["scale_x1.1"] < 0.12, errs
     # a stale shard and truncation stay under the layer-error bound: only the exact state check sees them

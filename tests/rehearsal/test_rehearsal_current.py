@@ -77,7 +77,7 @@ def test_verl_transport_passes_with_int8_above_the_baseline(both):
     assert {"verl_server_sync_end", "verl_server_receiver_drains"} <= set(r["patches"]["applied"])
     assert r["versions"]["verl"] == "0.9.1"
     assert _mean(r, "int8") > _mean(r, "bf16")
-    assert [s["ok"] for s in r["int8_state"]["int8"]["per_sync"]] == [True, True]
+    assert [s["ok"] for s in r["rollout_state"]["int8"]["per_sync"]] == [True, True]
     assert "weight sync transport: verl (--transport verl)" in both["stdout"]
     assert "leaked shared_memory" not in both["stderr"]
 
@@ -90,5 +90,5 @@ def test_verl_and_direct_transports_leave_the_same_state(both):
     for rv, rd in zip(v["steps"], d["steps"]):
         assert (rv["step"], rv["variant"]) == (rd["step"], rd["variant"])
         assert rv["metrics"] == rd["metrics"], (rv["variant"], rv["step"])
-    for kind, t in v["int8_state"]["int8"]["by_type"].items():
-        assert t == d["int8_state"]["int8"]["by_type"][kind]
+    for kind, t in v["rollout_state"]["int8"]["by_type"].items():
+        assert t == d["rollout_state"]["int8"]["by_type"][kind]

@@ -145,11 +145,11 @@ def test_direct_transport_leaves_the_same_models(runs):
 def test_state_checks_cover_every_expert_of_every_moe_layer(runs):
     r = runs["reports"]["healthy"]
     per_expert = 3 * MOE_I * HIDDEN  # gate + up + down int8 values
-    exp = r["int8_state"]["int8"]["by_type"]["experts"]
+    exp = r["rollout_state"]["int8"]["by_type"]["experts"]
     assert exp["layers"] == LAYERS and exp["syncs"] == 2
     assert exp["int8_elements"] == LAYERS * 2 * EXPERTS * per_expert and exp["int8_mismatches"] == 0
     assert exp["scale_max_rel_diff"] == 0.0
-    layers = [x for x in r["int8_state"]["int8"]["layers"] if x["type"] == "experts"]
+    layers = [x for x in r["rollout_state"]["int8"]["layers"] if x["type"] == "experts"]
     assert {x["layer"] for x in layers} == EXPERT_LAYERS and {x["step"] for x in layers} == {1, 2}
     for x in layers:
         assert x["experts"] == EXPERTS and x["moved"] == [] and not any(x["problems"].values())
@@ -171,7 +171,7 @@ def test_one_expert_at_half_scale_fails_the_scale_check_naming_it(runs):
     assert "expert 3.down_proj" in scale["detail"] and "step 1" in scale["detail"]
     # the int8 values are right (only the scale is wrong) and every other layer is clean
     assert _check(r, "state: int8 values equal the reference quantization")["ok"]
-    bad = [x for x in r["int8_state"]["int8"]["layers"] if x["problems"]["scale"]]
+    bad = [x for x in r["rollout_state"]["int8"]["layers"] if x["problems"]["scale"]]
     assert {x["layer"] for x in bad} == {L0} and all(x["experts_failing"] == [3] for x in bad)
 
 
@@ -181,7 +181,7 @@ def test_a_stale_expert_fails_the_int8_check_from_the_second_sync(runs):
     int8 = _check(r, "state: int8 values equal the reference quantization")
     assert not int8["ok"] and int8["failing_layers"] == [L0]
     assert "step 2" in int8["detail"] and "expert 5." in int8["detail"]
-    bad = [x for x in r["int8_state"]["int8"]["layers"] if x["problems"]["int8"]]
+    bad = [x for x in r["rollout_state"]["int8"]["layers"] if x["problems"]["int8"]]
     assert [(x["layer"], x["step"]) for x in bad] == [(L0, 2)] and bad[0]["experts_failing"] == [5]
 
 
@@ -191,7 +191,7 @@ def test_truncation_instead_of_rounding_fails_every_layer_experts_included(runs)
     int8 = _check(r, "state: int8 values equal the reference quantization")
     linear = {f"model.layers.{i}.self_attn.{p}" for i in range(LAYERS) for p in ("qkv_proj", "o_proj")}
     assert not int8["ok"] and set(int8["failing_layers"]) == linear | EXPERT_LAYERS
-    experts = [x for x in r["int8_state"]["int8"]["layers"] if x["type"] == "experts"]
+    experts = [x for x in r["rollout_state"]["int8"]["layers"] if x["type"] == "experts"]
     # every expert of every layer is off (about half of the values, one step each)
     assert all(x["experts_failing"] == list(range(EXPERTS)) and x["int8_max_step_diff"] == 1 for x in experts)
     assert all(0.2 < x["int8_mismatches"] / x["int8_elements"] < 0.8 for x in experts)

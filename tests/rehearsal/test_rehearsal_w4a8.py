@@ -93,7 +93,7 @@ def test_w4a8_mismatch_is_reported_beside_int8s_and_every_check_passes(runs):
         assert yaml.safe_load(f)["configs"][0]["group_size"] == r["setup"]["w4a8"]["group_size"]
     assert r["w4a8_state_rules"]["forward"]
     w4a8_rows = [x for x in r["steps"] if x["variant"] == "w4a8"]
-    assert [x["step"] for x in w4a8_rows] == [1, 2] and all(x["int8_state"]["ok"] for x in w4a8_rows)
+    assert [x["step"] for x in w4a8_rows] == [1, 2] and all(x["rollout_state"]["ok"] for x in w4a8_rows)
     out = runs["stdout"]["llama"]
     assert "  w4a8  " in out and "w4a8: token_mult_prob_error mean" in out
 

@@ -42,3 +42,19 @@ def test_a_model_after_one_built_with_custom_ops_on_runs_plain_torch_rope(tmp_pa
         with torch.no_grad():
             lh = hf(ids).logits.float()
         assert ((lv - lh).norm() / lh.norm()).item() < 3e-2  # the harness's bf16 tolerance
+
+
+def test_a_given_config_for_more_ranks_than_the_harness_runs_is_refused_by_name(tmp_path):
+    """A config built for TP 2 (verl's default rollout TP) in a one-rank harness process: refused
+    naming both sizes, before any process group is made. Before, its build depended on what ran
+    first: vllm-ascend's groups left by an earlier model hid the mismatch; in a fresh process its
+    `init_ascend_model_parallel` failed on a tensor reshape."""
+    from npu_flashrl.sim import cpu_vllm
+
+    cpu_vllm.prepare_process()
+    build_tiny_qwen2(str(tmp_path), dtype=torch.bfloat16, seed=0, tokenizer=False)
+    vc = cpu_vllm.make_vllm_config(str(tmp_path))
+    vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but this harness runs 1 rank"):
+        with cpu_vllm.CpuVllm(str(tmp_path), vllm_config=vc):
+            pass

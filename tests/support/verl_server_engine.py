@@ -73,7 +73,7 @@ def main(model_dir: str, out_dir: str, scenarios: list) -> None:
         captured.clear()
         rollout = RolloutConfig(name="vllm", mode="async", prompt_length=16, response_length=16,
                                 max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8,
-                                enforce_eager=True,
+                                enforce_eager=True, tensor_model_parallel_size=1,  # gpus_per_node=1
                                 enable_sleep_mode=False, quantization=sc.get("quantization"))
         out = {"name": sc["name"]}
         try:

@@ -264,7 +264,7 @@ def _wrap_receive(original):
 
 @patches.register(PATCH_SYNC, UPDATE_TARGET, VERSIONS,
                   "refuse syncs into a model without the INT8 loader; end every sync after the "
-                  "last bucket (missing shards named)")
+                  "last bucket (missing shards named)", required=True)
 def _apply_sync() -> None:
     patches.replace(UPDATE_TARGET, _wrap_update)
 

@@ -106,6 +106,9 @@ def attach_on_init(original):
         vllm_config = kwargs.get("vllm_config") or (args[0] if args else None)
         model_config = getattr(vllm_config, "model_config", None)
         fn, profile = online_choice(vllm_config)
+        from npu_flashrl.adapters import vllm_engine
+
+        vllm_engine.refuse_if_patches_failed(vllm_engine.current_config(), "the model build")
         if fn is None:
             return model  # not the INT8 policy rollout: vLLM's own model and loader
         if getattr(model_config, "quantization", None) != "ascend":  # no silent bf16 rollout

@@ -113,7 +113,7 @@ def run_variant_seeds(variant: Variant, handle: RolloutHandle, trainer, task, se
                 r["variant"] = variant.name
             layer_results.extend(results)
             state = summarize_step(results)
-        return {"sync_s": sync_s, "buckets": n_buckets, "int8_state": state, "state_check_s": check_s}
+        return {"sync_s": sync_s, "buckets": n_buckets, "rollout_state": state, "state_check_s": check_s}
 
     with progress_bar(seeds * steps, f"GRPO {variant.name}", progress) as bar:
         for seed in range(seeds):

@@ -357,7 +357,7 @@ def _report(r: Run, task, model: Model, setup: Setup, runs: Runs) -> int:
         "resolved": {"device": r.device, "emulated_torch_npu": r.emulated, "threads": r.threads, "fn": setup.fn},
         "transport": r.transport, "model": {"source": "tiny", "arch": args.arch, "dir": model.bf16_dir, "cache_hit": model.cache_hit},
         "rollouts": runs.infos, "checks": checks,
-        "int8_state": {v: {"by_type": by_type(rs), "syncs": len({x["step"] for x in rs})}
+        "rollout_state": {v: {"by_type": by_type(rs), "syncs": len({x["step"] for x in rs})}
                        for v, rs in runs.layer_results.items()},
         "int8_state_rules": state_rules(r.device, args.max_layer_error),
         "w4a8_state_rules": w4a8_state_rules(args.max_w4a8_layer_error) if s.w4a8 else None,

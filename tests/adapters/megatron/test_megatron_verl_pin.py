@@ -28,7 +28,7 @@ Stand-ins (only for what needs an NPU or is not in the CPU stack):
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import json
 import os
 import re
@@ -83,7 +83,9 @@ def paths(tmp_path):
     deps = tmp_path / "missing_deps"
     deps.mkdir()
     for name, text in MISSING_DEPS.items():
-        if importlib.util.find_spec(name) is None:
+        # installed on the path the subprocess gets: a stand-in module an earlier test left in
+        # this process's sys.modules says nothing about it
+        if importlib.machinery.PathFinder.find_spec(name) is None:
             (deps / name).mkdir()
             (deps / name / "__init__.py").write_text(text)
     return {"verl": str(verl_src()), "mindspeed": str(ms), "deps": str(deps)}

@@ -154,12 +154,18 @@ def _import_losses():
     import sys
     import types
 
+    stub = None
     if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:  # dataset loader only
         stub = types.ModuleType("datasets")
         stub.Dataset = object  # rl_dataset's annotations are evaluated at import
-        sys.modules.setdefault("datasets", stub)
-    from verl.workers.utils import losses
-
+        sys.modules["datasets"] = stub
+    try:
+        from verl.workers.utils import losses
+    finally:
+        # verl's modules keep the stub they bound; later tests in this process (a fresh process
+        # for the Megatron pin's, which asks whether `datasets` is installed) must not find it
+        if stub is not None and sys.modules.get("datasets") is stub:
+            del sys.modules["datasets"]
     return losses
 
 
