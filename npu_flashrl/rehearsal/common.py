@@ -125,3 +125,16 @@ class RunBase:
     @property
     def progress(self) -> bool:
         return not self.args.no_progress
+
+    def prepare_output(self) -> None:
+        """The run's first step: torch's thread count (--threads; one on a CPU unless given) and
+        the output folder with its work folder, made."""
+        import torch
+
+        threads = self.args.threads
+        self.threads = threads if threads is not None else (1 if self.device == "cpu" else None)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        self.output_dir = os.path.abspath(self.args.output_dir)
+        self.work = os.path.join(self.output_dir, "work")
+        os.makedirs(self.work, exist_ok=True)

@@ -96,12 +96,7 @@ def _run(r: Run) -> int:
 
     from npu_flashrl.sim.synthetic_task import MarkovTask
 
-    r.threads = r.args.threads if r.args.threads is not None else (1 if r.device == "cpu" else None)
-    if r.threads:
-        torch.set_num_threads(r.threads)
-    r.output_dir = os.path.abspath(r.args.output_dir)
-    r.work = os.path.join(r.output_dir, "work")
-    os.makedirs(r.work, exist_ok=True)
+    r.prepare_output()
     task = MarkovTask()
     model = _model(r, task)
     eval_ids = task.sample(r.args.num_seqs, r.args.seq_len, torch.Generator().manual_seed(r.args.seed + 999))

@@ -62,6 +62,23 @@ def deliver_spread_experts(model, weights, seed: int, expert_bytes: int) -> None
         buffer.deliver(model, bucket)
 
 
+def fresh_w4a8_state(ms_dir):
+    """Every parameter of a fresh W4A8 load of `ms_dir` (vllm-ascend's own path, no npu_flashrl
+    loader)."""
+    from npu_flashrl.sim.sync import state
+
+    with cpu_vllm.CpuVllm(ms_dir, quantization="ascend") as v:
+        assert getattr(v.model, "_npu_flashrl_loader", None) is None
+        return state(v.model)
+
+
+def assert_equal_states(got, want):
+    """The same parameter names, each of the same dtype and equal bit for bit."""
+    assert got.keys() == want.keys()
+    for n in want:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{n} differs"
+
+
 def hf_weights(model, dtype=None):
     """(name, tensor) of a transformers model's parameters, cloned (cast to `dtype` when given)."""
     return [(n, p.detach().clone().to(dtype) if dtype is not None else p.detach().clone())

@@ -115,17 +115,10 @@ class Runs:
 
 
 def _run(r: Run) -> int:
-    import torch
-
     from npu_flashrl.rehearsal.grpo.task import GreedyChainTask
     from npu_flashrl.sim.synthetic_task import MarkovTask
 
-    r.threads = r.args.threads if r.args.threads is not None else (1 if r.device == "cpu" else None)
-    if r.threads:
-        torch.set_num_threads(r.threads)
-    r.output_dir = os.path.abspath(r.args.output_dir)
-    r.work = os.path.join(r.output_dir, "work")
-    os.makedirs(r.work, exist_ok=True)
+    r.prepare_output()
     markov = MarkovTask()
     task = GreedyChainTask(markov, r.settings.prompt_len, r.settings.response_len)
     model = _model(r, markov)

@@ -23,7 +23,7 @@ import torch
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import post_sync, ptrs, random_buckets, state
 
-from helpers import hf_weights
+from helpers import assert_equal_states, fresh_w4a8_state, hf_weights
 
 pytestmark = pytest.mark.every_line
 W4A8_FN = "w4a8_profile_free"
@@ -45,25 +45,13 @@ def policy(model_dir, group_size=None):
                             choice=EngineChoice(fn=W4A8_FN, group_size=group_size))
 
 
-def fresh_state(ms_dir):
-    with cpu_vllm.CpuVllm(ms_dir, quantization="ascend") as v:
-        assert getattr(v.model, "_npu_flashrl_loader", None) is None
-        return state(v.model)
-
-
-def assert_equal_states(got, want):
-    assert got.keys() == want.keys()
-    for n in want:
-        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{n} differs"
-
-
 def test_bare_bf16_cold_load_then_every_sync_equals_a_fresh_w4a8_load(ckpts):
     from npu_flashrl.adapters.vllm_ascend import end_weight_sync
     from npu_flashrl.adapters.vllm_ascend.schemes.w4a8_dynamic import group_size_of
 
     (bf16_0, ms0, hf0), (_, ms1, hf1) = ckpts[0], ckpts[1]
     assert not os.path.exists(os.path.join(bf16_0, "quant_model_description.json"))
-    want = {0: fresh_state(ms0), 1: fresh_state(ms1)}
+    want = {0: fresh_w4a8_state(ms0), 1: fresh_w4a8_state(ms1)}
     with policy(bf16_0, group_size=GROUP) as v:
         loader = v.model._npu_flashrl_loader
         assert {t.scheme.key for t in loader.targets.values()} == {("W4A8_DYNAMIC", "linear")}

@@ -22,7 +22,7 @@ from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import post_sync, ptrs, state
 from npu_flashrl.sim.tiny_models import trainer_weights
 
-from helpers import deliver_spread_experts
+from helpers import assert_equal_states, deliver_spread_experts
 from w4a8_moe_models import build_pair
 
 pytestmark = pytest.mark.every_line
@@ -65,12 +65,6 @@ def reloaded_line():
 
 def policy(ms_dir, fn=W4A8_FN):
     return cpu_vllm.CpuVllm(ms_dir, quantization="ascend", choice=cpu_vllm.int8(fn))
-
-
-def assert_equal_states(got, want):
-    assert got.keys() == want.keys()
-    for n in want:
-        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{n} differs"
 
 
 def test_every_sync_equals_a_fresh_w4a8_moe_load_in_place(va, ckpts, reloaded_line):

@@ -21,7 +21,7 @@ import torch
 from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import post_sync, ptrs, random_buckets, state
 
-from helpers import hf_weights
+from helpers import assert_equal_states, fresh_w4a8_state, hf_weights
 
 pytestmark = pytest.mark.every_line
 GROUP = 32
@@ -40,24 +40,11 @@ def policy(ms_dir, fn=W4A8_FN):
     return cpu_vllm.CpuVllm(ms_dir, quantization="ascend", choice=cpu_vllm.int8(fn))
 
 
-def fresh_state(ms_dir):
-    """Every parameter of a fresh W4A8 load (vllm-ascend's own path, no npu_flashrl loader)."""
-    with cpu_vllm.CpuVllm(ms_dir, quantization="ascend") as v:
-        assert getattr(v.model, "_npu_flashrl_loader", None) is None
-        return state(v.model)
-
-
-def assert_equal_states(got, want):
-    assert got.keys() == want.keys()
-    for n in want:
-        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{n} differs"
-
-
 def test_every_sync_equals_a_fresh_w4a8_load_in_place(ckpts):
     from npu_flashrl.adapters.vllm_ascend import end_weight_sync
 
     (_, ms0, hf0), (_, ms1, hf1) = ckpts[0], ckpts[1]
-    want = {0: fresh_state(ms0), 1: fresh_state(ms1)}
+    want = {0: fresh_w4a8_state(ms0), 1: fresh_w4a8_state(ms1)}
     with policy(ms0) as v:
         loader = v.model._npu_flashrl_loader
         assert {t.scheme.key for t in loader.targets.values()} == {("W4A8_DYNAMIC", "linear")}
@@ -129,6 +116,6 @@ def test_cold_load_of_bf16_weights_under_a_w4a8_description(ckpts, tmp_path):
         desc = json.load(f)
     with open(os.path.join(mixed, "quant_model_description.json"), "w") as f:
         json.dump({k: v for k, v in desc.items() if not k.endswith(("_scale", "_offset", "_second"))}, f)
-    want = fresh_state(ms)
+    want = fresh_w4a8_state(ms)
     with policy(mixed) as v:
         assert_equal_states(state(v.model), want)
