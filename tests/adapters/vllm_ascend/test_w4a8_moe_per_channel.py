@@ -26,6 +26,7 @@ from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import BucketBuffer, bucket_bytes, post_sync, ptrs, random_buckets, state
 from npu_flashrl.sim.tiny_models import trainer_weights
 
+from helpers import assert_equal_states
 from w4a8_moe_models import EXPERTS, HIDDEN, LAYERS, MOE_I, build_pair, expert_weights
 
 pytestmark = pytest.mark.every_line
@@ -59,12 +60,6 @@ def policy(model_dir, group_size=None):
 
     return cpu_vllm.CpuVllm(model_dir, quantization="ascend",
                             choice=EngineChoice(fn=W4A8_FN, group_size=group_size))
-
-
-def assert_equal_states(got, want):
-    assert got.keys() == want.keys()
-    for n in want:
-        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{n} differs"
 
 
 def _fp32_bits(t):
