@@ -70,6 +70,12 @@ class Targets:
         return {n for n in params if n.rsplit(".", 1)[0] not in self.layers or n.endswith(".bias")}
 
 
+def served_types(quantizer) -> tuple:
+    """The vllm-ascend quant types `quantizer` writes: its own (`serves`) and those it serves in
+    a mixed checkpoint (`also_serves`: fn w4a8_profile_free's W8A8_DYNAMIC layers)."""
+    return tuple(getattr(quantizer, "serves", INT8_QUANT_TYPES)) + tuple(getattr(quantizer, "also_serves", ()))
+
+
 def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module) -> None:
     """Refuse a quantizer that cannot handle every projection of `model` (a profile made for
     another model, or FlashRL's dense-only profile on a MoE model) when the sync is attached,
@@ -80,7 +86,7 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
     if experts and getattr(quantizer, "dense_only", False):
         raise no_moe(quantizer, next(iter(experts)),
                      f"{type(model).__name__} is a MoE model ({len(experts)} expert weights)")
-    serves = getattr(quantizer, "serves", INT8_QUANT_TYPES)
+    serves = served_types(quantizer)
     for layer in targets.layers.values():
         if layer.scheme.quant_type not in serves:
             raise WeightSyncError(
