@@ -146,6 +146,28 @@ def _w8a8_dynamic_problems(ckpt, modules: List[str]) -> List[str]:
     return out
 
 
+def mixed_layout(model_dir: str) -> Optional[str]:
+    """What `setup` / `verify` say of a ModelSlim mixed W4A8 checkpoint (W8A8_DYNAMIC and
+    W4A8_DYNAMIC projections in one description): which layers each quantizer rewrites at every
+    sync; None for any other checkpoint (or an unreadable description: the checks name it)."""
+    path = os.path.join(model_dir, DESCRIPTION_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        description = _read_json(path)
+    except ValueError:
+        return None
+    typed = [t for k, t in description.items()
+             if isinstance(k, str) and k.endswith(".weight") and projections.is_projection(k)]
+    n8, n4 = typed.count(W8A8_DYNAMIC), typed.count(W4A8_DYNAMIC)
+    if not (n8 and n4):
+        return None
+    size = description.get("group_size", DEFAULT_GROUP_SIZE)
+    groups = "per-channel" if size == PER_CHANNEL else f"group_size {size}"
+    return (f"ModelSlim mixed W4A8 checkpoint: {n8} {W8A8_DYNAMIC} projection(s) re-quantized INT8 "
+            f"(per-channel scales) and {n4} {W4A8_DYNAMIC} projection(s) int4 ({groups}) at every sync")
+
+
 def bf16_problems(model_dir: str, group_size: int) -> List[str]:
     """A bare bf16 checkpoint's projections whose input dim `group_size` does not divide."""
     from npu_flashrl.checkpoint import SafetensorsCheckpoint

@@ -109,7 +109,10 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
             "model (re-run `npu-flashrl profile`)")
     # what the quantizer needs beyond the projections (FlashRL's profile: an entry for every
     # layernorm, of the model's shapes), checked as `npu-flashrl verify` checks it
-    shapes = {name: t.full_shape(name) for name, t in linear.items()}
+    # (a mixed checkpoint's layers of the types it serves beside its own are not the quantizer's
+    # model: fn w4a8_profile_free's group size says nothing of its W8A8_DYNAMIC layers)
+    own = getattr(quantizer, "serves", INT8_QUANT_TYPES)
+    shapes = {name: t.full_shape(name) for name, t in linear.items() if t.scheme.quant_type in own}
     shapes.update((n, tuple(p.shape)) for n, p in params.items()
                   if n.rsplit(".", 1)[0] not in targets.layers)
     quantizer.check_model(shapes, f"the rollout model ({type(model).__name__})")

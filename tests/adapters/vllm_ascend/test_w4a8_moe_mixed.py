@@ -215,3 +215,31 @@ def test_setup_checks_accept_the_mixed_checkpoint_and_name_what_is_not(ckpts, tm
     (p,) = w4a8_checkpoint_problems(broken)
     assert p.startswith("model.layers.1.self_attn.q_proj: typed W8A8_DYNAMIC")
     assert "model.layers.1.self_attn.q_proj.weight_scale" in p
+
+
+def test_the_entrys_group_size_is_not_asked_of_the_w8a8_dynamic_layers():
+    """The entry's `group_size` is checked against the W4A8 layers only: a mixed model whose
+    W8A8_DYNAMIC projection's input dim it does not divide is accepted (that layer has no
+    groups), a W4A8 one is named. Stand-ins: the targets map and its layers as plain namespaces
+    (what `check_quantizer` reads of them), no engine."""
+    from types import SimpleNamespace as NS
+
+    from npu_flashrl.adapters.vllm_ascend.targets import check_quantizer
+    from npu_flashrl.quant import WeightSyncError
+    from npu_flashrl.quant.registry import make_quantizer
+
+    def layer(path, quant_type, shape):
+        scheme = NS(quant_type=quant_type, check_target=lambda target, quantizer: None)
+        return NS(path=path, scheme=scheme, full_shape=lambda name: shape)
+
+    def targets(*layers):
+        linear = {f"{t.path}.weight": t for t in layers}
+        return NS(moe=dict, layers={t.path: t for t in layers}, linear=lambda: linear)
+
+    q = make_quantizer(W4A8_FN, torch.bfloat16, group_size=256)
+    attn = layer("model.layers.0.self_attn.o_proj", "W8A8_DYNAMIC", (256, 320))
+    check_quantizer(q, targets(attn), {}, torch.nn.Module())
+    w4 = layer("model.layers.0.mlp.down_proj", "W4A8_DYNAMIC", (256, 320))
+    with pytest.raises(WeightSyncError, match=r"model\.layers\.0\.mlp\.down_proj: input dim 320 is not "
+                                              r"a multiple of group_size 256"):
+        check_quantizer(q, targets(attn, w4), {}, torch.nn.Module())
