@@ -18,7 +18,7 @@ headers only, no tensor data read.
   in-memory description types every projection W4A8_DYNAMIC, whose linear method has no
   per-channel mode);
 - a checkpoint with an HF `quantization_config` (compressed-tensors w8a8) is refused: it builds
-  W8A8 layers, which fn w4a8_profile_free does not serve.
+  W8A8 layers only, which fn w4a8_profile_free serves only beside W4A8 ones (a mixed checkpoint).
 Each problem names the layer (or the file and key) and what was expected.
 """
 from __future__ import annotations

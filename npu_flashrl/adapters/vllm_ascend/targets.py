@@ -95,6 +95,16 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
                 f"a checkpoint of {'/'.join(serves)} layers, or the fn of "
                 f"{layer.scheme.quant_type} layers")
         layer.scheme.check_target(layer, quantizer)
+    own = getattr(quantizer, "serves", INT8_QUANT_TYPES)
+    if getattr(quantizer, "also_serves", ()) and targets.layers \
+            and not any(t.scheme.quant_type in own for t in targets.layers.values()):
+        # served beside its own type only: a checkpoint of those layers alone is another fn's
+        first = next(iter(targets.layers.values()))
+        raise WeightSyncError(
+            f"{first.path}: a vllm-ascend {first.scheme.quant_type} layer, and no layer of the "
+            f"model is {'/'.join(own)}: fn {quantizer.name!r} serves "
+            f"{'/'.join(quantizer.also_serves)} layers only beside its own (a ModelSlim mixed "
+            f"checkpoint); use the fn of {first.scheme.quant_type} layers")
     linear = targets.linear()
     bad = []
     for name in linear:
@@ -111,7 +121,6 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
     # layernorm, of the model's shapes), checked as `npu-flashrl verify` checks it
     # (a mixed checkpoint's layers of the types it serves beside its own are not the quantizer's
     # model: fn w4a8_profile_free's group size says nothing of its W8A8_DYNAMIC layers)
-    own = getattr(quantizer, "serves", INT8_QUANT_TYPES)
     shapes = {name: t.full_shape(name) for name, t in linear.items() if t.scheme.quant_type in own}
     shapes.update((n, tuple(p.shape)) for n, p in params.items()
                   if n.rsplit(".", 1)[0] not in targets.layers)

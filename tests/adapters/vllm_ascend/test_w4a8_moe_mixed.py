@@ -192,6 +192,27 @@ def test_the_int8_fn_still_refuses_the_w4a8_experts(va, ckpts):
             pass
 
 
+def test_a_checkpoint_without_w4a8_layers_is_refused_at_engine_build(va, ckpts, tmp_path):
+    """The W4A8 fn serves W8A8_DYNAMIC layers only beside W4A8 ones: a ModelSlim checkpoint of
+    W8A8_DYNAMIC layers alone (attention and experts) would otherwise run an INT8 rollout under
+    a W4A8 entry, silently."""
+    from modelslim_writer import write_modelslim_w4a8
+
+    from npu_flashrl.quant import WeightSyncError
+
+    (by_seed, group) = ckpts
+    if group == 0:
+        pytest.skip("one checkpoint suffices (the group size plays no part)")
+    only8 = str(tmp_path / "w8a8_dynamic_only")
+    write_modelslim_w4a8(by_seed[0][0], only8, group_size=group, quantize=lambda name: False,
+                         w8a8_dynamic=lambda name: True)
+    with pytest.raises(WeightSyncError, match=r"a vllm-ascend W8A8_DYNAMIC layer, and no layer of the model "
+                                              r"is W4A8_DYNAMIC: fn 'w4a8_profile_free' serves W8A8_DYNAMIC "
+                                              r"layers only beside its own"):
+        with policy(only8):
+            pass
+
+
 def test_setup_checks_accept_the_mixed_checkpoint_and_name_what_is_not(ckpts, tmp_path):
     """`setup` / `verify`'s checkpoint check (headers only): the mixed checkpoint passes; a static
     W8A8 projection and a W8A8_DYNAMIC projection without its scale are named."""
@@ -238,8 +259,9 @@ def test_the_entrys_group_size_is_not_asked_of_the_w8a8_dynamic_layers():
 
     q = make_quantizer(W4A8_FN, torch.bfloat16, group_size=256)
     attn = layer("model.layers.0.self_attn.o_proj", "W8A8_DYNAMIC", (256, 320))
-    check_quantizer(q, targets(attn), {}, torch.nn.Module())
+    fits = layer("model.layers.0.mlp.up_proj", "W4A8_DYNAMIC", (320, 256))
+    check_quantizer(q, targets(attn, fits), {}, torch.nn.Module())
     w4 = layer("model.layers.0.mlp.down_proj", "W4A8_DYNAMIC", (256, 320))
     with pytest.raises(WeightSyncError, match=r"model\.layers\.0\.mlp\.down_proj: input dim 320 is not "
                                               r"a multiple of group_size 256"):
-        check_quantizer(q, targets(attn, w4), {}, torch.nn.Module())
+        check_quantizer(q, targets(attn, fits, w4), {}, torch.nn.Module())
