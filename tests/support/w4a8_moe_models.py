@@ -35,7 +35,8 @@ def build_pair(root: str, seed: int, group_size: int = GROUP,
 
     if experts_only is None:
         experts_only = group_size == 0 or mixed
-    tag = ("" if group_size == GROUP else f"_g{group_size}") + ("_mixed" if mixed else "_experts" if experts_only else "")
+    kind = "_mixed" if mixed else "_experts" if experts_only else ""
+    tag = ("" if group_size == GROUP else f"_g{group_size}") + kind
     bf16, ms = os.path.join(root, f"bf16_{seed}"), os.path.join(root, f"w4a8{tag}_{seed}")
     if not os.path.isdir(bf16):
         build_tiny_qwen3_moe(bf16, seed=seed, config_overrides=OVERRIDES)
