@@ -182,7 +182,7 @@ def _check_w8a8(model: str) -> None:
 
 def _check_w4a8(entry) -> None:
     """A W4A8 entry's checkpoint: its layers and group size (`w4a8_checkpoint`)."""
-    from npu_flashrl.w4a8_checkpoint import applies, w4a8_checkpoint_problems
+    from npu_flashrl.w4a8_checkpoint import applies, mixed_layout, w4a8_checkpoint_problems
 
     if not applies(entry):
         return
@@ -190,6 +190,9 @@ def _check_w4a8(entry) -> None:
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CliError(f"--fn {entry.fn} -m {entry.model}: {problems[0]}{more}")
+    mixed = mixed_layout(entry.model)
+    if mixed:
+        logger.info("setup -m %s: %s", entry.model, mixed)
 
 
 def build_entry(fn: Optional[str], model: Optional[str], profile: Optional[str], columns: Dict[str, Any],

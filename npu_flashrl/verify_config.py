@@ -150,14 +150,16 @@ def description_rows(entry, check: str) -> List[Dict[str, str]]:
 
 def w4a8_rows(check: str, entry) -> List[Dict[str, str]]:
     """A W4A8 entry's checkpoint (its layers, its group size), as `setup` checks it; [] when the
-    entry is not W4A8 or its checkpoint is sound."""
-    from npu_flashrl.w4a8_checkpoint import applies, w4a8_checkpoint_problems
+    entry is not W4A8 or its checkpoint is sound (an OK row saying what a sound mixed ModelSlim
+    checkpoint's syncs rewrite with which quantizer)."""
+    from npu_flashrl.w4a8_checkpoint import applies, mixed_layout, w4a8_checkpoint_problems
 
     if not applies(entry) or not entry.model:
         return []
     problems = w4a8_checkpoint_problems(entry.model, entry.group_size)
     if not problems:
-        return []
+        mixed = mixed_layout(entry.model)
+        return [_row(check, OK, f"model {entry.model}: {mixed}")] if mixed else []
     more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
     return [_row(check, FAIL, f"model {entry.model}: {problems[0]}{more}",
                  "a bf16 checkpoint with a group_size that divides every projection's input dim, or "

@@ -8,13 +8,17 @@ headers only, no tensor data read.
   description's group size is the entry's when the entry sets one; group size 0 (per-channel,
   vllm-ascend's W4A8 fused-MoE mode) takes W4A8_DYNAMIC experts only (`...mlp.experts.E.*`),
   each with `weight`, `weight_scale` / `weight_offset` [out, 1] and no second level; ModelSlim's newer packed
-  layout (`version` "1.0.0") and W8A8 layers are refused (the W4A8 reload claims neither);
+  layout (`version` "1.0.0") and static W8A8 layers are refused (the W4A8 reload claims neither);
+- a ModelSlim mixed W4A8 MoE checkpoint (its W4A8 MoE recipes: attention and dense projections
+  W8A8_DYNAMIC, routed experts W4A8_DYNAMIC): each W8A8_DYNAMIC projection has an int8 `weight`
+  [out, in] and `weight_scale` / `weight_offset` [out, 1] (the fn serves those layers with INT8,
+  `W4A8Quantizer.also_serves`);
 - a bare bf16 checkpoint: the entry's group size (default 256) divides every projection's input
   dim (the in-memory description builds the layers with it); group size 0 is refused (the
   in-memory description types every projection W4A8_DYNAMIC, whose linear method has no
   per-channel mode);
 - a checkpoint with an HF `quantization_config` (compressed-tensors w8a8) is refused: it builds
-  W8A8 layers, which fn w4a8_profile_free does not serve.
+  W8A8 layers only, which fn w4a8_profile_free serves only beside W4A8 ones (a mixed checkpoint).
 Each problem names the layer (or the file and key) and what was expected.
 """
 from __future__ import annotations
@@ -26,8 +30,8 @@ from typing import Dict, List, Optional
 from npu_flashrl.kernels.int4 import DEFAULT_GROUP_SIZE
 from npu_flashrl.quant import projections
 from npu_flashrl.quant.w4a8 import (
-    PER_CHANNEL, PER_CHANNEL_REFUSED, W4A8_DYNAMIC, bf16_per_channel_problem, group_size_problem,
-    in_dim_problems)
+    PER_CHANNEL, PER_CHANNEL_REFUSED, W4A8_DYNAMIC, W8A8_DYNAMIC, bf16_per_channel_problem,
+    group_size_problem, in_dim_problems)
 
 DESCRIPTION_FILE = "quant_model_description.json"  # ModelSlim's (vllm-ascend reads the same name)
 NEW_LAYOUT = "1.0.0"  # ModelSlim's packed W4A8 layout (`version`), not reloaded in place
@@ -73,10 +77,11 @@ def modelslim_problems(model_dir: str, description: dict, group_size: Optional[i
                 f"set it to {size}"]
     typed = {k[: -len(".weight")]: v for k, v in description.items()
              if isinstance(k, str) and k.endswith(".weight") and projections.is_projection(k)}
-    other = sorted(m for m, t in typed.items() if t not in (W4A8_DYNAMIC, "FLOAT"))
+    other = sorted(m for m, t in typed.items() if t not in (W4A8_DYNAMIC, W8A8_DYNAMIC, "FLOAT"))
     if other:
         return [f"{where}: {other[0]} is typed {typed[other[0]]} ({len(other)} such projection(s)); "
-                "fn w4a8_profile_free serves W4A8_DYNAMIC layers only (use the fn of that type)"]
+                f"fn w4a8_profile_free serves {W4A8_DYNAMIC} and {W8A8_DYNAMIC} layers only (use the "
+                "fn of that type)"]
     modules = sorted(m for m, t in typed.items() if t == W4A8_DYNAMIC)
     if not modules:
         return [f"{where}: no projection is typed {W4A8_DYNAMIC}: not a W4A8 checkpoint"]
@@ -89,6 +94,7 @@ def modelslim_problems(model_dir: str, description: dict, group_size: Optional[i
     tensors = ("weight", "weight_scale", "weight_offset") + (() if size == PER_CHANNEL else _SECOND)
     out: List[str] = []
     with SafetensorsCheckpoint(model_dir) as ckpt:
+        out += _w8a8_dynamic_problems(ckpt, sorted(m for m, t in typed.items() if t == W8A8_DYNAMIC))
         for m in modules:
             missing = [f"{m}.{s}" for s in tensors if f"{m}.{s}" not in ckpt]
             if missing:
@@ -115,6 +121,51 @@ def modelslim_problems(model_dir: str, description: dict, group_size: Optional[i
                                f"{list(shape)} and group_size {size} ({DESCRIPTION_FILE})")
                     break
     return out
+
+
+def _w8a8_dynamic_problems(ckpt, modules: List[str]) -> List[str]:
+    """A mixed checkpoint's W8A8_DYNAMIC projections whose tensors vllm-ascend's W8A8_DYNAMIC
+    layers could not load: int8 `weight` [out, in], `weight_scale` / `weight_offset` [out, 1]."""
+    out: List[str] = []
+    for m in modules:
+        missing = [f"{m}.{s}" for s in ("weight", "weight_scale", "weight_offset") if f"{m}.{s}" not in ckpt]
+        if missing:
+            out.append(f"{m}: typed {W8A8_DYNAMIC} in {DESCRIPTION_FILE}, but the checkpoint has no "
+                       f"{missing[0]} ({len(missing)} of its 3 tensors missing)")
+            continue
+        shape, dtype = ckpt.shape(f"{m}.weight"), ckpt.dtype(f"{m}.weight")
+        if len(shape) != 2 or dtype != "I8":
+            out.append(f"{m}.weight: {dtype} {list(shape)}; a {W8A8_DYNAMIC} weight is int8 [out, in]")
+            continue
+        for suffix in ("weight_scale", "weight_offset"):
+            got = tuple(ckpt.shape(f"{m}.{suffix}"))
+            if got not in ((shape[0], 1), (shape[0],)):
+                out.append(f"{m}.{suffix}: shape {list(got)}, expected [{shape[0]}, 1] for weight "
+                           f"{list(shape)} ({W8A8_DYNAMIC}, per output channel)")
+                break
+    return out
+
+
+def mixed_layout(model_dir: str) -> Optional[str]:
+    """What `setup` / `verify` say of a ModelSlim mixed W4A8 checkpoint (W8A8_DYNAMIC and
+    W4A8_DYNAMIC projections in one description): which layers each quantizer rewrites at every
+    sync; None for any other checkpoint (or an unreadable description: the checks name it)."""
+    path = os.path.join(model_dir, DESCRIPTION_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        description = _read_json(path)
+    except ValueError:
+        return None
+    typed = [t for k, t in description.items()
+             if isinstance(k, str) and k.endswith(".weight") and projections.is_projection(k)]
+    n8, n4 = typed.count(W8A8_DYNAMIC), typed.count(W4A8_DYNAMIC)
+    if not (n8 and n4):
+        return None
+    size = description.get("group_size", DEFAULT_GROUP_SIZE)
+    groups = "per-channel" if size == PER_CHANNEL else f"group_size {size}"
+    return (f"ModelSlim mixed W4A8 checkpoint: {n8} {W8A8_DYNAMIC} projection(s) re-quantized INT8 "
+            f"(per-channel scales) and {n4} {W4A8_DYNAMIC} projection(s) int4 ({groups}) at every sync")
 
 
 def bf16_problems(model_dir: str, group_size: int) -> List[str]:

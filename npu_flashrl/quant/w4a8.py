@@ -4,9 +4,14 @@ staged ModelSlim format (per-channel int8, then int4 per group of input channels
 The entry's quantizer carries what the rollout's W4A8 layers need of it (the compute dtype, the
 entry's `group_size`); the int4 quantization itself belongs to their scheme
 (`adapters/vllm_ascend/schemes/w4a8_dynamic.py`), which quantizes each projection for the group
-size its layer was built with. It serves vllm-ascend's W4A8_DYNAMIC layers only (`serves`): the
-loader refuses a model with other quantized layers when the engine builds, and the W8A8
-quantizers do not serve W4A8 layers.
+size its layer was built with. It serves vllm-ascend's W4A8_DYNAMIC layers (`serves`) and, in a
+ModelSlim mixed checkpoint (ModelSlim's W4A8 MoE recipes: attention and dense projections
+W8A8_DYNAMIC, routed experts W4A8_DYNAMIC), the W8A8_DYNAMIC layers its description types so
+(`also_serves`), each by its own scheme: those quantized by the profile-free INT8 rule
+(`kernels.quantize_weight_per_channel`, what `int8_profile_free` writes). The loader refuses a
+model with other quantized layers (static W8A8, ...) when the engine builds, and the W8A8
+quantizers do not serve W4A8 layers. A bare bf16 checkpoint's in-memory description types every
+projection W4A8_DYNAMIC (no mixed layout without a ModelSlim description).
 
 `group_size` (the config entry's key): the number of consecutive input channels that share a
 second-level scale; 0 is per-channel (one scale per output channel, no second level), which
@@ -20,12 +25,16 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from npu_flashrl import kernels
 from npu_flashrl.kernels.int4 import DEFAULT_GROUP_SIZE
 from npu_flashrl.quant import projections
 from npu_flashrl.quant.base import OnlineQuantizer, WeightSyncError
 from npu_flashrl.quant.registry import register_quantizer
 
 W4A8_DYNAMIC = "W4A8_DYNAMIC"
+# what a ModelSlim W4A8 MoE checkpoint types its attention / dense projections (and, in some
+# recipes, a layer's experts): the W4A8 fn serves them with INT8 (`W4A8Quantizer.also_serves`)
+W8A8_DYNAMIC = "W8A8_DYNAMIC"
 PER_CHANNEL = 0  # `group_size: 0`: per-channel int4, vllm-ascend's W4A8 fused-MoE method's mode
 # why group_size 0 (per-channel) serves fused-MoE experts only: the linear method sizes its
 # second-level scales by it on every line that has the method
@@ -80,6 +89,9 @@ class W4A8Quantizer(OnlineQuantizer):
     """Profile-free W4A8_DYNAMIC (int4 weights in groups, two scale levels)."""
 
     serves = (W4A8_DYNAMIC,)
+    # served beside its own type only where a ModelSlim description types layers so (mixed
+    # W4A8 MoE checkpoints); `quantize` is their per-channel INT8
+    also_serves = (W8A8_DYNAMIC,)
     description_type = W4A8_DYNAMIC
     default_group_size = DEFAULT_GROUP_SIZE
 
@@ -108,6 +120,9 @@ class W4A8Quantizer(OnlineQuantizer):
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             raise WeightSyncError(problems[0] + more)
 
-    def quantize(self, name, weight, transposed=False):
-        raise WeightSyncError(f"{name}: fn {self.name!r} quantizes vllm-ascend W4A8_DYNAMIC layers "
-                              "only (through their scheme); this projection's layer is not one")
+    def quantize(self, name, weight, transposed=False, finite=None):
+        """A W8A8_DYNAMIC layer's projection in a mixed checkpoint (`also_serves`): symmetric
+        per-channel INT8 with fresh scales, as `int8_profile_free` quantizes it. The W4A8 layers
+        never call this (their scheme quantizes for its own group size)."""
+        return kernels.quantize_weight_per_channel(weight, self.compute_dtype, transposed=transposed,
+                                                   finite=finite)

@@ -115,3 +115,31 @@ def test_modelslims_packed_layout_and_a_compressed_tensors_checkpoint_are_refuse
     with pytest.raises(CliError, match=r"quantization_config .*builds W8A8 layers, which fn "
                                        r"w4a8_profile_free does not serve"):
         setup(tmp_path, ckpts[1])
+
+
+def test_a_mixed_modelslim_checkpoint_is_written_and_verify_says_which_layers_are_int8(ckpts, tmp_path, caplog):
+    """ModelSlim's mixed W4A8 MoE layout (W8A8_DYNAMIC attention, W4A8_DYNAMIC MLP here, on the
+    tiny Qwen2): `setup` writes the entry and logs which quantizer rewrites which layers, `verify`
+    passes it saying the same; a static W8A8 projection in it is refused naming it."""
+    import logging
+
+    from modelslim_writer import write_modelslim_w4a8
+
+    mixed = str(tmp_path / "mixed")
+    write_modelslim_w4a8(ckpts[0], mixed, group_size=32, quantize=lambda n: ".mlp." in n,
+                         w8a8_dynamic=lambda n: True)
+    with caplog.at_level(logging.INFO, logger="npu_flashrl"):
+        cfg = setup(tmp_path, mixed)
+    said = "ModelSlim mixed W4A8 checkpoint: 8 W8A8_DYNAMIC projection(s) re-quantized INT8"
+    assert any(said in r.getMessage() for r in caplog.records)
+    (row,) = rows(cfg.path)
+    assert row["status"] == verify.OK and said in row["detail"] and "6 W4A8_DYNAMIC" in row["detail"]
+    path = os.path.join(mixed, "quant_model_description.json")
+    with open(path) as f:
+        desc = json.load(f)
+    desc["model.layers.1.self_attn.v_proj.weight"] = "W8A8"
+    with open(path, "w") as f:
+        json.dump(desc, f)
+    with pytest.raises(CliError, match=r"model\.layers\.1\.self_attn\.v_proj is typed W8A8 .*serves "
+                                       r"W4A8_DYNAMIC and W8A8_DYNAMIC layers only"):
+        setup(tmp_path / "x", mixed)

@@ -113,3 +113,21 @@ def test_in_dim_problems_name_each_projection_the_group_size_does_not_divide():
     assert problems == ["ckpt: model.layers.0.mlp.down_proj: input dim 352 is not a multiple of "
                         "group_size 64 (W4A8 groups input channels; pick a group size that divides "
                         "every projection's input dim)"]
+
+
+def test_the_w4a8_quantizer_writes_a_mixed_checkpoints_w8a8_dynamic_layers_as_int8_profile_free():
+    """In a ModelSlim mixed W4A8 MoE checkpoint, fn w4a8_profile_free serves the W8A8_DYNAMIC
+    layers too (`also_serves`), with the per-channel INT8 rule of int8_profile_free, bit for bit;
+    its own type stays W4A8_DYNAMIC (what a bf16 checkpoint's description gets)."""
+    import torch
+
+    from npu_flashrl.quant.registry import make_quantizer
+
+    w4 = make_quantizer("w4a8_profile_free", torch.bfloat16, group_size=32)
+    i8 = make_quantizer("int8_profile_free", torch.bfloat16)
+    assert w4.serves == ("W4A8_DYNAMIC",) and w4.also_serves == ("W8A8_DYNAMIC",)
+    assert w4.description_type == "W4A8_DYNAMIC"
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for transposed in (False, True):
+        (q4, s4), (q8, s8) = w4.quantize("x.weight", w, transposed), i8.quantize("x.weight", w, transposed)
+        assert q4.dtype == torch.int8 and torch.equal(q4, q8) and torch.equal(s4, s8)

@@ -69,7 +69,8 @@ def write_modelslim_w8a8(bf16_dir: str, out_dir: str, input_scale: float = 0.05)
     return _save(out, desc, out_dir)
 
 
-def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32, quantize=None) -> dict:
+def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32, quantize=None,
+                        w8a8_dynamic=None) -> dict:
     """A ModelSlim W4A8_DYNAMIC checkpoint ("version 0" layout, the staged quantization of
     `npu_flashrl.kernels.int4`): per projection an int8 `weight` [out, in] holding int4 values,
     float32 `weight_scale` / `weight_offset` [out, 1], float32 `weight_scale_second` and int64
@@ -77,7 +78,11 @@ def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32, quan
     test/ST/llm_ptq_w4a8_per_token/run.py); `group_size` in the description. `group_size` 0:
     per-channel (`kernels.int4`'s per-channel rule, no second level), as ModelSlim's per-channel
     W4A8 MoE recipes write experts. `quantize(name) -> bool` picks the projections to quantize
-    (default all; the others stay float, typed FLOAT)."""
+    (default all; the others stay float, typed FLOAT). `w8a8_dynamic(name) -> bool` types those
+    others W8A8_DYNAMIC instead (ModelSlim's mixed W4A8 MoE recipes, e.g. msit
+    lab_practice/deepseek_v3/deepseek_w4a8_per_channel.yaml: `*self_attn*` and the dense `*mlp*`
+    W8A8_DYNAMIC, `*mlp.experts*` W4A8_DYNAMIC): int8 `weight` [out, in], float32 `weight_scale`
+    and `weight_offset` [out, 1], the per-channel rule of `kernels.quantize_weight_per_channel`."""
     from npu_flashrl.kernels.int4 import quantize_weight_w4a8
 
     tensors = _read_bf16(bf16_dir, out_dir)
@@ -97,6 +102,14 @@ def write_modelslim_w4a8(bf16_dir: str, out_dir: str, group_size: int = 32, quan
                 extras += ("weight_scale_second", "weight_offset_second")
             for extra in extras:
                 desc[f"{module}.{extra}"] = "W4A8_DYNAMIC"
+        elif name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS \
+                and w8a8_dynamic is not None and w8a8_dynamic(name):
+            q, scale = quantize_weight_per_channel(t)
+            out[name] = q
+            out[module + ".weight_scale"] = scale.float().unsqueeze(1)
+            out[module + ".weight_offset"] = torch.zeros(q.shape[0], 1)
+            for extra in ("weight", "weight_scale", "weight_offset"):
+                desc[f"{module}.{extra}"] = "W8A8_DYNAMIC"
         else:
             out[name] = t
             desc[name] = "FLOAT"

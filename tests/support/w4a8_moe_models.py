@@ -25,21 +25,24 @@ OVERRIDES = dict(hidden_size=HIDDEN, moe_intermediate_size=MOE_I, head_dim=64, n
 
 
 def build_pair(root: str, seed: int, group_size: int = GROUP,
-               experts_only: Optional[bool] = None) -> Tuple[str, str]:
+               experts_only: Optional[bool] = None, mixed: bool = False) -> Tuple[str, str]:
     """(bf16 dir, ModelSlim W4A8_DYNAMIC dir) of one random tiny Qwen3-MoE. `group_size` 0: the
     per-channel form of ModelSlim's per-channel W4A8 MoE recipes, experts only (vllm-ascend's
     W4A8 linear method has no per-channel mode: the other projections stay FLOAT).
-    `experts_only`: only the experts W4A8 (default: for group size 0 only)."""
+    `experts_only`: only the experts W4A8 (default: for group size 0 only). `mixed`: ModelSlim's
+    W4A8 MoE recipes' layout, the experts W4A8_DYNAMIC and the other projections W8A8_DYNAMIC."""
     from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe
 
     if experts_only is None:
-        experts_only = group_size == 0
-    tag = ("" if group_size == GROUP else f"_g{group_size}") + ("_experts" if experts_only else "")
+        experts_only = group_size == 0 or mixed
+    kind = "_mixed" if mixed else "_experts" if experts_only else ""
+    tag = ("" if group_size == GROUP else f"_g{group_size}") + kind
     bf16, ms = os.path.join(root, f"bf16_{seed}"), os.path.join(root, f"w4a8{tag}_{seed}")
     if not os.path.isdir(bf16):
         build_tiny_qwen3_moe(bf16, seed=seed, config_overrides=OVERRIDES)
     only = (lambda name: ".mlp.experts." in name) if experts_only else None
-    desc = write_modelslim_w4a8(bf16, ms, group_size=group_size, quantize=only)
+    desc = write_modelslim_w4a8(bf16, ms, group_size=group_size, quantize=only,
+                                w8a8_dynamic=(lambda name: True) if mixed else None)
     # the fused-MoE layer's own key, which v0.10.1rc1's AscendQuantConfig looks up for it (the
     # later lines map it to its experts' names and ignore this one)
     for i in range(LAYERS):

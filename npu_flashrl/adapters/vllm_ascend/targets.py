@@ -70,6 +70,12 @@ class Targets:
         return {n for n in params if n.rsplit(".", 1)[0] not in self.layers or n.endswith(".bias")}
 
 
+def served_types(quantizer) -> tuple:
+    """The vllm-ascend quant types `quantizer` writes: its own (`serves`) and those it serves in
+    a mixed checkpoint (`also_serves`: fn w4a8_profile_free's W8A8_DYNAMIC layers)."""
+    return tuple(getattr(quantizer, "serves", INT8_QUANT_TYPES)) + tuple(getattr(quantizer, "also_serves", ()))
+
+
 def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module) -> None:
     """Refuse a quantizer that cannot handle every projection of `model` (a profile made for
     another model, or FlashRL's dense-only profile on a MoE model) when the sync is attached,
@@ -80,7 +86,7 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
     if experts and getattr(quantizer, "dense_only", False):
         raise no_moe(quantizer, next(iter(experts)),
                      f"{type(model).__name__} is a MoE model ({len(experts)} expert weights)")
-    serves = getattr(quantizer, "serves", INT8_QUANT_TYPES)
+    serves = served_types(quantizer)
     for layer in targets.layers.values():
         if layer.scheme.quant_type not in serves:
             raise WeightSyncError(
@@ -89,6 +95,16 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
                 f"a checkpoint of {'/'.join(serves)} layers, or the fn of "
                 f"{layer.scheme.quant_type} layers")
         layer.scheme.check_target(layer, quantizer)
+    own = getattr(quantizer, "serves", INT8_QUANT_TYPES)
+    if getattr(quantizer, "also_serves", ()) and targets.layers \
+            and not any(t.scheme.quant_type in own for t in targets.layers.values()):
+        # served beside its own type only: a checkpoint of those layers alone is another fn's
+        first = next(iter(targets.layers.values()))
+        raise WeightSyncError(
+            f"{first.path}: a vllm-ascend {first.scheme.quant_type} layer, and no layer of the "
+            f"model is {'/'.join(own)}: fn {quantizer.name!r} serves "
+            f"{'/'.join(quantizer.also_serves)} layers only beside its own (a ModelSlim mixed "
+            f"checkpoint); use the fn of {first.scheme.quant_type} layers")
     linear = targets.linear()
     bad = []
     for name in linear:
@@ -103,7 +119,9 @@ def check_quantizer(quantizer, targets: Targets, params, model: torch.nn.Module)
             "model (re-run `npu-flashrl profile`)")
     # what the quantizer needs beyond the projections (FlashRL's profile: an entry for every
     # layernorm, of the model's shapes), checked as `npu-flashrl verify` checks it
-    shapes = {name: t.full_shape(name) for name, t in linear.items()}
+    # (a mixed checkpoint's layers of the types it serves beside its own are not the quantizer's
+    # model: fn w4a8_profile_free's group size says nothing of its W8A8_DYNAMIC layers)
+    shapes = {name: t.full_shape(name) for name, t in linear.items() if t.scheme.quant_type in own}
     shapes.update((n, tuple(p.shape)) for n, p in params.items()
                   if n.rsplit(".", 1)[0] not in targets.layers)
     quantizer.check_model(shapes, f"the rollout model ({type(model).__name__})")

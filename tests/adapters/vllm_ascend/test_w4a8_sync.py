@@ -95,8 +95,10 @@ def test_w4a8_fn_on_w8a8_layers_is_refused_at_engine_build(va, tmp_path):
     from npu_flashrl.sim.checkpoints import tiny_checkpoint_pair
 
     _, w8 = tiny_checkpoint_pair(str(tmp_path))
-    with pytest.raises(WeightSyncError, match=r"W8A8_DYNAMIC layer, and fn 'w4a8_profile_free' "
-                                              r"quantizes for W4A8_DYNAMIC layers only"):
+    # (W8A8_DYNAMIC layers are served only beside W4A8 ones: a ModelSlim mixed checkpoint)
+    with pytest.raises(WeightSyncError, match=r"W8A8_DYNAMIC layer, and no layer of the model is "
+                                              r"W4A8_DYNAMIC: fn 'w4a8_profile_free' serves W8A8_DYNAMIC "
+                                              r"layers only beside its own"):
         with policy(w8):
             pass
 

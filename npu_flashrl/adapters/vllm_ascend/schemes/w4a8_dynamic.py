@@ -65,7 +65,7 @@ class W4A8Payload:
 def w4a8_payload(quantizer, name: str, tensor: torch.Tensor, what: str) -> W4A8Payload:
     """A W4A8 scheme's `quantize`: `tensor` waits as a W4A8Payload (quantized per layer at
     staging); a quantizer that does not serve W4A8_DYNAMIC is refused, naming `what` it is."""
-    if getattr(quantizer, "serves", None) != (W4A8_DYNAMIC,):
+    if W4A8_DYNAMIC not in (getattr(quantizer, "serves", None) or ()):
         raise WeightSyncError(f"{name}: a vllm-ascend {what}; fn {quantizer.name!r} "
                               "does not quantize for it (use fn 'w4a8_profile_free')")
     return W4A8Payload(name, tensor, quantizer.compute_dtype)
