@@ -69,8 +69,12 @@ class W4A8StateCheck:
     values = "int4"  # what the "int8" category's counts are of (checks.py names them)
 
     def __init__(self, model, targets: Dict[str, Any], device: str, seed: int = 0,
-                 model_dtype: torch.dtype = torch.bfloat16, **_unused):
+                 model_dtype: torch.dtype = torch.bfloat16, experts: Optional[Dict[str, Any]] = None,
+                 moe_config: Optional[Dict[str, Any]] = None, forward_context=None, **_unused):
+        """`experts`, `moe_config`, `forward_context`: as `state.Int8StateCheck`'s (the W4A8_DYNAMIC
+        fused-MoE layers, checked by `state_w4a8_moe.py`)."""
         from npu_flashrl import kernels
+        from npu_flashrl.rehearsal.state_w4a8_moe import w4a8_expert_checks
 
         self.device = device
         self.model_dtype = model_dtype
@@ -82,6 +86,7 @@ class W4A8StateCheck:
         gen = torch.Generator().manual_seed(seed + 4242)
         self.acts = {l.path: torch.randn(LAYER_ERROR_TOKENS, l.layer.weight.shape[0], generator=gen
                                          ).to(model_dtype) for l in self.layers}
+        self.experts = w4a8_expert_checks(model, experts or {}, moe_config or {}, forward_context, seed)
 
     @torch.no_grad()
     def check(self, weights: Dict[str, torch.Tensor], step: int) -> List[Dict[str, Any]]:
@@ -89,6 +94,11 @@ class W4A8StateCheck:
         for l in self.layers:
             problems: Dict[str, Optional[str]] = {c: None for c in CATEGORIES_W4A8}
             res = self._check_layer(l, weights, step, problems)
+            res["problems"] = problems
+            out.append(res)
+        for e in self.experts:
+            problems = {c: None for c in CATEGORIES_W4A8}
+            res = e.check(weights, step, problems)
             res["problems"] = problems
             out.append(res)
         return out
