@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS
+from npu_flashrl.rehearsal.state_w4a8_moe import FORWARD_TOL_MOE
 from npu_flashrl.rehearsal.state import (
     CATEGORIES, _host, _Layer, layer_output, linear_layers, note_in_place, pushed_bias)
 
@@ -208,4 +209,10 @@ def state_rules(max_layer_error: float) -> Dict[str, str]:
             "output": f"relative Frobenius error of the layer's forward on {LAYER_ERROR_TOKENS} random tokens vs "
                       f"x @ W^T + b in fp32 from the pushed bf16 weights <= {max_layer_error}",
             "forward": f"the same forward vs x @ dequantized(W)^T + b in fp32 (the W4A8 forward of the fresh "
-                       f"load, bias included) <= {FORWARD_TOL}"}
+                       f"load, bias included) <= {FORWARD_TOL}",
+            "experts": "W4A8_DYNAMIC fused-MoE layers (state_w4a8_moe.py): w13/w2 packed int32 weights, the fused "
+                       "int64 weight_scale and the scale_bias equal to a fresh W4A8 load of the pushed experts bit "
+                       "for bit, offsets 0, data_ptr and w13/w2 storage format unchanged; output: the sparse MoE "
+                       f"block vs an fp32 MoE from the pushed weights <= {max_layer_error}; forward: vs the fp32 MoE "
+                       "of the dequantized fresh load with int8 per-token activations <= "
+                       f"{FORWARD_TOL_MOE}"}

@@ -104,13 +104,14 @@ class W4A8ExpertLayerCheck(ExpertLayerCheck):
     def check(self, weights: Dict[str, torch.Tensor], step: int, problems: Dict[str, Optional[str]],
               *_unused) -> Dict[str, Any]:
         from npu_flashrl import kernels
-        from npu_flashrl.kernels import int4
+        from npu_flashrl.kernels import int4, reference
 
         layer = self.layer
         res: Dict[str, Any] = {"step": step, "layer": self.path, "type": self.kind, "experts": len(self.experts)}
         ref, deq = self._fresh_load(weights)
         slots = {slot: e for e, slot, _ in self.experts}
         n_el = mism = 0
+        scale_rel = 0.0
         bad_q: set = set()
         bad_s: set = set()
         bad_d: List[str] = []
@@ -133,7 +134,10 @@ class W4A8ExpertLayerCheck(ExpertLayerCheck):
                                  f"{tuple(fused.shape)}")
             else:
                 diff = (s.reshape(fused.shape) != fused).flatten(1).any(1)
-                bad_s |= {slots[i] for i in diff.nonzero().flatten().tolist()}
+                if bool(diff.any()):
+                    bad_s |= {slots[i] for i in diff.nonzero().flatten().tolist()}
+                    live_f, ref_f = (reference.decode_deq_scale(t) for t in (s.reshape(fused.shape), fused))
+                    scale_rel = max(scale_rel, float(((live_f - ref_f).abs() / ref_f.abs().clamp_min(1e-30)).max()))
             if bias is not None:
                 b = getattr(layer, f"{which}_scale_bias", None)
                 if not isinstance(b, torch.Tensor):
@@ -143,7 +147,7 @@ class W4A8ExpertLayerCheck(ExpertLayerCheck):
             off = getattr(layer, f"{which}_weight_offset", None)
             if isinstance(off, torch.Tensor) and bool((_host(off) != 0).any()):
                 bad_d.append(f"{which}_weight_offset non-zero in {int((_host(off) != 0).sum())} values (symmetric)")
-        res.update(int8_elements=n_el, int8_mismatches=mism, scale_max_rel_diff=0.0 if not bad_s else 1.0,
+        res.update(int8_elements=n_el, int8_mismatches=mism, scale_max_rel_diff=scale_rel,
                    experts_failing=sorted(bad_q | bad_s))
         if shape_bad or bad_q:
             problems["int8"] = "; ".join(shape_bad) or (
@@ -151,7 +155,8 @@ class W4A8ExpertLayerCheck(ExpertLayerCheck):
                 f"(packed int32 words; in expert {', '.join(map(str, sorted(bad_q)))})")
         if bad_s:
             problems["scale"] = ("fused int64 weight_scale (weight_scale x weight_scale_second) differs from a "
-                                 f"fresh W4A8 load in expert {', '.join(map(str, sorted(bad_s)))}")
+                                 f"fresh W4A8 load (up to {scale_rel:.3g} relative) in expert "
+                                 f"{', '.join(map(str, sorted(bad_s)))}")
         problems["derived"] = "; ".join(bad_d) or None
         moved = [f"{n} data_ptr" for n, t in _tensors(layer).items() if self.cold_ptr.get(n) not in (None, t.data_ptr())]
         for n, fmt in self.cold_format.items():

@@ -131,6 +131,7 @@ def test_w4a8_moe_experts_equal_a_fresh_load_after_every_sync_beside_int8(runs):
     # the attention is W4A8 linear too (all dims multiples of the group size 256)
     assert {x["type"] for x in layers} == {"qkv_proj", "o_proj", "experts"}
     assert r["setup"]["w4a8"]["group_size"] == 256
+    assert "fused-MoE" in r["w4a8_state_rules"]["experts"]
     # the INT8 variant's experts are still the INT8 check's
     assert {x["type"] for x in r["rollout_state"]["int8"]["layers"]} >= {"experts"}
     out = runs["stdout"].split("===== ")[1]
@@ -153,6 +154,7 @@ def test_a_doubled_expert_scale_fails_the_scale_and_forward_checks(runs):
     assert runs["codes"]["w4a8_expert_scale_x2"] == 1 and r["fault_injected"] == "w4a8_expert_scale_x2"
     scale = _check(r, SCALE)
     assert not scale["ok"] and scale["failing_layers"] == [L0] and "in expert 3" in scale["detail"]
+    assert "(up to 1 relative)" in scale["detail"]  # exactly doubled: the fp32 exponent + 1
     assert _check(r, PACKED)["ok"]
     fwd = _check(r, FORWARD)
     assert not fwd["ok"] and fwd["failing_layers"] == [L0]
