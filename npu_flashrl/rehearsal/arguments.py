@@ -94,7 +94,9 @@ def add_arguments(p) -> None:
                    help="also rehearse a W4A8 rollout (fn w4a8_profile_free: vllm-ascend W4A8_DYNAMIC linear "
                         "layers, int4 weights in groups) beside INT8: its mismatch, its state after every sync "
                         "(equal to a fresh W4A8 load) and each layer's output error; with --grpo the variants "
-                        "w4a8 and w4a8+tis (and with --positive-control its W4A8 setting). Dense models only; "
+                        "w4a8 and w4a8+tis (and with --positive-control its W4A8 setting). A Qwen3-MoE --model: "
+                        "its experts W4A8_DYNAMIC fused-MoE layers too (group size 256, the A8W4 grouped "
+                        "matmul's, which every projection's input size must be a multiple of); "
                         "a model with linear biases (Qwen2's q/k/v) relies on npu_flashrl's patch "
                         "ascend_w4a8_dynamic_linear_bias (vllm-ascend's W4A8 linear apply drops the bias; "
                         "docs/w4a8.md), which the forward check verifies")

@@ -144,14 +144,14 @@ def evaluate_checks(rows, infos, args, layer_results=None, device: str = "cpu") 
                 s["token_mult_prob_error_mean"] > finer["token_mult_prob_error_mean"],
                 f"mean {s['token_mult_prob_error_mean']:.5f} vs {p.above} {finer['token_mult_prob_error_mean']:.5f}")
         moe_ok = not info.get("moe") or (info.get("expert_layers", 0) > 0
-                                          and info.get("layer0_w13_weight_dtype") == "torch.int8")
+                                          and info.get("layer0_w13_weight_dtype") == p.weight_dtype)
         kinds = "/".join(info.get("quant_types") or p.quant_types)
         add(f"{variant} rollout model is {p.name.upper()}", info.get("quantized_layers", 0) > 0
             and info.get("layer0_qkv_weight_dtype") == p.weight_dtype and moe_ok
             and set(info.get("quant_types") or ()) <= set(p.quant_types),
             f"{info.get('quantized_layers', 0)} vllm-ascend {kinds} layers, qkv weight "
             f"{info.get('layer0_qkv_weight_dtype')}, online quantizer {info.get('online_quantizer')}"
-            + (f"; {info.get('expert_layers', 0)} W8A8_DYNAMIC fused-MoE layers, w13 "
+            + (f"; {info.get('expert_layers', 0)} {p.quant_types[0]} fused-MoE layers, w13 "
                f"{info.get('layer0_w13_weight_dtype')}" if info.get("moe") else ""))
         results = layer_results.get(variant) or []
         if not results:

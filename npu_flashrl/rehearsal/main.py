@@ -198,9 +198,9 @@ def _setup_w4a8(r: Run, model: Model, setup: Dict[str, Any]) -> None:
 
     if not r.args.w4a8:
         return
-    check_w4a8_line()
     with open(os.path.join(model.bf16_dir, "config.json")) as f:
         cfg = json.load(f)
+    check_w4a8_line(cfg)
     setup["w4a8"] = prepare_w4a8(model.bf16_dir, r.work, w4a8_group_size(cfg, r.args.group_size))
 
 

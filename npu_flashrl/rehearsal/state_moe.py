@@ -57,6 +57,7 @@ class ExpertLayerCheck:
     cold load, `check(weights, step, problems)` after every sync."""
 
     kind = "experts"
+    activations: Optional[Callable] = None  # a quantized forward's activations (W4A8: int8 per token)
 
     def __init__(self, target, block: torch.nn.Module, top_k: int, renormalize: bool,
                  forward_context: Optional[Callable[[int], Any]], gen: torch.Generator):
@@ -202,7 +203,11 @@ class ExpertLayerCheck:
             chosen += [i for i in hits if i not in chosen][:per_expert]
         return torch.tensor(sorted(chosen)) if chosen else None
 
-    def _reference(self, x: torch.Tensor, weights: Dict[str, torch.Tensor], gate_w: torch.Tensor) -> torch.Tensor:
+    def _reference(self, x: torch.Tensor, weights: Dict[str, torch.Tensor], gate_w: torch.Tensor,
+                   dtype: torch.dtype = torch.bfloat16, act: Optional[Callable] = None) -> torch.Tensor:
+        """The fp32 MoE of `weights`' experts, each first rounded to `dtype` (the model's);
+        `act`, when given, applied to each expert matmul's input (a quantized one's activations)."""
+        act = act or (lambda t: t)
         xf = x.float()
         probs = torch.softmax(xf @ gate_w.float().t(), dim=-1)
         topv, topi = probs.topk(self.top_k, dim=-1)
@@ -214,13 +219,16 @@ class ExpertLayerCheck:
             rows = w.nonzero().flatten()
             if rows.numel() == 0:
                 continue
-            g, u, d = (weights[n].cpu().to(torch.bfloat16).float() for n in (g_name, u_name, d_name))
+            g, u, d = (weights[n].cpu().to(dtype).float() for n in (g_name, u_name, d_name))
             xe = xf[rows]
-            h = torch.nn.functional.silu(xe @ g.t()) * (xe @ u.t())
-            out[rows] += w[rows, None] * (h @ d.t())
+            h = torch.nn.functional.silu(act(xe) @ g.t()) * (act(xe) @ u.t())
+            out[rows] += w[rows, None] * (act(h) @ d.t())
         return out
 
-    def _output(self, weights: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    def _output(self, weights: Dict[str, torch.Tensor],
+                dequantized: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
+        """`dequantized` (a W4A8 check's): the fp32 experts the quantized layer stands for; the
+        block's output against their fp32 MoE is reported as `forward_rel_error`."""
         gate_w = weights.get(self.gate_name)
         if gate_w is None:
             gate = getattr(self.block, "gate", None)
@@ -240,7 +248,11 @@ class ExpertLayerCheck:
         y = (y[0] if isinstance(y, tuple) else y).float().cpu()
         y_ref = self._reference(x, weights, gate_w)
         err = float((y - y_ref).norm() / y_ref.norm().clamp_min(1e-30))
-        return {"output_rel_error": err, "output_tokens": int(idx.numel())}
+        out = {"output_rel_error": err, "output_tokens": int(idx.numel())}
+        if dequantized is not None:
+            y_q = self._reference(x, dequantized, gate_w, torch.float32, self.activations)
+            out["forward_rel_error"] = float((y - y_q).norm() / y_q.norm().clamp_min(1e-30))
+        return out
 
 
 def grouped_sigmoid_route(x: torch.Tensor, gate_w: torch.Tensor, bias: Optional[torch.Tensor], n_group: int,
@@ -309,7 +321,7 @@ class GroupedSigmoidExpertLayerCheck(ExpertLayerCheck):
             rows = w.nonzero().flatten()
             if rows.numel() == 0:
                 continue
-            g, u, d = (weights[n].cpu().to(torch.bfloat16).float() for n in (g_name, u_name, d_name))
+            g, u, d = (weights[n].cpu().to(dtype).float() for n in (g_name, u_name, d_name))
             xe = xf[rows]
             out[rows] += w[rows, None] * ((torch.nn.functional.silu(xe @ g.t()) * (xe @ u.t())) @ d.t())
         if all(n in weights for n in self.shared_names):

@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS
+from npu_flashrl.rehearsal.state_w4a8_moe import FORWARD_TOL_MOE
 from npu_flashrl.rehearsal.state import (
     CATEGORIES, _host, _Layer, layer_output, linear_layers, note_in_place, pushed_bias)
 
@@ -69,8 +70,12 @@ class W4A8StateCheck:
     values = "int4"  # what the "int8" category's counts are of (checks.py names them)
 
     def __init__(self, model, targets: Dict[str, Any], device: str, seed: int = 0,
-                 model_dtype: torch.dtype = torch.bfloat16, **_unused):
+                 model_dtype: torch.dtype = torch.bfloat16, experts: Optional[Dict[str, Any]] = None,
+                 moe_config: Optional[Dict[str, Any]] = None, forward_context=None, **_unused):
+        """`experts`, `moe_config`, `forward_context`: as `state.Int8StateCheck`'s (the W4A8_DYNAMIC
+        fused-MoE layers, checked by `state_w4a8_moe.py`)."""
         from npu_flashrl import kernels
+        from npu_flashrl.rehearsal.state_w4a8_moe import w4a8_expert_checks
 
         self.device = device
         self.model_dtype = model_dtype
@@ -82,6 +87,7 @@ class W4A8StateCheck:
         gen = torch.Generator().manual_seed(seed + 4242)
         self.acts = {l.path: torch.randn(LAYER_ERROR_TOKENS, l.layer.weight.shape[0], generator=gen
                                          ).to(model_dtype) for l in self.layers}
+        self.experts = w4a8_expert_checks(model, experts or {}, moe_config or {}, forward_context, seed)
 
     @torch.no_grad()
     def check(self, weights: Dict[str, torch.Tensor], step: int) -> List[Dict[str, Any]]:
@@ -89,6 +95,11 @@ class W4A8StateCheck:
         for l in self.layers:
             problems: Dict[str, Optional[str]] = {c: None for c in CATEGORIES_W4A8}
             res = self._check_layer(l, weights, step, problems)
+            res["problems"] = problems
+            out.append(res)
+        for e in self.experts:
+            problems = {c: None for c in CATEGORIES_W4A8}
+            res = e.check(weights, step, problems)
             res["problems"] = problems
             out.append(res)
         return out
@@ -198,4 +209,10 @@ def state_rules(max_layer_error: float) -> Dict[str, str]:
             "output": f"relative Frobenius error of the layer's forward on {LAYER_ERROR_TOKENS} random tokens vs "
                       f"x @ W^T + b in fp32 from the pushed bf16 weights <= {max_layer_error}",
             "forward": f"the same forward vs x @ dequantized(W)^T + b in fp32 (the W4A8 forward of the fresh "
-                       f"load, bias included) <= {FORWARD_TOL}"}
+                       f"load, bias included) <= {FORWARD_TOL}",
+            "experts": "W4A8_DYNAMIC fused-MoE layers (state_w4a8_moe.py): w13/w2 packed int32 weights, the fused "
+                       "int64 weight_scale and the scale_bias equal to a fresh W4A8 load of the pushed experts bit "
+                       "for bit, offsets 0, data_ptr and w13/w2 storage format unchanged; output: the sparse MoE "
+                       f"block vs an fp32 MoE from the pushed weights <= {max_layer_error}; forward: vs the fp32 MoE "
+                       "of the dequantized fresh load with int8 per-token activations <= "
+                       f"{FORWARD_TOL_MOE}"}

@@ -54,22 +54,51 @@ def prepare_config(args, bf16_dir: str, work: str, progress: bool) -> Dict[str, 
 
 
 def check_w4a8(args, model_cfg) -> None:
-    """--w4a8 with a model the W4A8 rollout cannot serve: refused before anything starts."""
+    """--w4a8 with a model the W4A8 rollout cannot serve: refused before anything starts. A
+    mixture-of-experts model: Qwen3-MoE-style softmax routing (the W4A8 expert state check's,
+    `state_w4a8_moe.py`), and the experts' input sizes (hidden_size for gate/up,
+    moe_intermediate_size for down) multiples of the A8W4 grouped matmul's quantGroupSize, which
+    is then the group size (`kernels.op_rules_int4`, aclnnGroupedMatmulV4)."""
+    from npu_flashrl.kernels.op_rules_int4 import A8W4_QUANT_GROUP
     from npu_flashrl.rehearsal.model import is_moe
 
-    if getattr(args, "w4a8", False) and is_moe(model_cfg):
-        what = f"--model {args.model}" if getattr(args, "model", None) is not None else f"--arch {args.arch}"
-        raise RehearsalError(f"--w4a8 with {what}: a mixture-of-experts model; vllm-ascend's W4A8_DYNAMIC "
-                             "fused-MoE layers are not reloaded (docs/w4a8.md, Fused MoE). Drop --w4a8")
+    if not getattr(args, "w4a8", False) or not is_moe(model_cfg):
+        return
+    what = f"--model {args.model}" if getattr(args, "model", None) is not None else f"--arch {args.arch}"
+    if model_cfg.get("scoring_func") == "sigmoid" or model_cfg.get("kv_lora_rank") \
+            or not model_cfg.get("moe_intermediate_size"):
+        raise RehearsalError(f"--w4a8 with {what}: a mixture-of-experts model the W4A8 MoE rehearsal does not "
+                             "cover (it covers Qwen3-MoE-style experts: softmax routing, no MLA); drop --w4a8 "
+                             "(the INT8 rehearsal covers this model)")
+    # every projection: fn w4a8_profile_free types them all W4A8_DYNAMIC with one group size
+    bad = {k: v for k, v in w4a8_input_sizes(model_cfg).items() if v % A8W4_QUANT_GROUP}
+    if bad:
+        raise RehearsalError(
+            f"--w4a8 with {what}: vllm-ascend's W4A8_DYNAMIC fused-MoE layers run the A8W4 grouped matmul, "
+            f"whose K must be a multiple of quantGroupSize {A8W4_QUANT_GROUP} (aclnnGroupedMatmulV4), and the "
+            f"W4A8 rollout quantizes every projection with that group size; "
+            + ", ".join(f"{k} {v}" for k, v in bad.items()) + " is not a multiple. Drop --w4a8")
+    g = getattr(args, "group_size", None)
+    if g is not None and g != A8W4_QUANT_GROUP:
+        raise RehearsalError(f"--group-size {g} with a mixture-of-experts model: the A8W4 grouped matmul of "
+                             f"its W4A8 experts takes quantGroupSize {A8W4_QUANT_GROUP} only; drop --group-size "
+                             f"or set it to {A8W4_QUANT_GROUP}")
 
 
-def check_w4a8_line() -> None:
-    """--w4a8 on a line whose vllm-ascend has no W4A8_DYNAMIC linear method (asked once the
-    torch_npu emulation is in place: the line's table imports vllm-ascend's quantization)."""
+def check_w4a8_line(model_cfg=None) -> None:
+    """--w4a8 on a line whose vllm-ascend has no W4A8_DYNAMIC linear method, or (a MoE model) whose
+    W4A8_DYNAMIC fused-MoE layers npu_flashrl does not reload (the line's `w4a8_moe_cast`); asked
+    once the torch_npu emulation is in place: the line's table imports vllm-ascend's quantization."""
     from npu_flashrl import lines
+    from npu_flashrl.rehearsal.model import is_moe
 
-    if lines.current().method_class("W4A8_DYNAMIC", "linear") is None:
-        raise RehearsalError(f"--w4a8: vllm-ascend {lines.current().vllm_ascend} has no W4A8_DYNAMIC linear method")
+    line = lines.current()
+    if line.method_class("W4A8_DYNAMIC", "linear") is None:
+        raise RehearsalError(f"--w4a8: vllm-ascend {line.vllm_ascend} has no W4A8_DYNAMIC linear method")
+    if is_moe(model_cfg) and (line.method_class("W4A8_DYNAMIC", "moe") is None or line.w4a8_moe_cast is None):
+        raise RehearsalError(f"--w4a8 with a mixture-of-experts model: vllm-ascend {line.vllm_ascend}'s "
+                             "W4A8_DYNAMIC fused-MoE layers are not reloaded by npu_flashrl on this line "
+                             "(docs/w4a8.md, Fused MoE); drop --w4a8, or use a line that reloads them")
 
 
 W4A8_MAX_GROUP = 256  # vllm-ascend's default group_size (when the description has none)
@@ -81,8 +110,23 @@ def w4a8_input_sizes(model_cfg) -> Dict[str, int]:
         else model_cfg
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    return {"q/k/v_proj, gate/up_proj (hidden_size)": hidden, "o_proj (num_attention_heads x head_dim)":
-            heads * head_dim, "down_proj (intermediate_size)": int(cfg["intermediate_size"])}
+    sizes = {"q/k/v_proj, gate/up_proj (hidden_size)": hidden, "o_proj (num_attention_heads x head_dim)":
+             heads * head_dim}
+    if cfg.get("moe_intermediate_size"):  # Qwen3-MoE: the experts' down_proj
+        sizes["experts' down_proj (moe_intermediate_size)"] = int(cfg["moe_intermediate_size"])
+    if _has_dense_mlp(cfg):
+        sizes["down_proj (intermediate_size)"] = int(cfg["intermediate_size"])
+    return sizes
+
+
+def _has_dense_mlp(cfg) -> bool:
+    """A dense MLP in some decoder layer: every layer of a dense model; a Qwen3-MoE's layers in
+    `mlp_only_layers` or off its `decoder_sparse_step` (vLLM's Qwen3MoeDecoderLayer's rule)."""
+    if not cfg.get("moe_intermediate_size"):
+        return True
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    return any(i in only or (i + 1) % step != 0 for i in range(int(cfg["num_hidden_layers"])))
 
 
 def w4a8_group_size(model_cfg, requested=None) -> int:

@@ -24,6 +24,8 @@ stale_expert       MoE: one expert (layer 0, expert 5) keeps the tensors of the 
 w4a8_packed_flip   W4A8: one packed int32 word of the first layer bit-flipped              1
 w4a8_scale_x2      W4A8: the first o_proj's antiquant weight_scale_second doubled          1
 w4a8_moved_weight  W4A8: the first layer's packed weight re-allocated (not in place)       1
+w4a8_expert_flip   W4A8 MoE: one packed int32 word of layer 0's expert 3 w2 bit-flipped    1
+w4a8_expert_scale_x2  W4A8 MoE: layer 0's expert 3 fused w2 scale doubled (fp32 exponent+1)  1
 =================  ==================================================================  ==========
 
 The MoE faults need a MoE `--model` (refused on a dense model); the global quantizer faults
@@ -44,7 +46,9 @@ FAULT_ENV = "NPU_FLASHRL_REHEARSAL_FAULT"
 EXPERT_FAULTS = ("expert_scale_x0.5", "stale_expert")
 QUANTIZER_FAULTS = ("scale_x0.5", "scale_x1.1", "int8_transposed", "stale_shard", "round_trunc") + EXPERT_FAULTS
 AFTER_SYNC_FAULTS = ("moved_weight", "stale_fp32_scale")
-W4A8_FAULTS = ("w4a8_packed_flip", "w4a8_scale_x2", "w4a8_moved_weight")
+W4A8_EXPERT_FAULTS = ("w4a8_expert_flip", "w4a8_expert_scale_x2")
+W4A8_FAULTS = ("w4a8_packed_flip", "w4a8_scale_x2", "w4a8_moved_weight") + W4A8_EXPERT_FAULTS
+W4A8_EXPERT = 3  # the expert the W4A8 MoE faults hit (layer 0)
 FAULTS = QUANTIZER_FAULTS + AFTER_SYNC_FAULTS + W4A8_FAULTS
 SCALED_EXPERT = "layers.0.mlp.experts.3.down_proj.weight"
 STALE_EXPERT = "layers.0.mlp.experts.5."
@@ -110,6 +114,14 @@ class Fault:
             square = next((n for n, t in targets.items() if n.endswith("o_proj.weight")
                            and t.layer.weight.shape[0] == t.layer.weight.shape[1]), None)
             vllm_ascend.attach(model, _FaultyQuantizer(loader.quantizer, name, square))
+        elif name in W4A8_EXPERT_FAULTS:
+            experts = getattr(loader, "experts", None) or {}
+            t = next((t for t in experts.values() if ".layers.0." in f".{t.path}."), None)
+            if t is None or t.scheme.key[0] != "W4A8_DYNAMIC":
+                raise FaultError(f"{FAULT_ENV}={name}: needs a MoE --model whose layer 0 experts are "
+                                 "W4A8_DYNAMIC fused-MoE layers (rehearse --w4a8 on a Qwen3-MoE)")
+            self._layer, self.layer_path = t.layer, t.path
+            self._slot = int(t.layer._map_global_expert_id_to_local_expert_id(W4A8_EXPERT))
         elif name == "w4a8_scale_x2":
             t = next(t for n, t in targets.items() if n.endswith("o_proj.weight"))
             self._layer, self.layer_path = t.layer, t.path
@@ -134,6 +146,11 @@ class Fault:
             self._layer.weight_scale_second.mul_(2)
         elif self.name == "w4a8_moved_weight":
             self._layer.weight.data = self._layer.weight.data.clone()
+        elif self.name == "w4a8_expert_flip":
+            self._layer.w2_weight.data[self._slot].view(-1)[7] ^= 0x00F0  # one int4 value of word 7
+        elif self.name == "w4a8_expert_scale_x2":
+            # the int64 holds the fp32 scale's bits in its low word: +1 on the exponent doubles it
+            self._layer.w2_weight_scale.data[self._slot] += 0x00800000
 
 
 def install(model, loader) -> Optional[Fault]:
@@ -143,5 +160,6 @@ def install(model, loader) -> Optional[Fault]:
     name = active()
     if name is None:
         return None
-    w4a8 = any(t.scheme.key[0] == "W4A8_DYNAMIC" for t in loader.targets.values())
+    w4a8 = any(t.scheme.key[0] == "W4A8_DYNAMIC"
+               for t in list(loader.targets.values()) + list((getattr(loader, "experts", None) or {}).values()))
     return Fault(name, model, loader) if (name in W4A8_FAULTS) == w4a8 else None
