@@ -57,6 +57,19 @@ def _read_json(path: str) -> dict:
     return data
 
 
+def read_description(model_dir: str) -> Optional[dict]:
+    """The ModelSlim description at `model_dir` (None: it has none); ValueError names an unreadable one."""
+    path = os.path.join(model_dir, DESCRIPTION_FILE)
+    return _read_json(path) if os.path.exists(path) else None
+
+
+def w4a8_modules(description: dict) -> List[str]:
+    """The projections (module names) a ModelSlim description types W4A8_DYNAMIC."""
+    return sorted(k[: -len(".weight")] for k, v in description.items()
+                  if isinstance(k, str) and k.endswith(".weight") and projections.is_projection(k)
+                  and v == W4A8_DYNAMIC)
+
+
 def modelslim_problems(model_dir: str, description: dict, group_size: Optional[int]) -> List[str]:
     """Where a ModelSlim checkpoint's tensors or group size do not match its description (or the
     entry's `group_size`), one line per layer."""

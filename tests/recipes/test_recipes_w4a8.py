@@ -82,14 +82,6 @@ def test_the_preflight_holds_the_config_to_the_precision(inputs, tmp_path, scrip
         assert run(script, dict(inputs["env"], FLASHRL_CONFIG=str(cfg)), "--dry-run").returncode == 0
 
 
-def test_the_preflight_refuses_w4a8_for_a_moe_recipe():
-    from npu_flashrl.recipes.preflight import vars_phase
-
-    problems, _, _ = vars_phase({"FLASHRL_FN": "w4a8_profile_free"}, ["entry", "moe", "any"])
-    assert any("reloaded in place only from a ModelSlim W4A8" in p for p in problems), problems
-    assert vars_phase({"FLASHRL_FN": "w4a8_profile_free"}, ["entry", "any"])[0] == []
-
-
 def test_the_w4a8_launch_passes_verls_own_checks(inputs, tmp_path):  # noqa: F811
     """The W4A8 launch's command with the preflight's verl checks on (verl 0.9.1's config tree,
     `validate_config`, the rollout config's `__post_init__`), as tests/recipes/
