@@ -267,9 +267,11 @@ def _check_wire(fn: str, wire: Optional[str], where: str) -> None:
     if wire.strip() not in WIRES:
         raise ConfigError(f"{where}.wire: expected one of {', '.join(WIRES)}; got {wire!r}")
     if wire.strip() == _wire.WIRE_INT8 and fn != FN_INT8_PROFILE_FREE:
-        why = ("FlashRL's int8 profile (fixed, profiled scales) lives on the rollout only, so the "
-               "trainer cannot quantize as the rollout does" if fn == FN_INT8
-               else "a bf16 rollout takes full-precision weights")
+        why = {FN_INT8: "FlashRL's int8 profile (fixed, profiled scales) lives on the rollout only, so the "
+                        "trainer cannot quantize as the rollout does",
+               FN_BF16: "a bf16 rollout takes full-precision weights"}.get(
+            fn, f"the INT8 wire carries per-channel int8 weights (W8A8_DYNAMIC), which the layers of fn {fn!r} "
+                "do not hold; that rollout quantizes the float weights itself at every sync (the float wire)")
         raise ConfigError(f"{where}.wire: int8 needs fn {FN_INT8_PROFILE_FREE}, not fn {fn!r}: {why}. "
                           "Drop `wire: int8` or use fn int8_profile_free")
 

@@ -17,7 +17,8 @@ to stderr as ``[recipe] ERROR: ...``; the exit status is `REFUSED` (3) when anyt
 so that the shell tells a refusal from an interpreter that cannot run npu_flashrl at all.
 
 Torch-free on purpose (it runs on every --dry-run): nothing here imports npu_flashrl.config or the
-adapters.
+adapters at module level; only an existing FlashRL config file (`config_check`, read by npu_flashrl's
+own reader) or a quantized checkpoint (`quant_check`) imports them, when the launch names one.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from npu_flashrl.lines import verl as verl_lines
-from npu_flashrl.recipes import quant_check, w4a8_groups
+from npu_flashrl.recipes import config_check, quant_check, w4a8_groups
 from npu_flashrl.recipes import variables as V
 from npu_flashrl.recipes.command import Command, read_words
 from npu_flashrl.values import is_null, is_true
@@ -105,7 +106,8 @@ class Checker:
         entries = data.get("configs") if isinstance(data, dict) else None
         if isinstance(data, dict) and "fn" in data:
             entries = [data]
-        return [str(e.get("fn")) for e in entries or [] if isinstance(e, dict) and "fn" in e]
+        # FlashRL's reader: an entry without `fn` is int8; the value is read stripped
+        return [str(e.get("fn", "int8")).strip() for e in entries or [] if isinstance(e, dict)]
 
     def int8_rollout(self) -> bool:
         fns = self.flashrl_fns()
@@ -459,6 +461,9 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
     problems += found
     notes += more
     found, more = quant_check.checkpoint_problems(checker)
+    problems += found
+    notes += more
+    found, more = config_check.problems(checker)
     problems += found
     notes += more
     problems += w4a8_groups.problems(checker)

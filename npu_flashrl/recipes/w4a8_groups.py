@@ -47,12 +47,16 @@ def group_sizes(checker) -> List[Tuple[int, str]]:
             data.get("configs") if isinstance(data, dict) else None)
         found = []
         for i, entry in enumerate(entries or []):
-            if isinstance(entry, dict) and entry.get("fn") == W4A8_FN:
-                size = _int(entry.get("group_size"))
-                # 0 (per-channel: W4A8 experts only, no linear groups to fit) is dropped below
-                found.append((size, f"{path}: configs[{i}].group_size") if size is not None else
-                             (_default_group_size(), f"{path}: configs[{i}] (the default group size)"))
-        return [(s, where) for s, where in found if s and s > 0]
+            # the fn read stripped, as npu_flashrl's config reader reads it
+            if isinstance(entry, dict) and str(entry.get("fn")).strip() == W4A8_FN:
+                given = entry.get("group_size")
+                if given is None:
+                    found.append((_default_group_size(), f"{path}: configs[{i}] (the default group size)"))
+                elif _int(given) and given > 0:
+                    found.append((given, f"{path}: configs[{i}].group_size"))
+                # 0 (per-channel: W4A8 experts only, no linear groups to fit) is dropped; anything else is
+                # not a group size at all: `config_check` names the key (never the default in its place)
+        return found
     env = checker.environ
     if env.get("FLASHRL_FN") != W4A8_FN and env.get("ROLLOUT_PRECISION") != "w4a8":
         return []
