@@ -435,6 +435,12 @@ def vars_phase(environ: Mapping[str, str], features: Sequence[str]) -> Tuple[Lis
         problems.append(f"TIS_USE_POLICY_GRADIENT={pg}: {verl_lines.RELEASES[verl_lines.SERVER]} has no "
                         f"{RC}use_policy_gradient (replaced by {removed}). Fix: {TIS_RECIPE_FIX[verl_lines.SERVER]} "
                         "and leave TIS_USE_POLICY_GRADIENT unset")
+    fn, precision = environ.get("FLASHRL_FN") or "int8", environ.get("ROLLOUT_PRECISION")
+    if "entry" in features and precision and V.PRECISION_OF_FN.get(fn, precision) != precision:
+        problems.append(f"ROLLOUT_PRECISION={precision} with FLASHRL_FN={fn}: the entry sets up a "
+                        f"{V.PRECISION_OF_FN[fn]} rollout (npu-flashrl setup --fn {fn}) and would launch it under "
+                        f"the {precision} name; unset ROLLOUT_PRECISION (it follows FLASHRL_FN), or run the "
+                        f"{precision} recipe")
     if "moe" in features and "entry" in features and environ.get("FLASHRL_FN") in PROFILE_FNS:
         problems.append("FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts and npu_flashrl "
                         "refuses it for a MoE model; use FLASHRL_FN=int8_profile_free (docs/moe.md)")

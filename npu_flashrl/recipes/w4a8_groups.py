@@ -64,7 +64,21 @@ def group_sizes(checker) -> List[Tuple[int, str]]:
         key, _, value = word.partition("=")
         if key == "group_size" and value.isdigit() and int(value) > 0:
             return [(int(value), f"SETUP_EXTRA={env.get('SETUP_EXTRA')}")]
+        if key == "group_size":  # not a group size: `setup_extra_problem` names it (never the default instead)
+            return []
     return [(_default_group_size(), "npu-flashrl setup's default group size (SETUP_EXTRA sets none)")]
+
+
+def setup_extra_problem(checker) -> Optional[str]:
+    """A `group_size=` in SETUP_EXTRA (what the entry passes to `npu-flashrl setup`) that is not a
+    positive integer: setup would refuse it after the dry run said nothing."""
+    extra = checker.environ.get("SETUP_EXTRA")
+    for word in str(extra or "").split():
+        key, _, value = word.partition("=")
+        if key == "group_size" and not (value.isdigit() and int(value) > 0):
+            return (f"SETUP_EXTRA={extra}: group_size={value}: expected a positive integer (input channels "
+                    f"per W4A8 scale group; npu-flashrl setup refuses anything else), e.g. group_size=128")
+    return None
 
 
 def row_parallel_inputs(config: dict) -> Dict[str, int]:
@@ -83,6 +97,12 @@ def row_parallel_inputs(config: dict) -> Dict[str, int]:
 def problems(checker) -> List[str]:
     """A W4A8 rollout's group sizes that leave a remainder on a row-parallel projection's rank."""
     sizes = group_sizes(checker)
+    path = checker.flashrl_config()
+    if not (path and os.path.isfile(path)) and (checker.environ.get("FLASHRL_FN") == W4A8_FN
+                                                or checker.environ.get("ROLLOUT_PRECISION") == "w4a8"):
+        problem = setup_extra_problem(checker)
+        if problem:
+            return [problem]
     model = checker.get("actor_rollout_ref.model.path")
     if not sizes or model is None:
         return []

@@ -159,3 +159,31 @@ def test_rehearse_refuses_the_w4a8_variants_options_without_w4a8(flags):
     args = build_parser().parse_args(["rehearse"])
     check_arguments(args)
     assert args.max_w4a8_layer_error == DEFAULT_MAX_W4A8_LAYER_ERROR  # the default, when not given
+
+
+@pytest.mark.parametrize("fn, precision", [(None, "w4a8"), ("int8_profile_free", "w4a8"), (None, "bf16"),
+                                           ("w4a8_profile_free", "int8")])
+def test_an_entry_recipe_refuses_a_precision_its_fn_does_not_set_up(fn, precision):
+    """FLASHRL_FN decides what `npu-flashrl setup` writes; ROLLOUT_PRECISION (its default follows it)
+    names the run. Both given and disagreeing: refused before setup, naming both."""
+    env = {"ROLLOUT_PRECISION": precision, **({"FLASHRL_FN": fn} if fn else {})}
+    problems, _, _ = P.vars_phase(env, ["entry", "any", "current"])
+    assert any(p.startswith(f"ROLLOUT_PRECISION={precision} with FLASHRL_FN={fn or 'int8'}: ") for p in problems), \
+        problems
+    agreeing = {"FLASHRL_FN": fn or "int8", "ROLLOUT_PRECISION": "w4a8" if fn == "w4a8_profile_free" else "int8"}
+    assert P.vars_phase(agreeing, ["entry", "any", "current"])[0] == []
+    assert P.vars_phase(env, ["fsdp", "current"])[0] == []  # a config script: its own recipe_sets rule
+
+
+@pytest.mark.parametrize("extra", ["group_size=abc", "group_size=0", "group_size=-64", "group_size="])
+def test_a_setup_extra_group_size_that_is_none_is_named_not_replaced_by_the_default(tmp_path, extra):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_7B_DIMS))
+    words = ["python3", "-m", "verl.trainer.main_ppo", f"actor_rollout_ref.model.path={model}",
+             f"{RO}tensor_model_parallel_size=4", "trainer.n_gpus_per_node=8"]
+    env = {"NPU_FLASHRL_PREFLIGHT_VERL": "0", "FLASHRL_FN": "w4a8_profile_free", "SETUP_EXTRA": f"load_format=auto {extra}",
+           "FLASHRL_CONFIG": str(tmp_path / "not_written_yet.yaml")}
+    problems, _ = P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"SETUP_EXTRA=load_format=auto {extra}: {extra}: expected a positive integer")
