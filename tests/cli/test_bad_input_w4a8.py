@@ -187,3 +187,25 @@ def test_a_setup_extra_group_size_that_is_none_is_named_not_replaced_by_the_defa
     problems, _ = P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"SETUP_EXTRA=load_format=auto {extra}: {extra}: expected a positive integer")
+
+
+def test_a_w4a8_entrys_quantization_key_is_refused_unless_ascend():
+    """The engine build sets quantization 'ascend' for every quantized entry: another value on a W4A8
+    entry was overwritten without a word (the INT8 fns keep FlashRL's key)."""
+    from npu_flashrl.config import ConfigError, parse_config
+
+    for value in ("compressed-tensors", "awq"):
+        with pytest.raises(ConfigError, match=rf"^cfg.yaml: configs\[0\].quantization: '{value}' with fn "
+                                              r"'w4a8_profile_free': .* would be overwritten; drop it"):
+            parse_config({"configs": [{"fn": "w4a8_profile_free", "quantization": value}]}, "cfg.yaml")
+    assert parse_config({"configs": [{"fn": "w4a8_profile_free", "quantization": "ascend"}]}).entries[0].quantization
+    assert parse_config({"configs": [{"fn": "int8_profile_free", "quantization": "compressed-tensors"}]})
+
+
+def test_w4a8_as_a_flashrl_config_shortcut_says_how_to_write_one(monkeypatch, tmp_path):
+    from npu_flashrl.config import ConfigError, load_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^'w4a8_profile_free': fn 'w4a8_profile_free' is not a shortcut .*"
+                                          r"`npu-flashrl setup -m MODEL --fn w4a8_profile_free -o FILE"):
+        load_config("w4a8_profile_free")
