@@ -64,20 +64,22 @@ def group_sizes(checker) -> List[Tuple[int, str]]:
         key, _, value = word.partition("=")
         if key == "group_size" and value.isdigit() and int(value) > 0:
             return [(int(value), f"SETUP_EXTRA={env.get('SETUP_EXTRA')}")]
-        if key == "group_size":  # not a group size: `setup_extra_problem` names it (never the default instead)
+        if key == "group_size":  # 0: no linear groups to fit; else no group size: `setup_extra_problem` names it
             return []
     return [(_default_group_size(), "npu-flashrl setup's default group size (SETUP_EXTRA sets none)")]
 
 
 def setup_extra_problem(checker) -> Optional[str]:
-    """A `group_size=` in SETUP_EXTRA (what the entry passes to `npu-flashrl setup`) that is not a
-    positive integer: setup would refuse it after the dry run said nothing."""
+    """A `group_size=` in SETUP_EXTRA (what the entry passes to `npu-flashrl setup`) that is no
+    group size (not a positive integer, nor 0 for per-channel experts): setup would refuse it after
+    the dry run said nothing."""
     extra = checker.environ.get("SETUP_EXTRA")
     for word in str(extra or "").split():
         key, _, value = word.partition("=")
-        if key == "group_size" and not (value.isdigit() and int(value) > 0):
+        if key == "group_size" and not value.isdigit():
             return (f"SETUP_EXTRA={extra}: group_size={value}: expected a positive integer (input channels "
-                    f"per W4A8 scale group; npu-flashrl setup refuses anything else), e.g. group_size=128")
+                    f"per W4A8 scale group) or 0 (per-channel, W4A8 fused-MoE experts only); npu-flashrl setup "
+                    f"refuses anything else, e.g. group_size=128")
     return None
 
 

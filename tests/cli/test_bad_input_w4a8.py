@@ -48,7 +48,8 @@ def launch(tmp_path, config_text, precision="w4a8", tp=4):
 REFUSED_BY_THE_READER = {  # the config: what the refusal must name (the file comes first)
     "group_size_string": ("configs:\n  - fn: w4a8_profile_free\n    group_size: '128'\n",
                           "configs[0].group_size: expected a positive integer"),
-    "group_size_zero": ("configs:\n  - fn: w4a8_profile_free\n    group_size: 0\n", "configs[0].group_size = 0"),
+    "group_size_negative": ("configs:\n  - fn: w4a8_profile_free\n    group_size: -128\n",
+                            "configs[0].group_size = -128"),
     "group_size_on_int8": ("configs:\n  - fn: int8_profile_free\n    group_size: 128\n",
                            "configs[0].group_size: fn 'int8_profile_free' has no weight groups"),
     "w4a8_int8_wire": ("configs:\n  - fn: w4a8_profile_free\n    group_size: 128\n    wire: int8\n",
@@ -175,7 +176,7 @@ def test_an_entry_recipe_refuses_a_precision_its_fn_does_not_set_up(fn, precisio
     assert P.vars_phase(env, ["fsdp", "current"])[0] == []  # a config script: its own recipe_sets rule
 
 
-@pytest.mark.parametrize("extra", ["group_size=abc", "group_size=0", "group_size=-64", "group_size="])
+@pytest.mark.parametrize("extra", ["group_size=abc", "group_size=1.5", "group_size=-64", "group_size="])
 def test_a_setup_extra_group_size_that_is_none_is_named_not_replaced_by_the_default(tmp_path, extra):
     model = tmp_path / "model"
     model.mkdir()
@@ -187,6 +188,8 @@ def test_a_setup_extra_group_size_that_is_none_is_named_not_replaced_by_the_defa
     problems, _ = P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"SETUP_EXTRA=load_format=auto {extra}: {extra}: expected a positive integer")
+    env["SETUP_EXTRA"] = "group_size=0"  # per-channel (W4A8 experts only): no linear groups to fit here
+    assert P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")[0] == []
 
 
 def test_a_w4a8_entrys_quantization_key_is_refused_unless_ascend():
