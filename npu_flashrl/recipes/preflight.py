@@ -162,9 +162,16 @@ class Checker:
                 "rollout): run the bf16 recipe for a bf16 baseline, or write an INT8 config (npu-flashrl setup "
                 "--fn int8_profile_free, or set FLASHRL_CONFIG to another file)")
             return
+        of = dict(V.PRECISION_OF_FN, **{alias: "int8" for alias in PROFILE_FNS})
+        quantized = [fn for fn in fns or [] if fn != "bf16"]
+        if self.recipe and precision == "bf16" and quantized:  # the bf16 twin, handed a quantized config
+            self.problems.append(
+                f"ROLLOUT_PRECISION=bf16 but FLASHRL_CONFIG {self.flashrl_config()} has fn: {quantized[0]} (a "
+                f"{of.get(quantized[0], quantized[0])} rollout under the bf16 name): run the recipe of that "
+                "precision, or give the bf16 recipe a bf16 config (npu-flashrl setup --fn bf16)")
+            return
         if not (self.recipe and fns and precision in ("int8", "w4a8")):
             return
-        of = dict(V.PRECISION_OF_FN, **{alias: "int8" for alias in PROFILE_FNS})
         other = [fn for fn in fns if fn != "bf16" and of.get(fn, precision) != precision]
         if other or all(fn == "bf16" for fn in fns):
             got = other[0] if other else "bf16"

@@ -212,3 +212,13 @@ def test_w4a8_as_a_flashrl_config_shortcut_says_how_to_write_one(monkeypatch, tm
     with pytest.raises(ConfigError, match=r"^'w4a8_profile_free': fn 'w4a8_profile_free' is not a shortcut .*"
                                           r"`npu-flashrl setup -m MODEL --fn w4a8_profile_free -o FILE"):
         load_config("w4a8_profile_free")
+
+
+@pytest.mark.parametrize("fn", ["w4a8_profile_free", "int8_profile_free"])
+def test_the_bf16_recipe_refuses_a_quantized_config(tmp_path, fn):
+    """The bf16 twin handed the W4A8 (or INT8) config would launch a quantized rollout under the
+    bf16 name."""
+    cfg, problems, _ = launch(tmp_path, f"configs:\n  - fn: {fn}\n    model: /x\n", precision="bf16")
+    assert any(p.startswith(f"ROLLOUT_PRECISION=bf16 but FLASHRL_CONFIG {cfg} has fn: {fn}") for p in problems), \
+        problems
+    assert launch(tmp_path, "configs:\n  - fn: bf16\n", precision="bf16")[1] == []
