@@ -230,6 +230,7 @@ class RolloutConfig:
             if not isinstance(k, str):
                 raise ConfigError(f"{where}: keys must be strings; got {k!r}")
         _check_wire(fn, kwargs.get("wire"), where)
+        _check_quantization(fn, kwargs.get("quantization"), where)
         return cls(fn=fn, extra=extra, **kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -267,11 +268,28 @@ def _check_wire(fn: str, wire: Optional[str], where: str) -> None:
     if wire.strip() not in WIRES:
         raise ConfigError(f"{where}.wire: expected one of {', '.join(WIRES)}; got {wire!r}")
     if wire.strip() == _wire.WIRE_INT8 and fn != FN_INT8_PROFILE_FREE:
-        why = ("FlashRL's int8 profile (fixed, profiled scales) lives on the rollout only, so the "
-               "trainer cannot quantize as the rollout does" if fn == FN_INT8
-               else "a bf16 rollout takes full-precision weights")
+        why = {FN_INT8: "FlashRL's int8 profile (fixed, profiled scales) lives on the rollout only, so the "
+                        "trainer cannot quantize as the rollout does",
+               FN_BF16: "a bf16 rollout takes full-precision weights"}.get(
+            fn, f"the INT8 wire carries per-channel int8 weights (W8A8_DYNAMIC), which the layers of fn {fn!r} "
+                "do not hold; that rollout quantizes the float weights itself at every sync (the float wire)")
         raise ConfigError(f"{where}.wire: int8 needs fn {FN_INT8_PROFILE_FREE}, not fn {fn!r}: {why}. "
                           "Drop `wire: int8` or use fn int8_profile_free")
+
+
+def _check_quantization(fn: str, value: Optional[str], where: str) -> None:
+    """`quantization` on an entry whose quantizer builds its own vllm-ascend layers from a bf16
+    checkpoint (W4A8: `description_type` not W8A8_DYNAMIC): the engine build sets 'ascend' for every
+    quantized entry, so another value would be overwritten without a word. (The INT8 fns keep
+    FlashRL's key: their compressed-tensors checkpoint is read by vllm-ascend either way.)"""
+    from npu_flashrl.quant.registry import QUANTIZERS
+
+    cls = QUANTIZERS.get(fn)
+    if value is None or cls is None or cls.description_type == "W8A8_DYNAMIC" or value.strip() == "ascend":
+        return
+    raise ConfigError(f"{where}.quantization: {value!r} with fn {fn!r}: that rollout runs vllm-ascend's "
+                      f"{cls.description_type} layers (quantization 'ascend', set by npu_flashrl at the engine "
+                      "build), so the key would be overwritten; drop it (or set it to ascend)")
 
 
 def _check_group_size(fn: str, value: Any, where: str) -> int:
@@ -386,6 +404,10 @@ def load_config(path_or_none: Optional[Union[str, os.PathLike]] = None) -> Flash
             raise ConfigError(f"{origin}: fn {value!r} needs a model and a profile, so it cannot be a "
                               f"shortcut; write a config with `npu-flashrl setup -m MODEL -p PROFILE "
                               f"--fn {value} -o FILE`")
+        if value in SUPPORTED_FNS:  # a quantizer with weight groups: its group size is the model's
+            raise ConfigError(f"{origin}: fn {value!r} is not a shortcut (its group size must divide the "
+                              f"model's projections, which setup checks); write a config with `npu-flashrl "
+                              f"setup -m MODEL --fn {value} -o FILE [group_size=N]`")
         hint = ""
         if value.count("/") >= 2 and not value.startswith(("/", ".", "~")):
             hint = (" (FlashRL would fetch a hub path `org/repo/file`; npu_flashrl does not download: "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 from npu_flashrl.kernels.int4 import DEFAULT_GROUP_SIZE
@@ -181,6 +182,33 @@ def mixed_layout(model_dir: str) -> Optional[str]:
             f"(per-channel scales) and {n4} {W4A8_DYNAMIC} projection(s) int4 ({groups}) at every sync")
 
 
+_EXPERT = re.compile(r"(^|\.)mlp\.experts\.\d+\.")
+
+
+def line_problems(where: str, description: dict) -> List[str]:
+    """What the installed vllm-ascend line does not reload of a W4A8 description: its W4A8_DYNAMIC
+    fused-MoE experts on a line whose post-processing npu_flashrl does not follow
+    (`StackLine.w4a8_moe_cast` None: v0.10.1rc1), refused at engine build otherwise (the scheme's
+    `targets`). [] where vllm-ascend is not importable (another row of `verify` says so)."""
+    experts = sorted(k for k, v in description.items() if v == W4A8_DYNAMIC and isinstance(k, str)
+                     and k.endswith(".weight") and _EXPERT.search(k))
+    if not experts:
+        return []
+    from npu_flashrl.lines.detect import LINES, UnsupportedVersion, current
+
+    try:
+        line = current()
+    except UnsupportedVersion:
+        return []
+    if line.w4a8_moe_cast is not None:
+        return []
+    return [f"{where}: {experts[0][: -len('.weight')]} is a {W4A8_DYNAMIC} fused-MoE expert ({len(experts)} "
+            f"expert projection(s)); vllm-ascend {line.vllm_ascend}'s W4A8_DYNAMIC fused-MoE post-processing "
+            "keeps another processed layout, which npu_flashrl does not reload (the engine build refuses it): "
+            f"use a line that reloads W4A8 MoE (vllm-ascend {', '.join(ln.vllm_ascend for ln in LINES if ln.w4a8_moe_cast)}; "
+            "docs/w4a8.md, Fused MoE)"]
+
+
 def bf16_problems(model_dir: str, group_size: int) -> List[str]:
     """A bare bf16 checkpoint's projections whose input dim `group_size` does not divide."""
     from npu_flashrl.checkpoint import SafetensorsCheckpoint
@@ -196,7 +224,8 @@ def w4a8_checkpoint_problems(model_dir: str, group_size: Optional[int] = None) -
     description = os.path.join(model_dir, DESCRIPTION_FILE)
     try:
         if os.path.exists(description):
-            return modelslim_problems(model_dir, _read_json(description), group_size)
+            data = _read_json(description)
+            return line_problems(description, data) or modelslim_problems(model_dir, data, group_size)
         config = os.path.join(model_dir, "config.json")
         cfg = _read_json(config) if os.path.exists(config) else {}
     except ValueError as exc:

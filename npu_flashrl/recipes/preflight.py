@@ -17,7 +17,8 @@ to stderr as ``[recipe] ERROR: ...``; the exit status is `REFUSED` (3) when anyt
 so that the shell tells a refusal from an interpreter that cannot run npu_flashrl at all.
 
 Torch-free on purpose (it runs on every --dry-run): nothing here imports npu_flashrl.config or the
-adapters.
+adapters at module level; only an existing FlashRL config file (`config_check`, read by npu_flashrl's
+own reader) or a quantized checkpoint (`quant_check`) imports them, when the launch names one.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from npu_flashrl.lines import verl as verl_lines
-from npu_flashrl.recipes import quant_check, w4a8_groups
+from npu_flashrl.recipes import config_check, quant_check, w4a8_groups
 from npu_flashrl.recipes import variables as V
 from npu_flashrl.recipes.command import Command, read_words
 from npu_flashrl.values import is_null, is_true
@@ -105,7 +106,8 @@ class Checker:
         entries = data.get("configs") if isinstance(data, dict) else None
         if isinstance(data, dict) and "fn" in data:
             entries = [data]
-        return [str(e.get("fn")) for e in entries or [] if isinstance(e, dict) and "fn" in e]
+        # FlashRL's reader: an entry without `fn` is int8; the value is read stripped
+        return [str(e.get("fn", "int8")).strip() for e in entries or [] if isinstance(e, dict)]
 
     def int8_rollout(self) -> bool:
         fns = self.flashrl_fns()
@@ -160,9 +162,16 @@ class Checker:
                 "rollout): run the bf16 recipe for a bf16 baseline, or write an INT8 config (npu-flashrl setup "
                 "--fn int8_profile_free, or set FLASHRL_CONFIG to another file)")
             return
+        of = dict(V.PRECISION_OF_FN, **{alias: "int8" for alias in PROFILE_FNS})
+        quantized = [fn for fn in fns or [] if fn != "bf16"]
+        if self.recipe and precision == "bf16" and quantized:  # the bf16 twin, handed a quantized config
+            self.problems.append(
+                f"ROLLOUT_PRECISION=bf16 but FLASHRL_CONFIG {self.flashrl_config()} has fn: {quantized[0]} (a "
+                f"{of.get(quantized[0], quantized[0])} rollout under the bf16 name): run the recipe of that "
+                "precision, or give the bf16 recipe a bf16 config (npu-flashrl setup --fn bf16)")
+            return
         if not (self.recipe and fns and precision in ("int8", "w4a8")):
             return
-        of = dict(V.PRECISION_OF_FN, **{alias: "int8" for alias in PROFILE_FNS})
         other = [fn for fn in fns if fn != "bf16" and of.get(fn, precision) != precision]
         if other or all(fn == "bf16" for fn in fns):
             got = other[0] if other else "bf16"
@@ -433,6 +442,12 @@ def vars_phase(environ: Mapping[str, str], features: Sequence[str]) -> Tuple[Lis
         problems.append(f"TIS_USE_POLICY_GRADIENT={pg}: {verl_lines.RELEASES[verl_lines.SERVER]} has no "
                         f"{RC}use_policy_gradient (replaced by {removed}). Fix: {TIS_RECIPE_FIX[verl_lines.SERVER]} "
                         "and leave TIS_USE_POLICY_GRADIENT unset")
+    fn, precision = environ.get("FLASHRL_FN") or "int8", environ.get("ROLLOUT_PRECISION")
+    if "entry" in features and precision and V.PRECISION_OF_FN.get(fn, precision) != precision:
+        problems.append(f"ROLLOUT_PRECISION={precision} with FLASHRL_FN={fn}: the entry sets up a "
+                        f"{V.PRECISION_OF_FN[fn]} rollout (npu-flashrl setup --fn {fn}) and would launch it under "
+                        f"the {precision} name; unset ROLLOUT_PRECISION (it follows FLASHRL_FN), or run the "
+                        f"{precision} recipe")
     if "moe" in features and "entry" in features and environ.get("FLASHRL_FN") in PROFILE_FNS:
         problems.append("FLASHRL_FN=int8: FlashRL's int8 profile has no entries for MoE experts and npu_flashrl "
                         "refuses it for a MoE model; use FLASHRL_FN=int8_profile_free (docs/moe.md)")
@@ -455,6 +470,9 @@ def launch_phase(words: Sequence[str], environ: Mapping[str, str], features: Seq
     problems += found
     notes += more
     found, more = quant_check.checkpoint_problems(checker)
+    problems += found
+    notes += more
+    found, more = config_check.problems(checker)
     problems += found
     notes += more
     problems += w4a8_groups.problems(checker)

@@ -64,11 +64,16 @@ def _entries(checker) -> List[Tuple[int, str]]:
             data.get("configs") if isinstance(data, dict) else None)
         found = []
         for i, entry in enumerate(entries or []):
-            if isinstance(entry, dict) and entry.get("fn") == W4A8_FN:
-                size = _int(entry.get("group_size"))
-                found.append((size, f"{path}: configs[{i}].group_size") if size is not None else
-                             (_default_group_size(), f"{path}: configs[{i}] (the default group size)"))
-        return [(s, where) for s, where in found if s >= 0]  # a negative one: `setup` / `verify` name it
+            # the fn read stripped, as npu_flashrl's config reader reads it
+            if isinstance(entry, dict) and str(entry.get("fn")).strip() == W4A8_FN:
+                given = entry.get("group_size")
+                if given is None:
+                    found.append((_default_group_size(), f"{path}: configs[{i}] (the default group size)"))
+                elif _int(given) is not None and given >= 0:
+                    found.append((given, f"{path}: configs[{i}].group_size"))
+                # anything else is no group size at all: `config_check` names the key (never the
+                # default in its place)
+        return found
     env = checker.environ
     if env.get("FLASHRL_FN") != W4A8_FN and env.get("ROLLOUT_PRECISION") != "w4a8":
         return []
@@ -76,6 +81,8 @@ def _entries(checker) -> List[Tuple[int, str]]:
         key, _, value = word.partition("=")
         if key == "group_size" and value.isdigit():
             return [(int(value), f"SETUP_EXTRA={env.get('SETUP_EXTRA')}")]
+        if key == "group_size":  # no group size: `setup_extra_problem` names it
+            return []
     return [(_default_group_size(), "npu-flashrl setup's default group size (SETUP_EXTRA sets none)")]
 
 
@@ -109,6 +116,20 @@ def _dense_mlp(text: dict) -> bool:
     step = _int(text.get("decoder_sparse_step"))
     return bool(text.get("mlp_only_layers")) or (step is not None and step > 1) or \
         bool(_int(text.get("first_k_dense_replace")))
+
+
+def setup_extra_problem(checker) -> Optional[str]:
+    """A `group_size=` in SETUP_EXTRA (what the entry passes to `npu-flashrl setup`) that is no
+    group size (not a positive integer, nor 0 for per-channel experts): setup would refuse it after
+    the dry run said nothing."""
+    extra = checker.environ.get("SETUP_EXTRA")
+    for word in str(extra or "").split():
+        key, _, value = word.partition("=")
+        if key == "group_size" and not value.isdigit():
+            return (f"SETUP_EXTRA={extra}: group_size={value}: expected a positive integer (input channels "
+                    f"per W4A8 scale group) or 0 (per-channel, W4A8 fused-MoE experts only); npu-flashrl setup "
+                    f"refuses anything else, e.g. group_size=128")
+    return None
 
 
 def row_parallel_inputs(config: dict) -> Dict[str, int]:
@@ -169,6 +190,12 @@ def problems(checker) -> List[str]:
     from a bare bf16 checkpoint. A ModelSlim checkpoint at the model path is read for its own
     group size and W4A8_DYNAMIC layers."""
     sizes = _entries(checker)
+    path = checker.flashrl_config()
+    if not (path and os.path.isfile(path)) and (checker.environ.get("FLASHRL_FN") == W4A8_FN
+                                                or checker.environ.get("ROLLOUT_PRECISION") == "w4a8"):
+        problem = setup_extra_problem(checker)
+        if problem:
+            return [problem]
     model = checker.get("actor_rollout_ref.model.path")
     if not sizes or model is None:
         return []

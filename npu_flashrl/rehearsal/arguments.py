@@ -106,7 +106,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-w4a8-error", type=_number(float, 1.0), default=None,
                    help=f"fail when the W4A8 token_mult_prob_error exceeds this; default {DEFAULT_MAX_W4A8_ERROR}")
     p.add_argument("--max-w4a8-layer-error", type=_number(float, 0.0, lo_ok=False),
-                   default=DEFAULT_MAX_W4A8_LAYER_ERROR,
+                   default=None,  # None: not given (refused without --w4a8); check_arguments fills the default
                    help="--max-layer-error for the W4A8 variant's layers; default "
                         f"{DEFAULT_MAX_W4A8_LAYER_ERROR} (int4 in groups is coarser than INT8's per-channel int8)")
     p.add_argument("--max-error", type=_number(float, 1.0), default=None,
@@ -172,6 +172,13 @@ GRPO_CHECKS = ("--grpo checks its own results (bf16 learns, int8+tis trains like
 
 def check_arguments(args) -> None:
     """Refuse option combinations and values before anything process-global happens."""
+    if not getattr(args, "w4a8", False):  # the W4A8 variant's options, without it, would be ignored
+        for attr, flag in (("group_size", "--group-size"), ("max_w4a8_error", "--max-w4a8-error"),
+                           ("max_w4a8_layer_error", "--max-w4a8-layer-error")):
+            if getattr(args, attr, None) is not None:
+                raise RehearsalError(f"{flag} {getattr(args, attr)} is the W4A8 variant's: add --w4a8, or drop it")
+    if getattr(args, "max_w4a8_layer_error", None) is None:
+        args.max_w4a8_layer_error = DEFAULT_MAX_W4A8_LAYER_ERROR
     grpo = getattr(args, "grpo", False)
     if grpo:
         for attr, (flag, _, what) in WEIGHT_PATH_ONLY.items():
@@ -208,8 +215,6 @@ def check_arguments(args) -> None:
         problem = where and output_path_problem(os.path.join(os.path.expanduser(where), "probe"))
         if problem:  # found now, not after pre-training
             raise RehearsalError(f"{flag} {where}: cannot be used as a directory ({problem})")
-    if not getattr(args, "w4a8", False) and getattr(args, "group_size", None) is not None:
-        raise RehearsalError(f"--group-size {args.group_size} is the W4A8 variant's: add --w4a8, or drop it")
     if not (args.max_layer_error > 0 and args.max_layer_error < float("inf")):
         raise RehearsalError(f"--max-layer-error must be a finite number > 0, got {args.max_layer_error}")
 

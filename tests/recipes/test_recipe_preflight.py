@@ -283,7 +283,7 @@ SERVER_REFUSALS = [
 @pytest.mark.parametrize("extra, env, needle", SERVER_REFUSALS, ids=[n for _, _, n in SERVER_REFUSALS])
 def test_server_line_refusals(tmp_path, extra, env, needle):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("configs: []\n")
+    cfg.write_text("configs:\n  - fn: int8_profile_free\n")
     found = problems([*MAIN, *extra], env={"FLASHRL_CONFIG": str(cfg), **env})
     assert len(found) == 1 and needle in found[0], found
     if "bypass" in " ".join(extra) or "loss_mode" in " ".join(extra):  # the recipe's fix is named

@@ -47,7 +47,7 @@ def _recipe_env(tmp, model_config: str, **extra) -> dict:
     for name in ("train.parquet", "test.parquet"):
         (tmp / name).write_bytes(b"")
     cfg = tmp / "flashrl.yaml"
-    cfg.write_text("configs: []\n")
+    cfg.write_text("configs:\n  - fn: int8_profile_free\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLASHRL_", "NPU_FLASHRL", "RAY_")) and k not in ("VLLM_PLUGINS", "VLLM_ASCEND_ENABLE_NZ")}
     env.update(HOME=str(tmp / "home"), MODEL_PATH=str(model), DATA_DIR=str(tmp), FLASHRL_CONFIG=str(cfg),

@@ -204,7 +204,7 @@ def test_existing_profile_and_config_are_reused(inputs):
     (run_dir / "profiles").mkdir(parents=True)
     (run_dir / "configs").mkdir(parents=True)
     (run_dir / "profiles" / "Qwen2.5-7B-Instruct.int8_profile.pt").write_bytes(b"")
-    (run_dir / "configs" / "Qwen2.5-7B-Instruct.int8.yaml").write_text("configs: []\n")
+    (run_dir / "configs" / "Qwen2.5-7B-Instruct.int8.yaml").write_text("configs:\n  - fn: int8_profile_free\n")
     proc = run(FSDP_INT8, inputs["env"], "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "npu-flashrl profile" not in proc.stdout and "npu-flashrl setup" not in proc.stdout
@@ -361,7 +361,7 @@ def test_data_prep_dry_run(tmp_path):
 def v09(inputs, tmp_path):
     """inputs plus an existing FlashRL config, for the config scripts run on their own."""
     cfg = tmp_path / "flashrl.yaml"
-    cfg.write_text("configs: []\n")
+    cfg.write_text("configs:\n  - fn: int8_profile_free\n")
     return dict(inputs, cfg=cfg, env=dict(inputs["env"], FLASHRL_CONFIG=str(cfg)))
 
 
@@ -629,7 +629,9 @@ def test_moe_preflight_accepts_what_npu_flashrl_runs(v09):
     off = (EPLB + "dynamic_eplb=False", EPLB + "num_redundant_experts=0")
     proc = run(MOE_CONFIG, v09["env"], "--dry-run", *off)
     assert proc.returncode == 0, proc.stderr
-    proc = run(MOE_BF16_CONFIG, v09["env"], "--dry-run", EPLB + "dynamic_eplb=True")
+    bf16 = v09["tmp"] / "bf16.yaml"
+    bf16.write_text("configs:\n  - fn: bf16\n")
+    proc = run(MOE_BF16_CONFIG, dict(v09["env"], FLASHRL_CONFIG=str(bf16)), "--dry-run", EPLB + "dynamic_eplb=True")
     assert proc.returncode == 0, proc.stderr
 
 

@@ -6,6 +6,7 @@ the bf16 twins differing only in the rollout's precision, the preflight refusals
 read, no verl is imported."""
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -40,7 +41,7 @@ def _overrides(stdout, entry):
 @pytest.mark.parametrize("key", list(RECIPES), ids=lambda k: "-".join(k))
 def test_dry_run_lints_against_verl_091_experimental_config(env, key):
     precision, mode = key
-    proc = run(RECIPES[key], env, "--dry-run")
+    proc = run(RECIPES[key], bf16_config(env) if precision == "bf16" else env, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     ov = _overrides(proc.stdout, ENTRY[mode])
     assert ov["actor_rollout_ref.rollout.checkpoint_engine.backend"] == "nccl"
@@ -55,12 +56,24 @@ def test_dry_run_lints_against_verl_091_experimental_config(env, key):
     assert any("rollout.n_gpus_per_node" in p for p in lint_overrides.lint(overrides, plain))
 
 
+def bf16_config(env):
+    """The bf16 twin's own FlashRL config (the preflight refuses it an INT8 one: an INT8 rollout
+    under the bf16 name)."""
+    cfg = os.path.join(os.path.dirname(env["FLASHRL_CONFIG"]), "bf16.yaml")
+    with open(cfg, "w") as f:
+        f.write("configs:\n  - fn: bf16\n")
+    return dict(env, FLASHRL_CONFIG=cfg)
+
+
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
 def test_bf16_twin_differs_only_in_precision(env, mode):
     a = _overrides(run(RECIPES[("int8", mode)], env, "--dry-run").stdout, ENTRY[mode])
-    b = _overrides(run(RECIPES[("bf16", mode)], env, "--dry-run").stdout, ENTRY[mode])
+    b = _overrides(run(RECIPES[("bf16", mode)], bf16_config(env), "--dry-run").stdout, ENTRY[mode])
     diff = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
-    assert diff == {"trainer.experiment_name", "trainer.default_local_dir"}, diff
+    assert diff == {"trainer.experiment_name", "trainer.default_local_dir",
+                    "+ray_kwargs.ray_init.runtime_env.env_vars.FLASHRL_CONFIG"}, diff
+    refused = run(RECIPES[("bf16", mode)], env, "--dry-run")  # the INT8 config under the bf16 name
+    assert refused.returncode == 1 and "ROLLOUT_PRECISION=bf16 but FLASHRL_CONFIG" in refused.stderr
 
 
 @pytest.mark.parametrize("extra_env, args, needle", [

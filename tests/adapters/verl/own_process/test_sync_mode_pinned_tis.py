@@ -43,7 +43,7 @@ def _dry_run(script, tmp_path, *extra, **env_extra):
     data = tmp_path / "train.parquet"
     data.write_text("")
     cfg = tmp_path / "flashrl.yaml"
-    cfg.write_text("configs: []\n")
+    cfg.write_text("configs:\n  - fn: int8_profile_free\n")
     env = dict(os.environ, MODEL_PATH=str(model), TRAIN_FILE=str(data), VAL_FILE=str(data),
                FLASHRL_CONFIG=str(cfg), PYTHON=sys.executable, **env_extra)
     return subprocess.run(["bash", os.path.join(RECIPES, script), "--dry-run", *extra], env=env,
