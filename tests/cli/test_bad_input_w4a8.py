@@ -188,8 +188,10 @@ def test_a_setup_extra_group_size_that_is_none_is_named_not_replaced_by_the_defa
     problems, _ = P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"SETUP_EXTRA=load_format=auto {extra}: {extra}: expected a positive integer")
-    env["SETUP_EXTRA"] = "group_size=0"  # per-channel (W4A8 experts only): no linear groups to fit here
-    assert P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")[0] == []
+    env["SETUP_EXTRA"] = "group_size=0"  # a group size (per-channel), but not for a bare bf16 checkpoint
+    problems, _ = P.launch_phase(words, env, ["entry", "any", "current"], verl_lines.SERVER, True, None, "hint")
+    assert len(problems) == 1 and problems[0].startswith("group_size 0 (SETUP_EXTRA=group_size=0) with "), problems
+    assert "bare bf16 checkpoint" in problems[0] and "expected a positive integer" not in problems[0]
 
 
 def test_a_w4a8_entrys_quantization_key_is_refused_unless_ascend():
