@@ -188,7 +188,7 @@ _EXPERT = re.compile(r"(^|\.)mlp\.experts\.\d+\.")
 def line_problems(where: str, description: dict) -> List[str]:
     """What the installed vllm-ascend line does not reload of a W4A8 description: its W4A8_DYNAMIC
     fused-MoE experts on a line whose post-processing npu_flashrl does not follow
-    (`StackLine.w4a8_moe_cast` None: v0.10.1rc1), refused at engine build otherwise (the scheme's
+    (`StackLine.w4a8_moe_cast` None: the pinned line), refused at engine build otherwise (the scheme's
     `targets`). [] where vllm-ascend is not importable (another row of `verify` says so)."""
     experts = sorted(k for k, v in description.items() if v == W4A8_DYNAMIC and isinstance(k, str)
                      and k.endswith(".weight") and _EXPERT.search(k))

@@ -22,7 +22,7 @@ staging). Not sent over the INT8 wire (`wire` None).
 Per-channel (the description's `group_size` 0, ModelSlim's per-channel W4A8 MoE recipes): one
 fp32 scale per output channel and no second level (`kernels.int4`'s per-channel rule); the
 layer's processed `w13_weight_scale` / `w2_weight_scale` are the fp32 bit patterns in int64
-([E, 2I] on 0.23, which squeezes it, [E, 1, 2I] on 0.11; [E, 1, H]), NOT rounded through fp16,
+([E, 2I] or [E, 1, 2I] as the line's post-processing leaves w13's; [E, 1, H]), NOT rounded through fp16,
 and its scale_bias stays empty (vllm-ascend registers none); the staging skips the second level
 and the commit copies what `process_scale` derives into the tensors the layer holds. The
 entry's `group_size`, when set, must be the layer's (`check_target`).
@@ -111,7 +111,7 @@ class W4A8ExpertStaging(FusedExpertStaging):
         for which, (packed, scale, bias) in derived.items():
             getattr(layer, f"{which}_weight").data.copy_(packed)
             live = getattr(layer, f"{which}_weight_scale").data
-            # per-channel, 0.23 squeezes w13's [E, 1, 2I] to [E, 2I]: the same values, its shape
+            # per-channel, some lines squeeze w13's [E, 1, 2I] to [E, 2I]: the same values, the live shape
             live.copy_(scale.reshape(live.shape))
             if bias is not None:  # per-channel: no scale_bias (the layer's stays empty)
                 getattr(layer, f"{which}_scale_bias").data.copy_(bias)
