@@ -6,7 +6,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from npu_flashrl.errors import CliError
 
@@ -138,3 +138,27 @@ class RunBase:
         self.output_dir = os.path.abspath(self.args.output_dir)
         self.work = os.path.join(self.output_dir, "work")
         os.makedirs(self.work, exist_ok=True)
+
+
+def moved_since_cold(layer, tensors: Dict[str, Any], cold_ptr, cold_format: Dict[str, str]) -> List[str]:
+    """What of `layer` is no longer where the cold load left it: each of its checked `tensors`
+    whose data pointer changed, and each attribute of `cold_format` ({name: storage format at the
+    cold load}: a linear layer's weight, a fused-MoE layer's w13 / w2) whose storage format did."""
+    from npu_flashrl import kernels
+
+    moved = [f"{n} data_ptr" for n, t in tensors.items() if cold_ptr.get(n) not in (None, t.data_ptr())]
+    for n, fmt in cold_format.items():
+        now = kernels.storage_format(getattr(layer, n))
+        if now != fmt:
+            moved.append(f"{n} storage format ({fmt} -> {now})")
+    return moved
+
+
+def note_in_place(problems: Dict[str, Any], res: Dict[str, Any], layer, tensors: Dict[str, Any],
+                  cold_ptr, cold_format: Dict[str, str]) -> None:
+    """A layer check's in-place verdict: `res["moved"]` lists what `moved_since_cold` found,
+    and `problems["in_place"]` names it when anything moved."""
+    moved = moved_since_cold(layer, tensors, cold_ptr, cold_format)
+    if moved:
+        problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
+    res["moved"] = moved

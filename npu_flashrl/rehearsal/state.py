@@ -42,6 +42,7 @@ import torch
 
 from npu_flashrl.kernels.conformance import INT8_ABS_TOL
 from npu_flashrl.rehearsal.common import DEFAULT_MAX_LAYER_ERROR, LAYER_ERROR_TOKENS  # noqa: F401
+from npu_flashrl.rehearsal.common import note_in_place
 
 TIE_BAND = 1e-4  # |w/scale - (k + 0.5)| reported as a tie: ~13 fp32 ulps at |w/scale| = 127
 NPU_MAX_TIE_FRACTION = 1e-3
@@ -77,28 +78,6 @@ def linear_layers(model, targets: Dict[str, Any]) -> List[_Layer]:
         static = hasattr(layer, "deq_scale") and hasattr(layer, "input_scale")
         out.append(_Layer(path, short, layer, shards, static))
     return out
-
-
-def moved_since_cold(layer, tensors: Dict[str, Any], cold_ptr, cold_format) -> List[str]:
-    """What of `layer` is no longer where the cold load left it: each of its checked `tensors`
-    whose data pointer changed, and the weight's storage format."""
-    from npu_flashrl import kernels
-
-    moved = [f"{n} data_ptr" for n, t in tensors.items() if cold_ptr.get(n) not in (None, t.data_ptr())]
-    fmt = kernels.storage_format(layer.weight)
-    if fmt != cold_format:
-        moved.append(f"weight storage format ({cold_format} -> {fmt})")
-    return moved
-
-
-def note_in_place(problems: Dict[str, Any], res: Dict[str, Any], layer, tensors: Dict[str, Any],
-                  cold_ptr, cold_format) -> None:
-    """A layer check's in-place verdict: `res["moved"]` lists what `moved_since_cold` found,
-    and `problems["in_place"]` names it when anything moved."""
-    moved = moved_since_cold(layer, tensors, cold_ptr, cold_format)
-    if moved:
-        problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
-    res["moved"] = moved
 
 
 def layer_output(layer, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +134,7 @@ class Int8StateCheck:
         # on the freed address (the caching allocator reuses blocks) and so pass the pointer check.
         # Written in place, they share the live storage: no extra memory.
         self._cold_refs = {l.path: {n: t.data for n, t in _tensors(l.layer).items()} for l in self.layers}
-        self.cold_format = {l.path: kernels.storage_format(l.layer.weight) for l in self.layers}
+        self.cold_format = {l.path: {"weight": kernels.storage_format(l.layer.weight)} for l in self.layers}
         self.cold_scale = {l.path: _host(l.layer.weight_scale).flatten().float() for l in self.layers}
         gen = torch.Generator().manual_seed(seed + 4242)
         self.acts = {}

@@ -33,6 +33,7 @@ import torch
 
 from npu_flashrl.kernels.conformance import INT8_ABS_TOL
 from npu_flashrl.rehearsal.common import LAYER_ERROR_TOKENS
+from npu_flashrl.rehearsal.common import note_in_place
 
 MOE_TENSORS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_weight_offset",
                "w2_weight_offset", "w13_weight_scale_fp32", "fused_w1_scale", "fused_w2_scale")
@@ -152,16 +153,7 @@ class ExpertLayerCheck:
                                  f"{torch.finfo(sdt).eps:.3g}, one {str(sdt).replace('torch.', '')} ulp; "
                                  f"in expert {_names(bad_scale)})")
         problems["derived"] = self._derived(s13, s2)
-        moved = [f"{n} data_ptr" for n, t in _tensors(layer).items() if self.cold_ptr.get(n) not in (None, t.data_ptr())]
-        from npu_flashrl import kernels
-
-        for n, fmt in self.cold_format.items():
-            now = kernels.storage_format(getattr(layer, n))
-            if now != fmt:
-                moved.append(f"{n} storage format ({fmt} -> {now})")
-        if moved:
-            problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
-        res["moved"] = moved
+        note_in_place(problems, res, layer, _tensors(layer), self.cold_ptr, self.cold_format)
         res.update(self._output(weights))
         return res
 

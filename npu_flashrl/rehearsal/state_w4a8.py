@@ -83,7 +83,7 @@ class W4A8StateCheck:
         self.cold_ptr = {l.path: {n: t.data_ptr() for n, t in _tensors(l.layer).items()} for l in self.layers}
         # kept alive: a re-allocating loader cannot land its new tensor on a freed cold address
         self._cold_refs = {l.path: {n: t.data for n, t in _tensors(l.layer).items()} for l in self.layers}
-        self.cold_format = {l.path: kernels.storage_format(l.layer.weight) for l in self.layers}
+        self.cold_format = {l.path: {"weight": kernels.storage_format(l.layer.weight)} for l in self.layers}
         gen = torch.Generator().manual_seed(seed + 4242)
         self.acts = {l.path: torch.randn(LAYER_ERROR_TOKENS, l.layer.weight.shape[0], generator=gen
                                          ).to(model_dtype) for l in self.layers}

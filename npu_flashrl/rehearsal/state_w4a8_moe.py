@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from npu_flashrl.rehearsal.common import note_in_place
 from npu_flashrl.rehearsal.state_moe import ExpertLayerCheck, _host
 
 W4A8_MOE_TENSORS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_scale_bias",
@@ -103,7 +104,6 @@ class W4A8ExpertLayerCheck(ExpertLayerCheck):
 
     def check(self, weights: Dict[str, torch.Tensor], step: int, problems: Dict[str, Optional[str]],
               *_unused) -> Dict[str, Any]:
-        from npu_flashrl import kernels
         from npu_flashrl.kernels import int4, reference
 
         layer = self.layer
@@ -158,14 +158,7 @@ class W4A8ExpertLayerCheck(ExpertLayerCheck):
                                  f"fresh W4A8 load (up to {scale_rel:.3g} relative) in expert "
                                  f"{', '.join(map(str, sorted(bad_s)))}")
         problems["derived"] = "; ".join(bad_d) or None
-        moved = [f"{n} data_ptr" for n, t in _tensors(layer).items() if self.cold_ptr.get(n) not in (None, t.data_ptr())]
-        for n, fmt in self.cold_format.items():
-            now = kernels.storage_format(getattr(layer, n))
-            if now != fmt:
-                moved.append(f"{n} storage format ({fmt} -> {now})")
-        if moved:
-            problems["in_place"] = f"not written in place: {', '.join(moved)} changed since the cold load"
-        res["moved"] = moved
+        note_in_place(problems, res, layer, _tensors(layer), self.cold_ptr, self.cold_format)
         res.update(self._output(weights, deq))
         res.setdefault("forward_rel_error", float("nan"))
         fwd = res.get("forward_rel_error", float("nan"))
