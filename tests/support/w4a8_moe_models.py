@@ -24,6 +24,20 @@ OVERRIDES = dict(hidden_size=HIDDEN, moe_intermediate_size=MOE_I, head_dim=64, n
                  num_key_value_heads=2, num_experts=EXPERTS, num_hidden_layers=LAYERS)
 
 
+def require_w4a8_moe_reload() -> None:
+    """Prepares the CPU vLLM process; skips the test on a line whose vllm-ascend has no
+    W4A8_DYNAMIC fused-MoE method, or one npu_flashrl does not reload (`w4a8_moe_cast` None)."""
+    import pytest
+
+    from npu_flashrl import lines
+    from npu_flashrl.sim.cpu_vllm import prepare_process
+
+    prepare_process()
+    ln = lines.current()
+    if ln.method_class("W4A8_DYNAMIC", "moe") is None or ln.w4a8_moe_cast is None:
+        pytest.skip(f"vllm-ascend {ln.vllm_ascend}: no W4A8_DYNAMIC fused-MoE reload on this line")
+
+
 def build_pair(root: str, seed: int, group_size: int = GROUP,
                experts_only: Optional[bool] = None, mixed: bool = False) -> Tuple[str, str]:
     """(bf16 dir, ModelSlim W4A8_DYNAMIC dir) of one random tiny Qwen3-MoE. `group_size` 0: the

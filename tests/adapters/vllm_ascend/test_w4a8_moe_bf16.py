@@ -28,7 +28,7 @@ from npu_flashrl.sim.sync import post_sync, ptrs, random_buckets, state
 from npu_flashrl.sim.tiny_models import trainer_weights
 
 from helpers import assert_equal_states
-from w4a8_moe_models import GROUP, build_pair
+from w4a8_moe_models import GROUP, build_pair, require_w4a8_moe_reload
 
 pytestmark = pytest.mark.every_line
 W4A8_FN = "w4a8_profile_free"
@@ -39,12 +39,7 @@ def ckpts(va, tmp_path_factory):
     """{seed: (bf16 dir, HF bf16 model, fresh load's state of its ModelSlim W4A8 twin)}."""
     from transformers import AutoModelForCausalLM
 
-    from npu_flashrl import lines
-
-    cpu_vllm.prepare_process()
-    ln = lines.current()
-    if ln.method_class("W4A8_DYNAMIC", "moe") is None or ln.w4a8_moe_cast is None:
-        pytest.skip(f"vllm-ascend {ln.vllm_ascend}: no W4A8_DYNAMIC fused-MoE reload on this line")
+    require_w4a8_moe_reload()
     root = str(tmp_path_factory.mktemp("w4a8_moe_bf16"))
     out = {}
     for seed in (0, 1):

@@ -32,7 +32,7 @@ from npu_flashrl.sim.sync import BucketBuffer, bucket_bytes, post_sync, ptrs, ra
 from npu_flashrl.sim.tiny_models import trainer_weights
 
 from helpers import assert_equal_states, fresh_w4a8_state
-from w4a8_moe_models import GROUP, HIDDEN, MOE_I, build_pair
+from w4a8_moe_models import GROUP, HIDDEN, MOE_I, build_pair, require_w4a8_moe_reload
 
 pytestmark = pytest.mark.every_line
 W4A8_FN = "w4a8_profile_free"
@@ -44,12 +44,7 @@ def ckpts(request, va, tmp_path_factory):
     size."""
     from transformers import AutoModelForCausalLM
 
-    from npu_flashrl import lines
-
-    cpu_vllm.prepare_process()
-    ln = lines.current()
-    if ln.method_class("W4A8_DYNAMIC", "moe") is None or ln.w4a8_moe_cast is None:
-        pytest.skip(f"vllm-ascend {ln.vllm_ascend}: no W4A8_DYNAMIC fused-MoE reload on this line")
+    require_w4a8_moe_reload()
     root = str(tmp_path_factory.mktemp(f"w4a8_mixed_{request.param}"))
     out = {}
     for seed in (0, 1):

@@ -23,7 +23,7 @@ import torch
 
 from npu_flashrl.sim import cpu_vllm
 
-from w4a8_moe_models import EXPERTS, GROUP, build_pair
+from w4a8_moe_models import EXPERTS, GROUP, build_pair, require_w4a8_moe_reload
 
 pytestmark = pytest.mark.every_line
 W4A8_FN = "w4a8_profile_free"
@@ -73,11 +73,7 @@ def _worker(rank, port, ms0, ms1, bf16_1, out_dir, expert_parallel):
 def test_each_rank_equals_a_fresh_load_after_a_sync(va, tmp_path, expert_parallel, group_size):
     import torch.multiprocessing as mp
 
-    from npu_flashrl import lines
-
-    ln = lines.current()
-    if ln.method_class("W4A8_DYNAMIC", "moe") is None or ln.w4a8_moe_cast is None:
-        pytest.skip(f"vllm-ascend {ln.vllm_ascend}: no W4A8_DYNAMIC fused-MoE reload on this line")
+    require_w4a8_moe_reload()  # the process is prepared already (va)
     root = str(tmp_path / "ckpts")
     # the experts only: the attention's o_proj has 128 input channels per rank at TP 2, which
     # the W4A8 linear layers' group size 256 does not divide

@@ -27,7 +27,8 @@ from npu_flashrl.sim.sync import BucketBuffer, bucket_bytes, post_sync, ptrs, ra
 from npu_flashrl.sim.tiny_models import trainer_weights
 
 from helpers import assert_equal_states
-from w4a8_moe_models import EXPERTS, HIDDEN, LAYERS, MOE_I, build_pair, expert_weights
+from w4a8_moe_models import (EXPERTS, HIDDEN, LAYERS, MOE_I, build_pair, expert_weights,
+                             require_w4a8_moe_reload)
 
 pytestmark = pytest.mark.every_line
 W4A8_FN = "w4a8_profile_free"
@@ -38,12 +39,7 @@ def ckpts(va, tmp_path_factory):
     """{seed: (bf16 dir, per-channel ModelSlim W4A8 dir, HF bf16 model, fresh load's state)}."""
     from transformers import AutoModelForCausalLM
 
-    from npu_flashrl import lines
-
-    cpu_vllm.prepare_process()
-    ln = lines.current()
-    if ln.method_class("W4A8_DYNAMIC", "moe") is None or ln.w4a8_moe_cast is None:
-        pytest.skip(f"vllm-ascend {ln.vllm_ascend}: no W4A8_DYNAMIC fused-MoE reload on this line")
+    require_w4a8_moe_reload()
     root = str(tmp_path_factory.mktemp("w4a8_moe_pc"))
     out = {}
     for seed in (0, 1):
