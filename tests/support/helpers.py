@@ -200,3 +200,42 @@ def needs_grpo_line():
         line = None
     return pytest.mark.skipif(line not in ("0.23.0", "0.11.0"),
                               reason="rehearse --grpo is verified on the current and 0.11 lines only")
+
+
+def verl_npu_fused_moe(monkeypatch):
+    """(vLLM's FusedMoE class with its bare weight_loader, verl's `npu_vllm_patch` module) for a
+    test of verl 0.9's NPU FusedMoE weight-loader wrapper; skips where verl has none. Importing
+    `verl.utils.vllm` runs verl's NPU patches process-wide (FusedMoE.weight_loader,
+    ApplyRotaryEmb.__init__): both are restored after the test (a later model of this process
+    loaded through the wrapper gets its square experts transposed)."""
+    import pytest
+    from packaging.version import Version
+
+    from npu_flashrl.pins import installed_version
+
+    verl_version, _ = installed_version(["verl"])
+    # read from the metadata first: importing verl 0.6 here would make the verl 51d2104 tests of
+    # this process skip (one process holds one verl)
+    if verl_version is None or Version(verl_version) < Version("0.8"):
+        pytest.skip(f"verl {verl_version or '(source tree)'} has no NPU FusedMoE weight-loader "
+                    "wrapper (verl 0.9.1's verl/utils/vllm/npu_vllm_patch.py)")
+    FusedMoE = pytest.importorskip("vllm.model_executor.layers.fused_moe").FusedMoE
+    if isinstance(FusedMoE, type):
+        monkeypatch.setattr(FusedMoE, "weight_loader", FusedMoE.weight_loader)
+    try:
+        from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(ApplyRotaryEmb, "__init__", ApplyRotaryEmb.__init__)
+    try:
+        npu_patch = __import__("verl.utils.vllm.npu_vllm_patch", fromlist=["_"])
+    except ImportError as exc:
+        pytest.skip(f"verl's NPU vLLM patches do not import on this stack: {exc}")
+    if not hasattr(npu_patch, "_patch_legacy_fused_moe_weight_loader"):
+        pytest.skip("this verl has no FusedMoE weight-loader wrapper")
+    loader = FusedMoE.weight_loader
+    while getattr(loader, "_verl_npu_weight_loader_patched", False):
+        loader = loader.__wrapped__  # importing verl.utils.vllm may have installed it already
+    FusedMoE.weight_loader = loader  # unwrapped now; the original is restored after the test
+    return FusedMoE, npu_patch

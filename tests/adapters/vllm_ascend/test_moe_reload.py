@@ -22,7 +22,7 @@ from npu_flashrl.sim.sync import (BucketBuffer, assert_same_state, bucket_bytes,
                                       ptrs, random_buckets, state)
 from npu_flashrl.sim.tiny_models import build_tiny_qwen3_moe, trainer_weights
 
-from helpers import build, deliver_spread_experts, fresh_states, layerwise_reload
+from helpers import build, deliver_spread_experts, fresh_states, layerwise_reload, verl_npu_fused_moe
 
 pytestmark = pytest.mark.every_line
 
@@ -394,41 +394,7 @@ def test_verl_npu_transpose_wrapper_does_not_misplace_square_experts(va, tmp_pat
     staging: the in-place reload steps around it. verl's own wrapper, installed by verl's own
     function after the engine was built (the wrapper misreads such a model's cold load as well:
     verl's, not a path of npu_flashrl's)."""
-    from packaging.version import Version
-
-    from npu_flashrl.pins import installed_version
-
-    verl_version, _ = installed_version(["verl"])
-    # read from the metadata first: importing verl 0.6 here would make the verl 51d2104 tests of
-    # this process skip (one process holds one verl)
-    if verl_version is None or Version(verl_version) < Version("0.8"):
-        pytest.skip(f"verl {verl_version or '(source tree)'} has no NPU FusedMoE weight-loader "
-                    "wrapper (verl 0.9.1's verl/utils/vllm/npu_vllm_patch.py)")
-    fused_moe = pytest.importorskip("vllm.model_executor.layers.fused_moe")
-    FusedMoE = fused_moe.FusedMoE
-    # The first import of verl.utils.vllm runs verl's `apply_npu_vllm_patches` (torch.npu is the
-    # emulation's here): it wraps FusedMoE.weight_loader and replaces ApplyRotaryEmb.__init__,
-    # process-wide. Restore both as they were before the import: a later model of this process
-    # loaded through verl's wrapper gets its square experts transposed (a W4A8 Qwen3-MoE with
-    # hidden == moe_intermediate: its w2 is written transposed by every cold load).
-    if isinstance(FusedMoE, type):
-        monkeypatch.setattr(FusedMoE, "weight_loader", FusedMoE.weight_loader)
-    try:
-        from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
-    except ImportError:
-        pass
-    else:
-        monkeypatch.setattr(ApplyRotaryEmb, "__init__", ApplyRotaryEmb.__init__)
-    try:
-        npu_patch = __import__("verl.utils.vllm.npu_vllm_patch", fromlist=["_"])
-    except ImportError as exc:
-        pytest.skip(f"verl's NPU vLLM patches do not import on this stack: {exc}")
-    if not hasattr(npu_patch, "_patch_legacy_fused_moe_weight_loader"):
-        pytest.skip("this verl has no FusedMoE weight-loader wrapper")
-    loader = FusedMoE.weight_loader
-    while getattr(loader, "_verl_npu_weight_loader_patched", False):
-        loader = loader.__wrapped__  # importing verl.utils.vllm may have installed it already
-    FusedMoE.weight_loader = loader  # unwrapped now; the original is restored afterwards (above)
+    FusedMoE, npu_patch = verl_npu_fused_moe(monkeypatch)
     dirs, models = [], []
     for seed in (0, 1):  # hidden 128 = 2 x moe_intermediate 64
         d = str(tmp_path / f"sq{seed}")

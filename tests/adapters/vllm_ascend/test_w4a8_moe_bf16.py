@@ -27,7 +27,7 @@ from npu_flashrl.sim import cpu_vllm
 from npu_flashrl.sim.sync import post_sync, ptrs, random_buckets, state
 from npu_flashrl.sim.tiny_models import trainer_weights
 
-from helpers import assert_equal_states
+from helpers import assert_equal_states, verl_npu_fused_moe
 from w4a8_moe_models import GROUP, build_pair, require_w4a8_moe_reload
 
 pytestmark = pytest.mark.every_line
@@ -83,35 +83,7 @@ def test_bare_bf16_cold_load_then_every_sync_equals_a_fresh_w4a8_moe_load(va, ck
 
 
 def test_syncs_are_right_with_verls_npu_fused_moe_loader_wrapper_in_place(va, ckpts, monkeypatch):
-    from packaging.version import Version
-
-    from npu_flashrl.pins import installed_version
-
-    verl_version, _ = installed_version(["verl"])
-    if verl_version is None or Version(verl_version) < Version("0.8"):
-        pytest.skip(f"verl {verl_version or '(source tree)'} has no NPU FusedMoE weight-loader "
-                    "wrapper (verl 0.9.1's verl/utils/vllm/npu_vllm_patch.py)")
-    from vllm.model_executor.layers.fused_moe import FusedMoE
-
-    # importing verl.utils.vllm runs verl's NPU patches process-wide (FusedMoE.weight_loader,
-    # ApplyRotaryEmb.__init__): restored as they were after this test
-    monkeypatch.setattr(FusedMoE, "weight_loader", FusedMoE.weight_loader)
-    try:
-        from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
-    except ImportError:
-        pass
-    else:
-        monkeypatch.setattr(ApplyRotaryEmb, "__init__", ApplyRotaryEmb.__init__)
-    try:
-        npu_patch = __import__("verl.utils.vllm.npu_vllm_patch", fromlist=["_"])
-    except ImportError as exc:
-        pytest.skip(f"verl's NPU vLLM patches do not import on this stack: {exc}")
-    if not hasattr(npu_patch, "_patch_legacy_fused_moe_weight_loader"):
-        pytest.skip("this verl has no FusedMoE weight-loader wrapper")
-    loader = FusedMoE.weight_loader
-    while getattr(loader, "_verl_npu_weight_loader_patched", False):
-        loader = loader.__wrapped__  # the import may have installed it already
-    FusedMoE.weight_loader = loader  # the cold load without it (verl's wrapper misreads that too)
+    FusedMoE, npu_patch = verl_npu_fused_moe(monkeypatch)  # the cold load without the wrapper
     (bf16_0, hf0, want0), (_, hf1, want1) = ckpts[0], ckpts[1]
     with policy(bf16_0) as v:
         assert_equal_states(state(v.model), want0)
